@@ -1,0 +1,538 @@
+"""Manifest wire format v1 (design §3): parse strictly, serialise exactly.
+
+The wire form is plain JSON; the model is frozen dataclasses. ``parse_manifest`` reports every
+structural problem it finds (unknown keys, wrong types, versions) in one ``ManifestError``.
+Semantic checks (coverage, overlaps, bounds, paths) live in ``validate.py``.
+
+No I/O except ``load_manifest`` / ``save_manifest``; no MPI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, TypedDict
+
+from .box import Box
+from .dtypes import DTYPES, DType
+from .errors import ManifestError, ShardNotFoundError
+
+__all__ = [
+    "FORMAT",
+    "FORMAT_VERSION",
+    "Source",
+    "Chunk",
+    "ArraySpec",
+    "TensorSpec",
+    "Manifest",
+    "parse_manifest",
+    "loads_manifest",
+    "load_manifest",
+    "save_manifest",
+    "dumps_manifest",
+    "atomic_write_bytes",
+]
+
+FORMAT = "shardstream.manifest"
+FORMAT_VERSION = 1
+MAX_MANIFEST_BYTES = 2 << 30  # refuse to json-parse more than 2 GiB
+INT64_MAX = (1 << 63) - 1
+
+
+class RegionDict(TypedDict):
+    offsets: list[int]
+    sizes: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    """Where a chunk's bytes live on each holder. Every field is optional on the wire."""
+
+    tensor: str | None = None
+    offsets: tuple[int, ...] | None = None
+    file: str | None = None
+    byte_range: tuple[int, int] | None = None
+    stored_shape: tuple[int, ...] | None = None
+    checksum: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {}
+        if self.tensor is not None:
+            d["tensor"] = self.tensor
+        if self.offsets is not None:
+            d["offsets"] = list(self.offsets)
+        if self.file is not None:
+            d["file"] = self.file
+        if self.byte_range is not None:
+            d["byte_range"] = list(self.byte_range)
+        if self.stored_shape is not None:
+            d["stored_shape"] = list(self.stored_shape)
+        if self.checksum is not None:
+            d["checksum"] = self.checksum
+        return d
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    region: Box
+    holders: tuple[int, ...]
+    source: Source | None = None
+
+    def tensor(self, fqn: str) -> str:
+        """Local tensor name on the holders (default: the array's own name)."""
+        return self.source.tensor if self.source and self.source.tensor is not None else fqn
+
+    @property
+    def local_offsets(self) -> tuple[int, ...]:
+        if self.source and self.source.offsets is not None:
+            return self.source.offsets
+        return (0,) * self.region.ndim
+
+    @property
+    def local_box(self) -> Box:
+        """The region's place inside its local tensor."""
+        return Box(self.local_offsets, self.region.sizes)
+
+    def file_for(self, rank: int) -> str | None:
+        """The file holding this chunk's copy on ``rank`` (``{rank}`` patterns expanded)."""
+        f = self.source.file if self.source else None
+        if f is None or "{" not in f:
+            return f
+        return f.format(rank=rank)
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "region": {"offsets": list(self.region.offsets), "sizes": list(self.region.sizes)},
+            "holders": list(self.holders),
+        }
+        if self.source is not None:
+            d["source"] = self.source.to_dict()
+        return d
+
+
+@dataclass(frozen=True, slots=True)
+class ArraySpec:
+    shape: tuple[int, ...]
+    data_type: str
+    chunks: tuple[Chunk, ...]
+
+    @property
+    def dtype(self) -> DType:
+        return DTYPES[self.data_type]
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for s in self.shape:
+            n *= s
+        return n
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"shape": list(self.shape), "data_type": self.data_type,
+                "chunks": [c.to_dict() for c in self.chunks]}
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """Declared shape/dtype of a local tensor (``tensors`` section)."""
+
+    shape: tuple[int, ...]
+    data_type: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"shape": list(self.shape), "data_type": self.data_type}
+
+
+@dataclass(frozen=True)
+class Manifest:
+    world_size: int
+    arrays: Mapping[str, ArraySpec]
+    name: str | None = None
+    mesh: Mapping[str, Any] | None = None
+    topology: Mapping[str, Any] | None = None
+    partial: bool = False
+    tensors: Mapping[int, Mapping[str, TensorSpec]] = field(default_factory=dict)
+    #: directory that relative ``source.file`` paths resolve against (not serialised)
+    base_dir: Path | None = None
+
+    @property
+    def domain_size(self) -> int | None:
+        if self.topology and "domain_size" in self.topology:
+            return int(self.topology["domain_size"])
+        return None
+
+    def iter_chunks(self) -> Iterator[tuple[str, ArraySpec, Chunk]]:
+        for fqn, spec in self.arrays.items():
+            for c in spec.chunks:
+                yield fqn, spec, c
+
+    def local_tensors(self, rank: int) -> dict[str, TensorSpec]:
+        """Shape and dtype of every local tensor on ``rank``: declared in ``tensors``, else the
+        per-dim maximum of ``offsets + sizes`` over the chunks that name it (design §3)."""
+        out: dict[str, TensorSpec] = {}
+        stops: dict[str, list[int]] = {}
+        dts: dict[str, str] = {}
+        for fqn, spec, c in self.iter_chunks():
+            if rank not in c.holders:
+                continue
+            t = c.tensor(fqn)
+            st = c.local_box.stops
+            cur = stops.get(t)
+            if cur is None:
+                stops[t] = list(st)
+                dts[t] = spec.data_type
+            elif len(cur) == len(st):
+                for i, v in enumerate(st):
+                    if v > cur[i]:
+                        cur[i] = v
+        for t, st in stops.items():
+            out[t] = TensorSpec(tuple(st), dts[t])
+        for t, ts in self.tensors.get(rank, {}).items():
+            out[t] = ts
+        return out
+
+    def ranks_holding(self) -> list[int]:
+        s: set[int] = set()
+        for _, _, c in self.iter_chunks():
+            s.update(c.holders)
+        return sorted(s)
+
+    def with_arrays(self, arrays: Mapping[str, ArraySpec]) -> Manifest:
+        return replace(self, arrays=dict(arrays))
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"format": FORMAT, "format_version": FORMAT_VERSION}
+        if self.name is not None:
+            d["name"] = self.name
+        d["world_size"] = self.world_size
+        if self.mesh is not None:
+            d["mesh"] = dict(self.mesh)
+        if self.topology is not None:
+            d["topology"] = dict(self.topology)
+        if self.partial:
+            d["partial"] = True
+        if self.tensors:
+            d["tensors"] = {str(r): {n: t.to_dict() for n, t in ts.items()}
+                            for r, ts in sorted(self.tensors.items())}
+        d["arrays"] = {fqn: a.to_dict() for fqn, a in self.arrays.items()}
+        return d
+
+
+# ---------------------------------------------------------------- parsing
+
+_TOP_KEYS = {"format", "format_version", "name", "world_size", "mesh", "topology", "partial",
+             "tensors", "arrays"}
+_ARRAY_KEYS = {"shape", "data_type", "chunks"}
+_CHUNK_KEYS = {"region", "holders", "source"}
+_REGION_KEYS = {"offsets", "sizes"}
+_SOURCE_KEYS = {"tensor", "offsets", "file", "byte_range", "stored_shape", "checksum"}
+_TOPOLOGY_KEYS = {"domain_size"}
+_MESH_KEYS = {"axes", "shape"}
+_TENSOR_KEYS = {"shape", "data_type"}
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+class _Parser:
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self.problems: list[str] = []
+
+    def bad(self, ctx: str, msg: str) -> None:
+        self.problems.append(f"{self.where}: {ctx}: {msg}" if ctx else f"{self.where}: {msg}")
+
+    def keys(self, obj: Mapping[str, Any], allowed: set[str], ctx: str) -> None:
+        for k in obj:
+            if k not in allowed:
+                self.bad(ctx, f"unknown key {k!r} (allowed: {', '.join(sorted(allowed))})")
+
+    def ints(self, v: object, ctx: str, what: str, *, ndim: int | None = None,
+             nonneg: bool = True) -> tuple[int, ...] | None:
+        if not isinstance(v, list) or not all(_is_int(x) for x in v):
+            self.bad(ctx, f"{what} must be a list of integers, got {_short(v)}")
+            return None
+        if ndim is not None and len(v) != ndim:
+            self.bad(ctx, f"{what} has {len(v)} entries, expected {ndim} (one per dim)")
+            return None
+        if nonneg and any(x < 0 for x in v):
+            self.bad(ctx, f"{what} must be non-negative, got {v}")
+            return None
+        if any(x > INT64_MAX for x in v):
+            self.bad(ctx, f"{what} entry exceeds int64, got {_short(v)}")
+            return None
+        return tuple(v)
+
+    def source(self, v: object, ctx: str, ndim: int) -> Source | None:
+        if not isinstance(v, dict):
+            self.bad(ctx, f"source must be an object, got {_short(v)}")
+            return None
+        self.keys(v, _SOURCE_KEYS, ctx + ".source")
+        tensor = v.get("tensor")
+        if tensor is not None and not isinstance(tensor, str):
+            self.bad(ctx, f"source.tensor must be a string, got {_short(tensor)}")
+            tensor = None
+        offsets = None
+        if "offsets" in v:
+            offsets = self.ints(v["offsets"], ctx, "source.offsets", ndim=ndim)
+        file = v.get("file")
+        if file is not None and (not isinstance(file, str) or not file):
+            self.bad(ctx, f"source.file must be a non-empty string, got {_short(file)}")
+            file = None
+        br = None
+        if "byte_range" in v:
+            t = self.ints(v["byte_range"], ctx, "source.byte_range", ndim=2)
+            if t is not None:
+                if t[1] < t[0]:
+                    self.bad(ctx, f"source.byte_range stop {t[1]} < start {t[0]}")
+                else:
+                    br = (t[0], t[1])
+        ss = None
+        if "stored_shape" in v:
+            ss = self.ints(v["stored_shape"], ctx, "source.stored_shape")
+        if (br is None) != (ss is None) and ("byte_range" in v) != ("stored_shape" in v):
+            self.bad(ctx, "source.byte_range and source.stored_shape must be given together")
+        ck = v.get("checksum")
+        if ck is not None and (not isinstance(ck, str) or not _valid_checksum(ck)):
+            self.bad(ctx, f"source.checksum must be 'xxh64:<hex>' or 'crc32c:<hex>', got {_short(ck)}")
+            ck = None
+        return Source(tensor=tensor, offsets=offsets, file=file, byte_range=br,
+                      stored_shape=ss, checksum=ck)
+
+    def chunk(self, v: object, ctx: str, ndim: int) -> Chunk | None:
+        if not isinstance(v, dict):
+            self.bad(ctx, f"chunk must be an object, got {_short(v)}")
+            return None
+        self.keys(v, _CHUNK_KEYS, ctx)
+        ok = True
+        region = v.get("region")
+        box = None
+        if not isinstance(region, dict):
+            self.bad(ctx, "missing or invalid 'region' (expected {\"offsets\": [...], \"sizes\": [...]})")
+            ok = False
+        else:
+            self.keys(region, _REGION_KEYS, ctx + ".region")
+            if "offsets" not in region or "sizes" not in region:
+                self.bad(ctx, "region needs both 'offsets' and 'sizes'")
+                ok = False
+            else:
+                o = self.ints(region["offsets"], ctx, "region.offsets", ndim=ndim)
+                s = self.ints(region["sizes"], ctx, "region.sizes", ndim=ndim)
+                if o is None or s is None:
+                    ok = False
+                else:
+                    box = Box(o, s)
+        holders = v.get("holders")
+        hs: tuple[int, ...] | None = None
+        if holders is None:
+            self.bad(ctx, "missing required key 'holders'")
+            ok = False
+        else:
+            hs = self.ints(holders, ctx, "holders")
+            if hs is None:
+                ok = False
+            elif not hs:
+                self.bad(ctx, "holders is empty (every chunk needs at least one rank)")
+                ok = False
+        src = None
+        if "source" in v:
+            src = self.source(v["source"], ctx, ndim)
+        if not ok or box is None or hs is None:
+            return None
+        return Chunk(box, hs, src)
+
+
+def _valid_checksum(s: str) -> bool:
+    algo, _, hexpart = s.partition(":")
+    if algo not in ("xxh64", "crc32c") or not hexpart:
+        return False
+    try:
+        int(hexpart, 16)
+    except ValueError:
+        return False
+    return True
+
+
+def _short(v: object, n: int = 60) -> str:
+    r = repr(v)
+    return r if len(r) <= n else r[: n - 3] + "..."
+
+
+def parse_manifest(obj: object, *, where: str = "<manifest>", base_dir: Path | None = None) -> Manifest:
+    """Build a Manifest from its wire form, raising ``ManifestError`` with every problem."""
+    p = _Parser(where)
+    if not isinstance(obj, dict):
+        raise ManifestError(problems=[f"{where}: top level must be a JSON object, got {type(obj).__name__}"])
+    if obj.get("format") != FORMAT:
+        p.bad("", f"'format' must be {FORMAT!r}, got {_short(obj.get('format'))}")
+    fv = obj.get("format_version")
+    if fv != FORMAT_VERSION or not _is_int(fv):
+        p.bad("", f"unsupported format_version {_short(fv)} (this shardstream reads version {FORMAT_VERSION})")
+    if p.problems:  # wrong format / version: the rest would only be noise
+        raise ManifestError(problems=p.problems)
+    p.keys(obj, _TOP_KEYS, "")
+    ws = obj.get("world_size")
+    if not _is_int(ws) or ws < 1:
+        p.bad("", f"world_size must be a positive integer, got {_short(ws)}")
+        ws = 0
+    name = obj.get("name")
+    if name is not None and not isinstance(name, str):
+        p.bad("", f"name must be a string, got {_short(name)}")
+        name = None
+    mesh = obj.get("mesh")
+    if mesh is not None:
+        if not isinstance(mesh, dict):
+            p.bad("", f"mesh must be an object, got {_short(mesh)}")
+            mesh = None
+        else:
+            p.keys(mesh, _MESH_KEYS, "mesh")
+            axes, shp = mesh.get("axes"), mesh.get("shape")
+            if not (isinstance(axes, list) and all(isinstance(a, str) for a in axes)):
+                p.bad("mesh", f"axes must be a list of strings, got {_short(axes)}")
+            if p.ints(shp, "mesh", "shape") is not None and isinstance(axes, list) and len(axes) != len(shp):
+                p.bad("mesh", f"{len(axes)} axes but {len(shp)} sizes")
+    topo = obj.get("topology")
+    if topo is not None:
+        if not isinstance(topo, dict):
+            p.bad("", f"topology must be an object, got {_short(topo)}")
+            topo = None
+        else:
+            p.keys(topo, _TOPOLOGY_KEYS, "topology")
+            dsz = topo.get("domain_size")
+            if dsz is not None and (not _is_int(dsz) or dsz < 1):
+                p.bad("topology", f"domain_size must be a positive integer, got {_short(dsz)}")
+    partial = obj.get("partial", False)
+    if not isinstance(partial, bool):
+        p.bad("", f"partial must be true or false, got {_short(partial)}")
+        partial = False
+    tensors: dict[int, dict[str, TensorSpec]] = {}
+    tv = obj.get("tensors")
+    if tv is not None:
+        if not isinstance(tv, dict):
+            p.bad("", f"tensors must be an object keyed by rank, got {_short(tv)}")
+        else:
+            for rk, ts in tv.items():
+                if not (isinstance(rk, str) and rk.isdigit()):
+                    p.bad("tensors", f"key {rk!r} is not a rank number")
+                    continue
+                if not isinstance(ts, dict):
+                    p.bad(f"tensors.{rk}", f"must be an object of local tensors, got {_short(ts)}")
+                    continue
+                m: dict[str, TensorSpec] = {}
+                for tn, t in ts.items():
+                    ctx = f"tensors.{rk}.{tn}"
+                    if not isinstance(t, dict):
+                        p.bad(ctx, f"must be an object, got {_short(t)}")
+                        continue
+                    p.keys(t, _TENSOR_KEYS, ctx)
+                    shp = p.ints(t.get("shape"), ctx, "shape")
+                    dt = t.get("data_type")
+                    if dt not in DTYPES:
+                        p.bad(ctx, f"unknown data_type {_short(dt)}")
+                        continue
+                    if shp is not None:
+                        m[tn] = TensorSpec(shp, dt)
+                tensors[int(rk)] = m
+    arrays: dict[str, ArraySpec] = {}
+    av = obj.get("arrays")
+    if not isinstance(av, dict):
+        p.bad("", f"missing or invalid 'arrays' (expected an object), got {_short(av)}")
+        av = {}
+    for fqn, a in av.items():
+        if not isinstance(a, dict):
+            p.bad(fqn, f"array must be an object, got {_short(a)}")
+            continue
+        p.keys(a, _ARRAY_KEYS, fqn)
+        miss = [k for k in ("shape", "data_type", "chunks") if k not in a]
+        if miss:
+            p.bad(fqn, f"missing required key(s) {', '.join(miss)}")
+            continue
+        shape = p.ints(a["shape"], fqn, "shape")
+        dt = a["data_type"]
+        if dt not in DTYPES:
+            p.bad(fqn, f"unknown data_type {_short(dt)} (expected one of {', '.join(DTYPES)})")
+        if shape is None:
+            continue
+        cv = a["chunks"]
+        if not isinstance(cv, list):
+            p.bad(fqn, f"chunks must be a list, got {_short(cv)}")
+            continue
+        chunks = []
+        nd = len(shape)
+        for i, c in enumerate(cv):
+            ch = p.chunk(c, f"{fqn}: chunk {i}", nd)
+            if ch is not None:
+                chunks.append(ch)
+        if dt in DTYPES:
+            arrays[fqn] = ArraySpec(shape, dt, tuple(chunks))
+    if p.problems:
+        raise ManifestError(problems=p.problems)
+    return Manifest(world_size=ws, arrays=arrays, name=name, mesh=mesh, topology=topo,
+                    partial=partial, tensors=tensors, base_dir=base_dir)
+
+
+def loads_manifest(text: str | bytes, *, where: str = "<manifest>", base_dir: Path | None = None) -> Manifest:
+    if isinstance(text, bytes):
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ManifestError(f"{where}: not UTF-8 ({e})") from e
+    try:
+        obj = json.loads(text, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as e:
+        raise ManifestError(f"{where}: not valid JSON ({e})") from e
+    return parse_manifest(obj, where=where, base_dir=base_dir)
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not valid in a manifest")
+
+
+def load_manifest(path: str | os.PathLike[str]) -> Manifest:
+    """Read a manifest file (or ``DIR/manifest.json`` when given a directory)."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "manifest.json"
+    try:
+        size = p.stat().st_size
+        if size > MAX_MANIFEST_BYTES:
+            raise ManifestError(f"{p}: manifest is {size} bytes, over the {MAX_MANIFEST_BYTES} limit")
+        data = p.read_bytes()
+    except FileNotFoundError as e:
+        raise ShardNotFoundError(f"{p}: no such manifest file") from e
+    except IsADirectoryError as e:
+        raise ShardNotFoundError(f"{p}: is a directory, not a manifest") from e
+    except OSError as e:
+        raise ManifestError(f"{p}: cannot read ({e.strerror})") from e
+    return loads_manifest(data, where=str(p), base_dir=p.parent.resolve())
+
+
+def dumps_manifest(m: Manifest) -> str:
+    return json.dumps(m.to_dict(), separators=(",", ":"), sort_keys=False) + "\n"
+
+
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
+    """Write via temp file + fsync + rename, then fsync the directory."""
+    p = Path(path)
+    tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, p)
+    try:
+        fd = os.open(p.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def save_manifest(m: Manifest, path: str | os.PathLike[str]) -> None:
+    atomic_write_bytes(path, dumps_manifest(m).encode())

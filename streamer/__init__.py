@@ -1,0 +1,6 @@
+"""shardstream planning and byte movement."""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+__all__ = ["__version__"]
