@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Set up .venv if needed, then run every test tier. Exit non-zero if any tier fails or collects
+# no tests (pytest's exit 5 must not pass silently).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/_venv.sh
+status=0
+run_tier() {
+    local name="$1"; shift
+    echo "=== tier: $name ===" >&2
+    set +e
+    python -m pytest "$@"
+    local rc=$?
+    set -e
+    if [ "$rc" -eq 5 ]; then
+        echo "tier $name collected no tests: failing" >&2
+        status=1
+    elif [ "$rc" -ne 0 ]; then
+        echo "tier $name failed (pytest exit $rc)" >&2
+        status=1
+    fi
+}
+run_tier unit tests/unit -q
+run_tier sim tests/sim -q
+run_tier mpi tests/mpi -q
+# GPU tests are collected everywhere and skip themselves without CUDA.
+run_tier gpu tests/gpu -q -rs
+exit $status

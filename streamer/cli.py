@@ -1,0 +1,364 @@
+"""``shardstream`` command line: a thin layer over the library (design §8).
+
+Exit codes: 0 success; 1 invalid input (every problem on its own line); 2 usage error;
+3 runtime failure (peer died, timeout, I/O). No traceback for bad input unless ``--debug``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from formats.errors import ShardstreamError, UsageError
+
+__all__ = ["main", "parse_size", "build_parser"]
+
+_UNITS = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "TB": 1000**4,
+          "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "TIB": 1024**4}
+
+
+def parse_size(text: str) -> int:
+    """``256MiB`` -> 268435456; ``1GB`` -> 10**9; plain integers are bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).upper() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r} (expected bytes or a number with "
+                                         "KB MB GB / KiB MiB GiB, e.g. 256MiB)")
+    v = float(m.group(1)) * _UNITS[m.group(2).upper()]
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"size {text!r} must be at least 1 byte")
+    return int(v)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+def _out(args: argparse.Namespace, obj: dict[str, Any], text: str) -> None:
+    """One JSON object on stdout with --json (human text then goes to stderr), else text."""
+    if getattr(args, "json", False):
+        print(json.dumps(obj, sort_keys=False))
+        if text:
+            print(text, file=sys.stderr)
+    else:
+        print(text)
+
+
+def _mpi_comm() -> Any:
+    """COMM_WORLD when launched under mpiexec with more than one rank, else None."""
+    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS"):
+        v = os.environ.get(var)
+        if v and v.isdigit() and int(v) > 1:
+            from mpi4py import MPI
+
+            return MPI.COMM_WORLD
+    return None
+
+
+def _load(path: str) -> Any:
+    """A manifest file, a directory with manifest.json, or a checkpoint to import on the fly."""
+    from formats.manifest import load_manifest
+
+    from .importer import import_checkpoint
+
+    p = Path(path)
+    if p.is_file() and p.suffix == ".json" and not p.name.endswith(".index.json"):
+        return load_manifest(p)
+    if p.is_dir() and (p / "manifest.json").exists():
+        return load_manifest(p / "manifest.json")
+    return import_checkpoint([p])
+
+
+# ------------------------------------------------------------------ commands
+
+def cmd_import(args: argparse.Namespace) -> int:
+    from formats.manifest import save_manifest
+
+    from .importer import import_checkpoint
+
+    out = Path(args.output)
+    m = import_checkpoint(args.paths, manifest_dir=out.parent.resolve(), name=args.name)
+    save_manifest(m, out)
+    chunks = sum(len(a.chunks) for a in m.arrays.values())
+    nbytes = sum(a.nbytes for a in m.arrays.values())
+    _out(args, {"manifest": str(out), "arrays": len(m.arrays), "chunks": chunks, "bytes": nbytes},
+         f"wrote {out}: {len(m.arrays)} arrays, {chunks} chunks, {nbytes / 1e9:.3f} GB")
+    return 0
+
+
+def cmd_layout(args: argparse.Namespace) -> int:
+    from formats.layouts import apply_layout, parse_mesh, parse_rule
+    from formats.manifest import save_manifest
+
+    if not args.like:
+        raise UsageError("layout needs --like MANIFEST (model presets come with --model/--preset)")
+    like = _load(args.like)
+    mesh = parse_mesh(args.mesh or "tp=1")
+    rules = [parse_rule(r, mesh) for r in args.rule]
+    pattern = None if args.no_files else args.file_pattern
+    m = apply_layout(like, mesh, rules, file_pattern=pattern, domain_size=args.domain_size, name=args.name)
+    from formats.validate import validate_manifest
+
+    problems = validate_manifest(m, where=args.output, check_paths=False)
+    if problems:
+        raise ShardstreamError(problems=problems)
+    save_manifest(m, args.output)
+    chunks = sum(len(a.chunks) for a in m.arrays.values())
+    _out(args, {"manifest": args.output, "world_size": m.world_size, "arrays": len(m.arrays), "chunks": chunks},
+         f"wrote {args.output}: world_size {m.world_size}, {len(m.arrays)} arrays, {chunks} chunks")
+    return 0
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from formats.manifest import load_manifest
+    from formats.validate import validate_data, validate_manifest
+
+    results = []
+    bad = 0
+    for path in args.manifests:
+        try:
+            m = load_manifest(path)
+            problems = validate_manifest(m, where=path)
+            if args.data and not problems:
+                problems = validate_data(m, where=path)
+            info = {"arrays": len(m.arrays), "chunks": sum(len(a.chunks) for a in m.arrays.values()),
+                    "world_size": m.world_size}
+        except ShardstreamError as e:
+            problems = e.problems or [str(e)]
+            info = {}
+        for p in problems:
+            print(p, file=sys.stderr)
+        bad += bool(problems)
+        results.append({"manifest": path, "ok": not problems, "problems": problems, **info})
+        if not args.json:
+            if problems:
+                print(f"FAIL {path}: {len(problems)} problem(s)")
+            else:
+                print(f"ok   {path}: {info['arrays']} arrays, {info['chunks']} chunks, world_size "
+                      f"{info['world_size']}{', data checked' if args.data else ''}")
+    if args.json:
+        print(json.dumps({"ok": bad == 0, "manifests": results}))
+    return 1 if bad else 0
+
+
+def _fmt_stats(st: dict[str, Any]) -> str:
+    def gb(k: str) -> str:
+        return f"{st[k] / 1e9:12.4f} GB"
+
+    rows = [
+        ("total (lands on destinations)", gb("total_bytes")),
+        ("moved (rank to rank)", gb("moved_bytes")),
+        ("lower bound", gb("lower_bound_bytes")),
+        ("network / local", f"{st['network_bytes'] / 1e9:.4f} / {st['local_bytes'] / 1e9:.4f} GB"),
+        ("min network", gb("min_network_bytes")),
+        ("max send / ideal", f"{st['max_send_bytes'] / 1e9:.4f} / {st['ideal_max_send_bytes'] / 1e9:.4f} GB"),
+        ("max recv", gb("max_recv_bytes")),
+        ("transfers", f"{st['transfers']:12d}"),
+        ("gather-broadcast moved", gb("broadcast_moved_bytes")),
+        ("gather-broadcast max recv", gb("broadcast_max_recv_bytes")),
+    ]
+    if st["moved_bytes"]:
+        rows.append(("broadcast / reshard bytes", f"{st['broadcast_moved_bytes'] / st['moved_bytes']:12.2f} x"))
+    return "\n".join(f"{k:32s} {v}" for k, v in rows)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    import time
+
+    from formats.validate import validate_manifest
+
+    from .plan import plan_transfers
+
+    src, dst = _load(args.src), _load(args.dst)
+    problems = validate_manifest(src, where=args.src, check_paths=False) + validate_manifest(
+        dst, where=args.dst, check_paths=False)
+    if problems:
+        raise ShardstreamError(problems=problems)
+    t0 = time.perf_counter()
+    plan = plan_transfers(src, dst, src_domain_size=args.src_domain_size, dst_domain_size=args.dst_domain_size,
+                          same_job=args.same_job, allow_extra=args.allow_extra)
+    dt = time.perf_counter() - t0
+    st = plan.stats()
+    st["plan_seconds"] = round(dt, 4)
+    st["digest"] = plan.digest()
+    _out(args, st, f"plan {args.src} -> {args.dst} ({dt:.3f} s)\n{_fmt_stats(st)}")
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from .convert import ConvertOptions, convert
+
+    if args.format != "safetensors":
+        raise UsageError(f"--format {args.format}: only safetensors output is supported in this version")
+    comm = _mpi_comm()
+    src, dst = _load(args.src), _load(args.dst)
+    opts = ConvertOptions(memory_limit=args.memory_limit, resume=args.resume, max_shard_size=args.max_shard_size,
+                          allow_extra=args.allow_extra, progress=None if not args.json else False)
+    rep = convert(src, dst, args.out, opts, comm=comm)
+    if comm is not None and comm.Get_rank() != 0:
+        return 0
+    gbps = rep.bytes_written / rep.seconds / 1e9 if rep.seconds else 0.0
+    obj = {**rep.to_dict(), "out": args.out, "gb_per_s": round(gbps, 3),
+           "moved_bytes": rep.plan_stats.get("moved_bytes")}
+    _out(args, obj, f"converted {args.src} -> {args.out}: {rep.files_written} files written, "
+                    f"{rep.files_skipped} reused, {rep.bytes_written / 1e9:.3f} GB written, "
+                    f"{rep.bytes_read / 1e9:.3f} GB read in {rep.reads} reads, {rep.seconds:.2f} s "
+                    f"({gbps:.2f} GB/s, {rep.workers} worker(s))")
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    p = Path(args.path)
+    if p.is_file() and p.suffix == ".safetensors":
+        from formats.safetensors_io import read_header
+
+        h = read_header(p)
+        lines = [f"{p}: {len(h.tensors)} tensors, {h.file_size} bytes, data at offset {h.data_start}"]
+        for t in h.tensors.values():
+            lines.append(f"  {t.name:60s} {t.dtype.name:14s} {list(t.shape)!s:24s} {t.nbytes} B")
+        tensors = [{"name": t.name, "data_type": t.dtype.name, "shape": list(t.shape), "nbytes": t.nbytes,
+                    "offset": t.start} for t in h.tensors.values()]
+        _out(args, {"path": str(p), "kind": "safetensors", "tensors": tensors, "metadata": h.metadata},
+             "\n".join(lines))
+        return 0
+    m = _load(args.path)
+    per_rank: dict[int, int] = {}
+    for fqn, a, c in m.iter_chunks():
+        for h_ in c.holders:
+            per_rank[h_] = per_rank.get(h_, 0) + c.region.volume * a.dtype.itemsize
+    chunks = sum(len(a.chunks) for a in m.arrays.values())
+    nbytes = sum(a.nbytes for a in m.arrays.values())
+    lines = [f"{args.path}: manifest {m.name or ''} world_size {m.world_size}, mesh {m.mesh}, "
+             f"{len(m.arrays)} arrays, {chunks} chunks, {nbytes / 1e9:.3f} GB logical"]
+    for r in sorted(per_rank):
+        lines.append(f"  rank {r:5d}: {per_rank[r] / 1e9:.4f} GB")
+    _out(args, {"path": args.path, "kind": "manifest", "world_size": m.world_size, "arrays": len(m.arrays),
+                "chunks": chunks, "bytes": nbytes, "bytes_per_rank": {str(k): v for k, v in sorted(per_rank.items())}},
+         "\n".join(lines))
+    return 0
+
+
+def cmd_synth(args: argparse.Namespace) -> int:
+    import time
+
+    from .synth import PRESETS, qwen3_arrays, write_checkpoint
+
+    shape = PRESETS[args.preset]
+    arrays = qwen3_arrays(shape)
+    t0 = time.perf_counter()
+    files = write_checkpoint(args.out, arrays, seed=args.seed, max_shard_size=args.max_shard_size)
+    nbytes = sum(f.stat().st_size for f in files)
+    dt = time.perf_counter() - t0
+    _out(args, {"out": args.out, "files": [str(f) for f in files], "arrays": len(arrays), "bytes": nbytes},
+         f"wrote {args.out}: {args.preset}, {len(arrays)} arrays, {len(files)} file(s), {nbytes / 1e6:.1f} MB "
+         f"in {dt:.2f} s (seed {args.seed})")
+    return 0
+
+
+# ------------------------------------------------------------------ parser
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="shardstream", description="Move model weights between parallelism layouts.")
+    ap.add_argument("--debug", action="store_true", help="show Python tracebacks")
+    ap.add_argument("--version", action="version", version="shardstream 0.1.0")
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("import", help="describe an existing checkpoint as a manifest")
+    p.add_argument("paths", nargs="+", metavar="PATH")
+    p.add_argument("-o", "--output", required=True, metavar="MANIFEST")
+    p.add_argument("--name")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_import)
+
+    p = sub.add_parser("layout", help="generate a manifest from a mesh and placement rules")
+    p.add_argument("--like", metavar="MANIFEST", help="take arrays, shapes and dtypes from this manifest/checkpoint")
+    p.add_argument("--mesh", metavar="A=N,...", help="device mesh, row-major (default tp=1)")
+    p.add_argument("--rule", action="append", default=[], metavar="GLOB=PLACEMENTS",
+                   help="e.g. '*.q_proj.weight=S(0)'; one placement per mesh axis; first match wins")
+    p.add_argument("--file-pattern", default="rank-{rank:05d}.safetensors")
+    p.add_argument("--no-files", action="store_true", help="a live (in-memory) manifest: no source.file")
+    p.add_argument("--domain-size", type=_positive_int)
+    p.add_argument("--name")
+    p.add_argument("-o", "--output", required=True, metavar="MANIFEST")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_layout)
+
+    p = sub.add_parser("validate", help="check manifests (and with --data, their files)")
+    p.add_argument("manifests", nargs="+", metavar="MANIFEST")
+    p.add_argument("--data", action="store_true", help="also open the files: headers, tensors, byte ranges, checksums")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_validate)
+
+    p = sub.add_parser("plan", help="plan the transfers from SRC's layout to DST's and print the figures")
+    p.add_argument("src", metavar="SRC")
+    p.add_argument("dst", metavar="DST")
+    p.add_argument("--src-domain-size", type=_positive_int)
+    p.add_argument("--dst-domain-size", type=_positive_int)
+    p.add_argument("--same-job", action="store_true", help="rank r of both manifests is one process")
+    p.add_argument("--allow-extra", action="store_true", help="source arrays the destination lacks are dropped")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("convert", help="convert a checkpoint to another layout, with bounded memory")
+    p.add_argument("src", metavar="SRC", help="source manifest, convert output dir, or HF checkpoint")
+    p.add_argument("dst", metavar="DST", help="destination manifest (from `layout`)")
+    p.add_argument("--out", required=True, metavar="DIR")
+    p.add_argument("--format", choices=["safetensors", "zarr"], default="safetensors")
+    p.add_argument("--memory-limit", type=parse_size, default=1 << 30, metavar="SIZE")
+    p.add_argument("--max-shard-size", type=parse_size, metavar="SIZE",
+                   help="one-rank (HF) output: split files at this size and write model.safetensors.index.json")
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--allow-extra", action="store_true")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("synth", help="write a seeded synthetic HF checkpoint shaped like a Qwen3 model")
+    p.add_argument("--preset", choices=["qwen3-tiny", "qwen3-small", "qwen3-2g"], default="qwen3-small")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-shard-size", type=parse_size, metavar="SIZE")
+    p.add_argument("--out", required=True, metavar="DIR")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_synth)
+
+    p = sub.add_parser("inspect", help="summarise a safetensors file or a manifest")
+    p.add_argument("path", metavar="PATH")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_inspect)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        args = ap.parse_args(argv)
+    except SystemExit as e:
+        return int(e.code or 0)
+    debug = args.debug or os.environ.get("SHARDSTREAM_DEBUG") == "1"
+    try:
+        return int(args.func(args))
+    except ShardstreamError as e:
+        if debug:
+            raise
+        for line in e.problems or [str(e)]:
+            print(line if line.startswith(("shardstream", "/", ".")) or ": " in line else f"shardstream: {line}",
+                  file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("shardstream: interrupted", file=sys.stderr)
+        return 130
+    except OSError as e:
+        if debug:
+            raise
+        print(f"shardstream: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
+        return 3

@@ -1,0 +1,530 @@
+"""Offline conversion: execute a plan with files (design §7).
+
+Every destination file is laid out first (its header follows from the destination manifest),
+then each local tensor is streamed through one bounded slab buffer: for every slab, the plan's
+transfers that land in it are read from the source files with ranged reads (only the bytes
+needed, adjacent runs coalesced) and the slab is written in place. Memory is bounded by
+``memory_limit`` whatever the model size.
+
+Output is atomic: files are written to temp names, fsynced and renamed; a completion record per
+file (``DIR/.shardstream/``) makes ``resume`` skip finished files after re-verifying their
+checksums; ``DIR/manifest.json`` is written last, so a directory with a manifest is complete.
+Under ``mpiexec -n K`` the destination files are split across K workers.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import shutil
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from formats.box import Box, contiguous_slabs
+from formats.checksum import DEFAULT_ALGO, new_hasher
+from formats.dtypes import by_name
+from formats.errors import (FormatError, OutputLockedError, ShardstreamError, UsageError,
+                            ValidationError)
+from formats.manifest import ArraySpec, Chunk, Manifest, Source, TensorSpec, atomic_write_bytes, save_manifest
+from formats.store import SourceStore
+from formats.validate import validate_manifest
+
+from .plan import Plan, Transfer, plan_transfers
+from .progress import Progress, human_bytes
+
+__all__ = ["ConvertOptions", "ConvertReport", "FileJob", "convert", "plan_files", "DEFAULT_PATTERN"]
+
+DEFAULT_PATTERN = "rank-{rank:05d}.safetensors"
+STATE_DIR = ".shardstream"
+
+
+@dataclass(frozen=True)
+class ConvertOptions:
+    """Knobs of one conversion."""
+
+    #: bytes of buffers one worker may hold (slab buffer + read buffers)
+    memory_limit: int = 1 << 30
+    #: continue an interrupted conversion, skipping files already complete and verified
+    resume: bool = False
+    #: one-rank (HF) output: split into files of at most this many bytes (None: one file)
+    max_shard_size: int | None = None
+    #: drop source arrays the destination does not list (otherwise an error)
+    allow_extra: bool = False
+    #: checksum algorithm recorded per chunk in the output manifest
+    checksum: str = DEFAULT_ALGO
+    #: show a progress bar (None: only on a terminal)
+    progress: bool | None = None
+
+
+@dataclass
+class FileJob:
+    """One destination file: its local tensors, in file order, each filled from ``rank``'s plan."""
+
+    rel: str
+    tensors: list[tuple[str, TensorSpec, int]] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        total = 0
+        for _, ts, _ in self.tensors:
+            n = by_name(ts.data_type).itemsize
+            for s in ts.shape:
+                n *= s
+            total += n
+        return total
+
+
+@dataclass
+class ConvertReport:
+    files_written: int = 0
+    files_skipped: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+    reads: int = 0
+    seconds: float = 0.0
+    workers: int = 1
+    plan_stats: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in ("files_written", "files_skipped", "bytes_written",
+                                               "bytes_read", "reads", "seconds", "workers")}
+
+
+# ------------------------------------------------------------------ destination files
+
+def _hf_files(dst: Manifest, max_shard_size: int | None) -> dict[str, str]:
+    """Tensor -> file for a one-rank output in Hugging Face style."""
+    tensors = dst.local_tensors(0)
+    if not max_shard_size:
+        return {t: "model.safetensors" for t in tensors}
+    groups: list[list[str]] = [[]]
+    size = 0
+    for t, ts in tensors.items():
+        n = by_name(ts.data_type).itemsize
+        for s in ts.shape:
+            n *= s
+        if groups[-1] and size + n > max_shard_size:
+            groups.append([])
+            size = 0
+        groups[-1].append(t)
+        size += n
+    total = len(groups)
+    out = {}
+    for i, g in enumerate(groups):
+        for t in g:
+            out[t] = f"model-{i + 1:05d}-of-{total:05d}.safetensors"
+    return out
+
+
+def plan_files(dst: Manifest, *, max_shard_size: int | None = None) -> tuple[Manifest, list[FileJob]]:
+    """Assign every destination chunk a file and list the files to write.
+
+    Chunks that name a ``source.file`` keep it; others get ``rank-{rank:05d}.safetensors`` (or HF
+    names for a one-rank destination). Returns the destination manifest with files filled in,
+    and one job per distinct output file.
+    """
+    hf = _hf_files(dst, max_shard_size) if dst.world_size == 1 else {}
+    arrays: dict[str, ArraySpec] = {}
+    for fqn, a in dst.arrays.items():
+        chunks = []
+        for c in a.chunks:
+            src = c.source or Source()
+            if src.file is None:
+                f = hf.get(c.tensor(fqn), "model.safetensors") if dst.world_size == 1 else DEFAULT_PATTERN
+                src = replace(src, file=f)
+            src = replace(src, tensor=c.tensor(fqn), offsets=c.local_offsets, byte_range=None,
+                          stored_shape=None, checksum=None)
+            chunks.append(Chunk(c.region, c.holders, src))
+        arrays[fqn] = ArraySpec(a.shape, a.data_type, tuple(chunks))
+    filled = replace(dst, arrays=arrays, base_dir=None)
+    jobs: dict[str, FileJob] = {}
+    seen: set[tuple[str, str]] = set()
+    local = {r: filled.local_tensors(r) for r in filled.ranks_holding()}
+    for fqn, a, c in filled.iter_chunks():
+        for h in c.holders:
+            rel = c.file_for(h)
+            assert rel is not None
+            t = c.tensor(fqn)
+            if (rel, t) in seen:
+                continue
+            seen.add((rel, t))
+            jobs.setdefault(rel, FileJob(rel)).tensors.append((t, local[h][t], h))
+    # padded local tensors that no chunk names are still part of the rank's file
+    return filled, sorted(jobs.values(), key=lambda j: j.rel)
+
+
+# ------------------------------------------------------------------ execution
+
+class _Writer:
+    """Fills one destination file from the plan, slab by slab."""
+
+    def __init__(self, src: Manifest, store: SourceStore, plan: Plan, dst: Manifest,
+                 opts: ConvertOptions, progress: Progress) -> None:
+        self.src = src
+        self.store = store
+        self.dst = dst
+        self.opts = opts
+        self.progress = progress
+        self.by_target: dict[tuple[int, str], list[Transfer]] = defaultdict(list)
+        for t in plan.transfers:
+            self.by_target[(plan.dst_local(t.dst_rank), t.dst_tensor)].append(t)
+        self.chunks_in: dict[tuple[int, str], list[tuple[str, int, Box]]] = defaultdict(list)
+        for fqn, a in dst.arrays.items():
+            for ci, c in enumerate(a.chunks):
+                for h in c.holders:
+                    self.chunks_in[(h, c.tensor(fqn))].append((fqn, ci, c.local_box))
+        self.slab_budget = max(1 << 16, opts.memory_limit // 4)
+        self.read_budget = max(1 << 16, opts.memory_limit // 4)
+        self._buf = np.empty(0, dtype=np.uint8)
+        self._resolved: dict[tuple[str, int, int], Any] = {}
+
+    def buffer(self, n: int) -> np.ndarray:
+        if self._buf.size < n:
+            self._buf = np.empty(n, dtype=np.uint8)
+        return self._buf[:n]
+
+    def resolve(self, t: Transfer) -> Any:
+        key = (t.fqn, t.src_chunk, t.src_rank)
+        rt = self._resolved.get(key)
+        if rt is None:
+            chunk = self.src.arrays[t.fqn].chunks[t.src_chunk]
+            rt = self.store.resolve(t.fqn, chunk, t.src_rank)
+            self._resolved[key] = rt
+        return rt
+
+    def write_file(self, out_dir: Path, job: FileJob) -> dict[str, str]:
+        from formats.safetensors_io import SafetensorsWriter
+
+        specs = [(name, by_name(ts.data_type), tuple(ts.shape)) for name, ts, _ in job.tensors]
+        path = out_dir / job.rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        checksums: dict[str, str] = {}
+        w = SafetensorsWriter(path, specs)
+        try:
+            for name, ts, rank in job.tensors:
+                checksums.update(self._fill_tensor(w, name, ts, rank))
+            w.commit()
+        except BaseException:
+            w.abort()
+            raise
+        return checksums
+
+    def _fill_tensor(self, w: Any, name: str, ts: TensorSpec, rank: int) -> dict[str, str]:
+        isz = by_name(ts.data_type).itemsize
+        shape = tuple(ts.shape)
+        transfers = self.by_target.get((rank, name), [])
+        chunks = self.chunks_in.get((rank, name), [])
+        hashers = {(fqn, ci): new_hasher(self.opts.checksum) for fqn, ci, _ in chunks}
+        volume = 1
+        for s in shape:
+            volume *= s
+        covered = sum(t.region.volume for t in transfers)
+        need_zero = covered < volume  # padding rows (vLLM vocab) that no chunk covers
+        byte_off = 0
+        for slab in contiguous_slabs(shape, isz, self.slab_budget):
+            n = slab.volume * isz
+            buf = self.buffer(n)
+            if need_zero:
+                buf[:] = 0
+            view = buf.reshape(slab.sizes + (isz,)) if slab.ndim else buf.reshape((isz,))
+            for t in transfers:
+                sub = slab.intersect(t.dst_box)
+                if sub is None or sub.empty:
+                    continue
+                rt = self.resolve(t)
+                sbox = sub.shift(tuple(so - do for so, do in zip(t.src_offsets, t.dst_offsets)))
+                if sub == slab:
+                    self.store.read(rt, sbox, buf)
+                else:
+                    tmp = self.store.read(rt, sbox)
+                    rel = sub.relative_to(slab.offsets)
+                    sl = tuple(slice(o, o + s) for o, s in zip(rel.offsets, rel.sizes))
+                    view[sl] = tmp.reshape(sub.sizes + (isz,))
+            for fqn, ci, lbox in chunks:
+                inter = slab.intersect(lbox)
+                if inter is None or inter.empty:
+                    continue
+                rel = inter.relative_to(slab.offsets)
+                sl = tuple(slice(o, o + s) for o, s in zip(rel.offsets, rel.sizes))
+                hashers[(fqn, ci)].update(np.ascontiguousarray(view[sl]))
+            w.write(name, byte_off, buf)
+            byte_off += n
+            self.progress.update(n)
+        return {f"{fqn}|{ci}": h.result() for (fqn, ci), h in hashers.items()}
+
+
+def _verify_existing(out_dir: Path, job: FileJob, record: dict[str, Any], opts: ConvertOptions,
+                     filled: Manifest) -> bool:
+    """A finished file from an earlier run is reused only if its header, size and every chunk
+    checksum still match its completion record."""
+    from formats.safetensors_io import layout_file, read_header
+
+    path = out_dir / job.rel
+    try:
+        specs = [(name, by_name(ts.data_type), tuple(ts.shape)) for name, ts, _ in job.tensors]
+        prefix, ranges = layout_file(specs)
+        if record.get("prefix_sha") != _sha(prefix):
+            return False
+        size = max((e for _, e in ranges.values()), default=len(prefix))
+        if path.stat().st_size != size:
+            return False
+        with open(path, "rb") as f:
+            if f.read(len(prefix)) != prefix:
+                return False
+        read_header(path)
+        # re-hash the chunks from the file itself
+        m = Manifest(world_size=filled.world_size, arrays=filled.arrays, base_dir=out_dir)
+        store = SourceStore(m)
+        try:
+            want = record.get("checksums", {})
+            names = {n for n, _, _ in job.tensors}
+            for fqn, a in filled.arrays.items():
+                for ci, c in enumerate(a.chunks):
+                    key = f"{fqn}|{ci}"
+                    if c.tensor(fqn) not in names or key not in want:
+                        continue
+                    holder = next(h for h in c.holders if c.file_for(h) == job.rel) if any(
+                        c.file_for(h) == job.rel for h in c.holders) else None
+                    if holder is None:
+                        continue
+                    rt = store.resolve(fqn, c, holder)
+                    h = new_hasher(want[key])
+                    for piece in contiguous_slabs(c.region.sizes, rt.dtype.itemsize, 64 << 20):
+                        h.update(store.read(rt, piece.shift(c.local_offsets)))
+                    if h.result() != want[key]:
+                        return False
+        finally:
+            store.close()
+        return True
+    except (OSError, ShardstreamError, ValueError):
+        return False
+
+
+def _sha(b: bytes) -> str:
+    import hashlib
+
+    return hashlib.sha256(b).hexdigest()
+
+
+class _Lock:
+    def __init__(self, out_dir: Path) -> None:
+        (out_dir / STATE_DIR).mkdir(parents=True, exist_ok=True)
+        self.path = out_dir / STATE_DIR / "lock"
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(self.fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise OutputLockedError(f"{out_dir}: another shardstream convert is writing this directory "
+                                        "(lock held); wait for it or choose another --out") from e
+            raise
+        os.ftruncate(self.fd, 0)
+        os.write(self.fd, f"{os.getpid()}\n".encode())
+
+    def release(self) -> None:
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+        finally:
+            os.close(self.fd)
+
+
+def _preflight(src: Manifest, dst: Manifest, plan: Plan) -> list[str]:
+    """Open every source tensor the plan reads, before anything is written."""
+    problems: list[str] = []
+    seen: set[tuple[str, int, int]] = set()
+    store = SourceStore(src)
+    try:
+        for t in plan.transfers:
+            key = (t.fqn, t.src_chunk, t.src_rank)
+            if key in seen:
+                continue
+            seen.add(key)
+            chunk = src.arrays[t.fqn].chunks[t.src_chunk]
+            try:
+                rt = store.resolve(t.fqn, chunk, t.src_rank)
+                if not chunk.local_box.fits_in(rt.shape):
+                    problems.append(f"{rt.path}: {t.fqn}: stored tensor {rt.name!r} has shape {list(rt.shape)}, "
+                                    f"too small for chunk region {chunk.region} at offsets {list(chunk.local_offsets)}")
+            except ShardstreamError as e:
+                problems.extend(e.problems or [str(e)])
+            if len(problems) > 200:
+                problems.append("... (stopping after 200 problems)")
+                break
+    finally:
+        store.close()
+    return problems
+
+
+def _assign(jobs: Sequence[FileJob], workers: int) -> list[list[FileJob]]:
+    """Largest file first onto the least loaded worker (deterministic)."""
+    loads = [0] * workers
+    share: list[list[FileJob]] = [[] for _ in range(workers)]
+    for j in sorted(jobs, key=lambda j: (-j.nbytes, j.rel)):
+        w = min(range(workers), key=lambda i: (loads[i], i))
+        loads[w] += j.nbytes
+        share[w].append(j)
+    return share
+
+
+def convert(src: Manifest, dst: Manifest, out_dir: str | os.PathLike[str], opts: ConvertOptions | None = None,
+            *, comm: Any = None, log: Any = None) -> ConvertReport:
+    """Convert the checkpoint ``src`` describes into ``dst``'s layout under ``out_dir``.
+
+    Raises ``ValidationError`` / ``PlanError`` / ``FormatError`` (nothing written) for bad input,
+    ``OutputLockedError`` when another convert holds ``out_dir``.
+    """
+    opts = opts or ConvertOptions()
+    t0 = time.perf_counter()
+    out = Path(out_dir)
+    rank = comm.Get_rank() if comm is not None else 0
+    size = comm.Get_size() if comm is not None else 1
+
+    problems = validate_manifest(src, where="SRC") + validate_manifest(dst, where="DST")
+    if problems:
+        raise ValidationError(problems=problems)
+    if any(c.source is None or c.source.file is None for _, _, c in src.iter_chunks()):
+        missing = sorted({f for f, _, c in src.iter_chunks() if c.source is None or c.source.file is None})
+        raise ValidationError(problems=[f"SRC: {f}: chunk has no source.file, so there is nothing to read "
+                                        "(describe the files with `shardstream import`)" for f in missing[:20]])
+    plan = plan_transfers(src, dst, allow_extra=opts.allow_extra)
+    filled, jobs = plan_files(dst, max_shard_size=opts.max_shard_size)
+    problems = _preflight(src, dst, plan) if rank == 0 else []
+    if comm is not None:
+        problems = comm.bcast(problems, root=0)
+    if problems:
+        raise FormatError(problems=problems)
+
+    # ---- from here on we write; bad input has been ruled out
+    lock = None
+    if rank == 0:
+        if out.exists() and not out.is_dir():
+            raise UsageError(f"{out}: --out exists and is not a directory")
+        if out.exists() and not opts.resume and any(p.name != STATE_DIR for p in out.iterdir()):
+            raise UsageError(f"{out}: output directory is not empty; pass --resume to continue an "
+                             "interrupted conversion, or choose an empty directory")
+        out.mkdir(parents=True, exist_ok=True)
+        lock = _Lock(out)
+        # the manifest goes first: from now on the directory is incomplete until we finish
+        try:
+            (out / "manifest.json").unlink()
+        except FileNotFoundError:
+            pass
+    if comm is not None:
+        comm.barrier()
+    try:
+        report = _run_jobs(src, filled, plan, out, jobs, opts, rank, size, comm)
+        if rank == 0:
+            arrays = {}
+            for fqn, a in filled.arrays.items():
+                chunks = tuple(Chunk(c.region, c.holders, replace(c.source, checksum=report_checksums(
+                    report, fqn, ci))) for ci, c in enumerate(a.chunks))
+                arrays[fqn] = ArraySpec(a.shape, a.data_type, chunks)
+            final = replace(filled, arrays=arrays)
+            if dst.world_size == 1 and opts.max_shard_size:
+                _write_index(out, final)
+            save_manifest(final, out / "manifest.json")
+        if comm is not None:
+            comm.barrier()
+    finally:
+        if lock is not None:
+            lock.release()
+    rep = report.report
+    rep.seconds = time.perf_counter() - t0
+    rep.plan_stats = plan.stats()
+    return rep
+
+
+@dataclass
+class _RunResult:
+    report: ConvertReport
+    checksums: dict[str, str]
+
+
+def report_checksums(r: _RunResult, fqn: str, ci: int) -> str | None:
+    return r.checksums.get(f"{fqn}|{ci}")
+
+
+def _run_jobs(src: Manifest, filled: Manifest, plan: Plan, out: Path, jobs: list[FileJob],
+              opts: ConvertOptions, rank: int, size: int, comm: Any) -> _RunResult:
+    mine = _assign(jobs, size)[rank]
+    rep = ConvertReport(workers=size)
+    checksums: dict[str, str] = {}
+    state = out / STATE_DIR
+    total = sum(j.nbytes for j in mine)
+    progress = Progress(total, "convert", enabled=opts.progress if rank == 0 else False)
+    error: str | None = None
+    store = SourceStore(src)
+    try:
+        writer = _Writer(src, store, plan, filled, opts, progress)
+        for job in mine:
+            rec_path = state / (job.rel.replace("/", "__") + ".done.json")
+            if opts.resume and rec_path.exists() and (out / job.rel).exists():
+                try:
+                    record = json.loads(rec_path.read_text())
+                except (OSError, ValueError):
+                    record = {}
+                if _verify_existing(out, job, record, opts, filled):
+                    checksums.update(record["checksums"])
+                    rep.files_skipped += 1
+                    progress.update(job.nbytes)
+                    continue
+            try:
+                rec_path.unlink()
+            except FileNotFoundError:
+                pass
+            cs = writer.write_file(out, job)
+            checksums.update(cs)
+            from formats.safetensors_io import layout_file
+
+            specs = [(n, by_name(ts.data_type), tuple(ts.shape)) for n, ts, _ in job.tensors]
+            prefix, _ = layout_file(specs)
+            atomic_write_bytes(rec_path, json.dumps({"file": job.rel, "prefix_sha": _sha(prefix),
+                                                     "checksums": cs}).encode())
+            rep.files_written += 1
+            rep.bytes_written += job.nbytes
+    except ShardstreamError as e:
+        if comm is None:
+            raise
+        error = "; ".join(e.problems or [str(e)])
+    finally:
+        store.close()
+        progress.close()
+    rep.bytes_read = store.stats.bytes_read
+    rep.reads = store.stats.reads
+    if comm is not None:
+        results = comm.allgather((error, rep.to_dict(), checksums))
+        errs = [f"worker {i}: {e}" for i, (e, _, _) in enumerate(results) if e]
+        if errs:
+            raise FormatError(problems=errs)
+        total_rep = ConvertReport(workers=size)
+        for _, d, cs in results:
+            for k in ("files_written", "files_skipped", "bytes_written", "bytes_read", "reads"):
+                setattr(total_rep, k, getattr(total_rep, k) + d[k])
+            checksums.update(cs)
+        rep = total_rep
+    return _RunResult(rep, checksums)
+
+
+def _write_index(out: Path, m: Manifest) -> None:
+    weight_map: dict[str, str] = {}
+    total = 0
+    for fqn, a, c in m.iter_chunks():
+        f = c.file_for(0)
+        assert f is not None
+        weight_map[c.tensor(fqn)] = f
+    for ts in m.local_tensors(0).values():
+        n = by_name(ts.data_type).itemsize
+        for s in ts.shape:
+            n *= s
+        total += n
+    data = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    atomic_write_bytes(out / "model.safetensors.index.json", (json.dumps(data, indent=2) + "\n").encode())

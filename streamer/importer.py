@@ -1,0 +1,125 @@
+"""``shardstream import``: describe an existing checkpoint as a manifest.
+
+Understands a single ``*.safetensors`` file, several of them (each tensor a whole array), an HF
+sharded checkpoint (``model.safetensors.index.json``), and a directory written by ``convert``
+(its ``manifest.json``). File paths in the manifest are relative to the manifest's directory,
+which must contain the checkpoint (design §3).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from formats.box import Box
+from formats.errors import FormatError, ManifestError, ShardNotFoundError, UsageError
+from formats.manifest import ArraySpec, Chunk, Manifest, Source, load_manifest
+
+__all__ = ["import_checkpoint", "rebase_manifest"]
+
+
+def _rel(path: Path, base: Path) -> str:
+    rel = os.path.relpath(os.path.realpath(path), os.path.realpath(base))
+    if rel == ".." or rel.startswith(".." + os.sep) or os.path.isabs(rel):
+        raise UsageError(f"{path}: the manifest must be written in the checkpoint's directory or above it "
+                         f"(file paths are relative and may not leave it); got manifest directory {base}")
+    return rel.replace(os.sep, "/")
+
+
+def _from_files(files: list[Path], base: Path, name: str | None) -> Manifest:
+    from formats.safetensors_io import read_header
+
+    arrays: dict[str, ArraySpec] = {}
+    problems: list[str] = []
+    for f in files:
+        h = read_header(f)
+        rel = _rel(f, base)
+        for tname, st in h.tensors.items():
+            if tname in arrays:
+                problems.append(f"{f}: tensor {tname!r} also appears in another file")
+                continue
+            shape = tuple(st.shape)
+            if any(s == 0 for s in shape):
+                chunks: tuple[Chunk, ...] = ()  # empty arrays have no chunks (empty regions are not listed)
+            else:
+                chunks = (Chunk(Box.whole(shape), (0,), Source(file=rel)),)
+            arrays[tname] = ArraySpec(shape, st.dtype.name, chunks)
+    if problems:
+        raise FormatError(problems=problems)
+    return Manifest(world_size=1, arrays=arrays, name=name, base_dir=base)
+
+
+def rebase_manifest(m: Manifest, new_base: Path) -> Manifest:
+    """The same manifest with ``source.file`` paths made relative to ``new_base``."""
+    from dataclasses import replace
+
+    if m.base_dir is None or os.path.realpath(m.base_dir) == os.path.realpath(new_base):
+        return replace(m, base_dir=new_base)
+    prefix = _rel(m.base_dir, new_base)
+    arrays = {}
+    for fqn, a in m.arrays.items():
+        chunks = []
+        for c in a.chunks:
+            if c.source is not None and c.source.file is not None:
+                f = c.source.file if prefix == "." else f"{prefix}/{c.source.file}"
+                c = Chunk(c.region, c.holders, replace(c.source, file=f))
+            chunks.append(c)
+        arrays[fqn] = ArraySpec(a.shape, a.data_type, tuple(chunks))
+    return replace(m, arrays=arrays, base_dir=new_base)
+
+
+def import_checkpoint(paths: list[str | os.PathLike[str]], *, manifest_dir: str | os.PathLike[str] | None = None,
+                      name: str | None = None) -> Manifest:
+    """Describe the checkpoint at ``paths``. ``manifest_dir`` is where the manifest will live
+    (paths are made relative to it); default: the checkpoint's directory."""
+    ps = [Path(p) for p in paths]
+    if not ps:
+        raise UsageError("import needs at least one PATH")
+    for p in ps:
+        if not p.exists():
+            raise ShardNotFoundError(f"{p}: no such file or directory")
+    if len(ps) == 1 and ps[0].is_dir():
+        d = ps[0]
+        base = Path(manifest_dir) if manifest_dir else d
+        if (d / "manifest.json").exists():
+            return rebase_manifest(load_manifest(d / "manifest.json"), base.resolve())
+        if (d / "model.safetensors.index.json").exists():
+            return _from_index(d / "model.safetensors.index.json", base, name)
+        if (d / "model.safetensors").exists():
+            return _from_files([d / "model.safetensors"], base, name or d.name)
+        if (d / ".metadata").exists():
+            raise UsageError(f"{d}: looks like a torch.distributed.checkpoint (DCP) directory; DCP import is "
+                             "not supported yet")
+        sts = sorted(d.glob("*.safetensors"))
+        if sts:
+            return _from_files(sts, base, name or d.name)
+        raise UsageError(f"{d}: no manifest.json, model.safetensors.index.json or *.safetensors found")
+    if len(ps) == 1 and ps[0].name.endswith(".index.json"):
+        base = Path(manifest_dir) if manifest_dir else ps[0].parent
+        return _from_index(ps[0], base, name)
+    for p in ps:
+        if p.is_dir() or not p.name.endswith(".safetensors"):
+            raise UsageError(f"{p}: expected *.safetensors files, an index.json, or one directory")
+    base = Path(manifest_dir) if manifest_dir else ps[0].parent
+    return _from_files(ps, base, name)
+
+
+def _from_index(index: Path, base: Path, name: str | None) -> Manifest:
+    try:
+        data = json.loads(index.read_text())
+        wm = data["weight_map"]
+        if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
+            raise TypeError("weight_map must map tensor names to file names")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ManifestError(f"{index}: not a valid safetensors index ({e})") from e
+    files = []
+    for f in sorted(set(wm.values())):
+        if os.path.isabs(f) or ".." in Path(f).parts:
+            raise ManifestError(f"{index}: weight_map names {f!r}, outside the checkpoint directory")
+        files.append(index.parent / f)
+    m = _from_files(files, base, name or index.parent.name)
+    missing = sorted(set(wm) - set(m.arrays))
+    if missing:
+        raise FormatError(problems=[f"{index}: {t}: listed in weight_map but not found in {wm[t]}" for t in missing])
+    return m

@@ -1,0 +1,116 @@
+"""In-process transport for tests: N endpoints share a hub; each rank runs in its own thread.
+
+It records every message (``hub.log``) and can corrupt one in flight (``hub.corrupt``) so tests
+can prove that ``--verify`` catches it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict, deque
+from typing import Any, Callable
+
+import numpy as np
+
+from formats.errors import PeerTimeoutError
+
+__all__ = ["LoopbackHub", "LoopbackTransport"]
+
+
+class LoopbackHub:
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.lock = threading.Condition()
+        self.queues: dict[tuple[int, int, int], deque[bytes]] = defaultdict(deque)
+        self.log: list[tuple[int, int, int, int]] = []  # (src, dst, tag, nbytes)
+        self.corrupt: Callable[[int, int, int, bytearray], None] | None = None
+        self._coll: dict[tuple[str, int], dict[int, bytes]] = defaultdict(dict)
+        self._coll_seq: dict[int, int] = defaultdict(int)
+        self.dead: set[int] = set()
+
+    def endpoints(self) -> list[LoopbackTransport]:
+        return [LoopbackTransport(self, r) for r in range(self.size)]
+
+
+class _Req:
+    def __init__(self, t: LoopbackTransport, kind: str, peer: int, tag: int, buf: Any) -> None:
+        self.t, self.kind, self.peer, self.tag, self.buf = t, kind, peer, tag, buf
+        self.done = kind == "send"
+
+    def test(self) -> bool:
+        if self.done:
+            return True
+        hub = self.t.hub
+        with hub.lock:
+            q = hub.queues.get((self.peer, self.t.rank, self.tag))
+            if not q:
+                return False
+            data = q.popleft()
+        dst = np.frombuffer(memoryview(self.buf).cast("B"), dtype=np.uint8) if not isinstance(
+            self.buf, np.ndarray) else self.buf.reshape(-1).view(np.uint8)
+        if len(data) != dst.size:
+            raise ValueError(f"loopback: message of {len(data)} bytes from rank {self.peer} tag {self.tag} "
+                             f"does not fit a {dst.size}-byte buffer")
+        dst[:] = np.frombuffer(data, dtype=np.uint8)
+        self.done = True
+        return True
+
+    def cancel(self) -> None:
+        self.done = True
+
+
+class LoopbackTransport:
+    name = "loopback"
+
+    def __init__(self, hub: LoopbackHub, rank: int) -> None:
+        self.hub = hub
+        self.rank = rank
+        self.size = hub.size
+
+    def isend(self, buf: Any, dst: int, tag: int) -> _Req:
+        data = bytearray(np.ascontiguousarray(buf).reshape(-1).view(np.uint8).tobytes()
+                         if isinstance(buf, np.ndarray) else bytes(memoryview(buf).cast("B")))
+        hub = self.hub
+        if hub.corrupt is not None:
+            hub.corrupt(self.rank, dst, tag, data)
+        with hub.lock:
+            if dst not in hub.dead:
+                hub.queues[(self.rank, dst, tag)].append(bytes(data))
+            hub.log.append((self.rank, dst, tag, len(data)))
+        return _Req(self, "send", dst, tag, None)
+
+    def irecv(self, buf: Any, src: int, tag: int) -> _Req:
+        return _Req(self, "recv", src, tag, buf)
+
+    def _collective(self, kind: str, data: bytes, timeout: float) -> dict[int, bytes]:
+        hub = self.hub
+        seq = hub._coll_seq[self.rank]
+        hub._coll_seq[self.rank] += 1
+        key = (kind, seq)
+        deadline = time.monotonic() + timeout
+        with hub.lock:
+            hub._coll[key][self.rank] = data
+            hub.lock.notify_all()
+            while len(hub._coll[key]) < self.size:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = sorted(set(range(self.size)) - set(hub._coll[key]))
+                    raise PeerTimeoutError(f"timed out after {timeout:g} s waiting for rank(s) "
+                                           f"{', '.join(map(str, missing))} in {kind}")
+                hub.lock.wait(min(left, 0.05))
+            return dict(hub._coll[key])
+
+    def barrier(self, timeout: float) -> None:
+        self._collective("barrier", b"", timeout)
+
+    def allgather_bytes(self, data: bytes, timeout: float) -> list[bytes]:
+        got = self._collective("allgather", data, timeout)
+        return [got[r] for r in range(self.size)]
+
+    def bcast_bytes(self, data: bytes | None, root: int, timeout: float) -> bytes:
+        got = self._collective(f"bcast{root}", data or b"", timeout)
+        return got[root]
+
+    def close(self) -> None:
+        pass
