@@ -280,9 +280,12 @@ def _parse_metadata(v: Any, label: str) -> dict[str, str] | None:
 
 
 def _parse_entry(name: str, entry: Any, label: str, data_start: int, file_size: int) -> StoredTensor:
-    where = f"{label}: tensor {_q(name)}"
+    # Hot path (once per tensor, 100k+ per file): messages are only formatted on failure.
+    def where() -> str:
+        return f"{label}: tensor {_q(name)}"
+
     if not isinstance(entry, dict):
-        raise FormatError(f"{where}: entry must be an object with dtype, shape and data_offsets, "
+        raise FormatError(f"{where()}: entry must be an object with dtype, shape and data_offsets, "
                           f"got {_json_type(entry)}")
     keys = entry.keys()
     if keys != _ENTRY_KEYS:
@@ -293,39 +296,41 @@ def _parse_entry(name: str, entry: Any, label: str, data_start: int, file_size: 
             problems.append("missing " + ", ".join(missing))
         if unknown:
             problems.append("unknown key " + ", ".join(_q(k) for k in unknown[:5]))
-        raise FormatError(f"{where}: {'; '.join(problems)} (expected exactly dtype, shape, data_offsets)")
+        raise FormatError(f"{where()}: {'; '.join(problems)} (expected exactly dtype, shape, data_offsets)")
     try:
         dt = by_safetensors(entry["dtype"])
     except FormatError as e:
-        raise FormatError(f"{where}: {e}") from None
+        raise FormatError(f"{where()}: {e}") from None
     shape = entry["shape"]
-    if not isinstance(shape, list) or not all(type(v) is int and v >= 0 for v in shape):
-        raise FormatError(f"{where}: shape must be an array of non-negative integers, got {_short(shape)}")
-    offs = entry["data_offsets"]
-    if not (isinstance(offs, list) and len(offs) == 2 and all(type(v) is int for v in offs)):
-        raise FormatError(f"{where}: data_offsets must be an array of two integers [begin, end], "
-                          f"got {_short(offs)}")
-    begin, end = offs
-    if begin < 0 or end < begin:
-        raise FormatError(f"{where}: data_offsets [{begin}, {end}] must satisfy 0 <= begin <= end")
-    data_len = file_size - data_start
-    if end > data_len:
-        raise FormatError(f"{where}: data_offsets [{begin}, {end}] run past the end of the file: the data "
-                          f"section holds {data_len} bytes (file {file_size} bytes, data starts at "
-                          f"{data_start})")
+    if type(shape) is not list:
+        raise FormatError(f"{where()}: shape must be an array of non-negative integers, got {_short(shape)}")
     # Python ints do not wrap; stop at the first partial product past int64 (like the official
     # checked_mul), which also bounds the work a hostile shape of huge numbers can cause.
     count = 1
     for v in shape:
-        count *= v
-        if count > _INT64_MAX:
-            break
+        if type(v) is not int or v < 0:
+            raise FormatError(f"{where()}: shape must be an array of non-negative integers, "
+                              f"got {_short(shape)}")
+        if count <= _INT64_MAX:
+            count *= v
+    offs = entry["data_offsets"]
+    if not (type(offs) is list and len(offs) == 2 and type(offs[0]) is int and type(offs[1]) is int):
+        raise FormatError(f"{where()}: data_offsets must be an array of two integers [begin, end], "
+                          f"got {_short(offs)}")
+    begin, end = offs
+    if begin < 0 or end < begin:
+        raise FormatError(f"{where()}: data_offsets [{begin}, {end}] must satisfy 0 <= begin <= end")
+    data_len = file_size - data_start
+    if end > data_len:
+        raise FormatError(f"{where()}: data_offsets [{begin}, {end}] run past the end of the file: the data "
+                          f"section holds {data_len} bytes (file {file_size} bytes, data starts at "
+                          f"{data_start})")
     need = count * dt.itemsize
     if need > _INT64_MAX:
-        raise FormatError(f"{where}: shape {_short(shape)} x {dt.safetensors} overflows int64 "
+        raise FormatError(f"{where()}: shape {_short(shape)} x {dt.safetensors} overflows int64 "
                           f"(element count x itemsize > 2**63-1)")
     if end - begin != need:
-        raise FormatError(f"{where}: data_offsets [{begin}, {end}] hold {end - begin} bytes but shape "
+        raise FormatError(f"{where()}: data_offsets [{begin}, {end}] hold {end - begin} bytes but shape "
                           f"{_short(shape)} x {dt.safetensors} needs {need}")
     return StoredTensor(name, dt, tuple(shape), data_start + begin, need)
 
@@ -453,7 +458,7 @@ def read_region(
     stored_shape: tuple[int, ...],
     itemsize: int,
     box: Box,
-    out: memoryview | np.ndarray[Any, Any],
+    out: memoryview | bytearray | np.ndarray[Any, Any],
     *,
     max_gap: int = 1 << 16,
     budget: int = 64 << 20,

@@ -288,7 +288,8 @@ def _analyze_cells(off: np.ndarray[Any, Any], stop: np.ndarray[Any, Any], shape:
 
 
 def _analyze_sweep(off: np.ndarray[Any, Any], stop: np.ndarray[Any, Any], max_pairs: int) -> _Geo:
-    """Sort along the dim with the fewest candidate pairs and check candidates vectorised."""
+    """Sort along the dim with the fewest candidate pairs (boxes starting before another ends in
+    that dim) and check the candidates vectorised, in bounded batches, one dim at a time."""
     n, nd = off.shape
     best: tuple[int, np.ndarray[Any, Any], np.ndarray[Any, Any]] | None = None
     best_k = -1
@@ -301,26 +302,44 @@ def _analyze_sweep(off: np.ndarray[Any, Any], stop: np.ndarray[Any, Any], max_pa
         if best is None or k < best_k:
             best, best_k = (d, order, c), k
     assert best is not None
-    _, order, c = best
+    sd, order, c = best
+    others = [d for d in range(nd) if d != sd]
+    cols = [(np.ascontiguousarray(off[order, d]), np.ascontiguousarray(stop[order, d])) for d in others]
     csum = np.cumsum(c)
     cstart = csum - c
     found: list[tuple[int, int]] = []
-    truncated = False
-    for s in range(0, best_k, _SWEEP_BATCH):
-        t = np.arange(s, min(s + _SWEEP_BATCH, best_k), dtype=np.int64)
-        a = np.searchsorted(csum, t, side="right")
-        b = a + 1 + (t - cstart[a])
-        ia = order[a]
-        ib = order[b]
-        hit = (np.maximum(off[ia], off[ib]) < np.minimum(stop[ia], stop[ib])).all(axis=1)
-        if bool(hit.any()):
-            x = ia[hit]
-            y = ib[hit]
-            found.extend(zip(np.minimum(x, y).tolist(), np.maximum(x, y).tolist()))
-            if len(found) > max_pairs:
-                truncated = True
-                break
-    return _Geo(sorted(found)[:max_pairs], truncated, None, None)
+
+    def check(pa: np.ndarray[Any, Any], pb: np.ndarray[Any, Any]) -> bool:
+        for co, cs in cols:
+            keep = (co[pb] < cs[pa]) & (co[pa] < cs[pb])
+            pa, pb = pa[keep], pb[keep]
+            if not len(pa):
+                return False
+        x, y = order[pa], order[pb]
+        found.extend(zip(np.minimum(x, y).tolist(), np.maximum(x, y).tolist()))
+        return len(found) > max_pairs
+
+    p = 0
+    batch = _SWEEP_BATCH
+    while p < n:
+        cp = int(c[p])
+        if cp > batch:  # one box with many candidates: in slices
+            for s0 in range(0, cp, batch):
+                pb = np.arange(p + 1 + s0, p + 1 + min(cp, s0 + batch), dtype=np.int64)
+                if check(np.full(len(pb), p, dtype=np.int64), pb):
+                    return _Geo(sorted(found)[:max_pairs], True, None, None)
+            p += 1
+            continue
+        q = int(np.searchsorted(csum, int(cstart[p]) + batch, side="right"))
+        reps = c[p:q]
+        total = int(reps.sum())
+        if total:
+            pa = np.repeat(np.arange(p, q, dtype=np.int64), reps)
+            within = np.arange(total, dtype=np.int64) - np.repeat(cstart[p:q] - cstart[p], reps)
+            if check(pa, pa + 1 + within):
+                return _Geo(sorted(found)[:max_pairs], True, None, None)
+        p = q
+    return _Geo(sorted(found), False, None, None)
 
 
 def _int64_rows(rows: list[tuple[int, ...]], nd: int) -> np.ndarray[Any, Any]:
@@ -418,6 +437,10 @@ def _expand(f: str, rank: int) -> str:
 # ------------------------------------------------------------------ validate_manifest
 
 
+#: identity of a local tensor: (name, source.file as written, source.byte_range)
+_LocalKey = tuple[str, str | None, tuple[int, int] | None]
+
+
 @dataclass
 class _LocalEntry:
     fqn: str
@@ -436,8 +459,8 @@ def validate_manifest(m: Manifest, *, where: str = "<manifest>", check_paths: bo
     """
     rep = _Report(where)
     # local tensor identity: (name, file pattern, byte_range) -> entries
-    local: dict[tuple[str, str | None, tuple[int, int] | None], list[_LocalEntry]] = {}
-    files: dict[str, tuple[str, int, int, set[int]]] = {}  # file -> (fqn, chunk, uses, holders)
+    local: dict[_LocalKey, list[_LocalEntry]] = {}
+    files: dict[str, list[Any]] = {}  # file -> [first fqn, first chunk, uses, holders]
     for fqn, spec in m.arrays.items():
         try:
             _validate_array(m, fqn, spec.shape, spec.data_type, spec.chunks, rep, local, files)
@@ -454,9 +477,8 @@ def validate_manifest(m: Manifest, *, where: str = "<manifest>", check_paths: bo
 
 
 def _validate_array(m: Manifest, fqn: str, shape: tuple[int, ...], data_type: str,
-                    chunks: Sequence[Chunk], rep: _Report,
-                    local: dict[tuple[str, str | None, tuple[int, int] | None], list[_LocalEntry]],
-                    files: dict[str, tuple[str, int, int, set[int]]]) -> None:
+                    chunks: Sequence[Chunk], rep: _Report, local: dict[_LocalKey, list[_LocalEntry]],
+                    files: dict[str, list[Any]]) -> None:
     ws = m.world_size
     nd = len(shape)
     dt = DTYPES.get(data_type)
@@ -465,7 +487,7 @@ def _validate_array(m: Manifest, fqn: str, shape: tuple[int, ...], data_type: st
                 f"unknown data_type {data_type!r} (expected one of {', '.join(DTYPES)})")
         return
     isz = dt.itemsize
-    if any(s < 0 for s in shape):
+    if any(x < 0 for x in shape):
         rep.add(fqn, "shape problems", f"shape {_dims(shape)} has a negative size")
         return
     elems = prod(shape)
@@ -477,60 +499,70 @@ def _validate_array(m: Manifest, fqn: str, shape: tuple[int, ...], data_type: st
     offs: list[tuple[int, ...]] = []
     stops: list[tuple[int, ...]] = []
     box_chunk: list[int] = []
-    vol_sum = 0
+    zeros = (0,) * nd
+    dims = range(nd)
     for ci, c in enumerate(chunks):
         r = c.region
-        if r.ndim != nd:
-            rep.add(fqn, "rank problems", f"chunk {ci}: region has {r.ndim} dims (expected {nd}, got {r.ndim})")
+        ro, rs = r.offsets, r.sizes
+        if len(rs) != nd:
+            rep.add(fqn, "rank problems", f"chunk {ci}: region has {len(rs)} dims (expected {nd}, got {len(rs)})")
             continue
-        # holders
+        # holders: sorted, unique, in range
         h = c.holders
-        if not h:
-            rep.add(fqn, "holder problems", f"chunk {ci}: holders is empty (expected at least one rank)")
-        elif any(h[k] >= h[k + 1] for k in range(len(h) - 1)):
-            rep.add(fqn, "holder problems",
-                    f"chunk {ci}: holders must be sorted and unique (expected {_dims(sorted(set(h)))}, "
-                    f"got {_dims(h)})")
-        for hr in h:
-            if hr >= ws or hr < 0:
+        if len(h) == 1:
+            if not 0 <= h[0] < ws:
                 rep.add(fqn, "holder problems",
-                        f"chunk {ci}: holder rank {hr} is out of range (expected 0 <= rank < world_size {ws}, "
-                        f"got {hr})")
+                        f"chunk {ci}: holder rank {h[0]} is out of range "
+                        f"(expected 0 <= rank < world_size {ws}, got {h[0]})")
+        elif not h:
+            rep.add(fqn, "holder problems", f"chunk {ci}: holders is empty (expected at least one rank)")
+        else:
+            if any(h[k] >= h[k + 1] for k in range(len(h) - 1)):
+                rep.add(fqn, "holder problems",
+                        f"chunk {ci}: holders must be sorted and unique (expected {_dims(sorted(set(h)))}, "
+                        f"got {_dims(h)})")
+            for hr in h:
+                if not 0 <= hr < ws:
+                    rep.add(fqn, "holder problems",
+                            f"chunk {ci}: holder rank {hr} is out of range "
+                            f"(expected 0 <= rank < world_size {ws}, got {hr})")
+        # bounds
+        rstop = tuple([o + z for o, z in zip(ro, rs)])
         in_bounds = True
-        for d in range(nd):
-            stop_d = r.offsets[d] + r.sizes[d]
-            if stop_d > shape[d]:
+        for d in dims:
+            if rstop[d] > shape[d]:
                 in_bounds = False
                 rep.add(fqn, "out-of-bounds regions",
                         f"chunk {ci} region {r} exceeds shape {_dims(shape)} in dim {d} "
-                        f"(stop {stop_d} > {shape[d]})")
-        rvol = r.volume
-        if rvol * isz > INT64_MAX:
-            rep.add(fqn, "size problems",
-                    f"chunk {ci}: region {r} size overflows int64 (expected at most {INT64_MAX} bytes, "
-                    f"got {rvol * isz} bytes)")
-        empty = r.empty
+                        f"(stop {rstop[d]} > {shape[d]})")
+        if not (in_bounds and array_ok):  # else the region is no bigger than the array
+            rb = prod(rs) * isz
+            if rb > INT64_MAX:
+                rep.add(fqn, "size problems",
+                        f"chunk {ci}: region {r} size overflows int64 (expected at most {INT64_MAX} bytes, "
+                        f"got {rb} bytes)")
+        empty = 0 in rs
         if empty:
             rep.add(fqn, "empty regions",
                     f"chunk {ci}: empty region listed {r} (expected sizes >= 1 in every dim, "
-                    f"got sizes {_dims(r.sizes)})")
-        _validate_source(m, fqn, ci, c, dt, rep, local, files, empty)
+                    f"got sizes {_dims(rs)})")
+        # source and local tensor
+        src = c.source
+        loff = zeros if src is None or src.offsets is None else src.offsets
+        if src is not None or not empty:
+            _validate_source(m, fqn, ci, c, dt, loff, rep, local, files, empty)
         if empty or not array_ok:
             continue
         if nd == 0:
             box_chunk.append(ci)
             continue
-        if in_bounds:
-            o, s = r.offsets, r.stops
-        else:  # coverage works on the part inside the array; the excess is reported above
-            o = r.offsets
-            s = tuple(min(a, b) for a, b in zip(r.stops, shape))
-            if any(a >= b for a, b in zip(o, s)):
+        if not in_bounds:  # coverage works on the part inside the array; the excess is reported above
+            rstop = tuple([min(a, b) for a, b in zip(rstop, shape)])
+            if any(a >= b for a, b in zip(ro, rstop)):
                 continue
-        offs.append(o)
-        stops.append(s)
+        offs.append(ro)
+        stops.append(rstop)
         box_chunk.append(ci)
-        vol_sum += prod(b - a for a, b in zip(o, s))
     if not array_ok:
         return
     if nd == 0:
@@ -540,7 +572,7 @@ def _validate_array(m: Manifest, fqn: str, shape: tuple[int, ...], data_type: st
                     f"0-d array needs exactly one chunk with region offsets [] sizes [] "
                     f"(expected 1 chunk, got {k})")
         return
-    geo = _analyze(_int64_rows(offs, nd), _int64_rows(stops, nd), shape=shape)
+    geo = _analyze(offs, stops, nd, shape=shape)
     for i, j in geo.pairs:
         inter = _box_from(offs[i], stops[i]).intersect(_box_from(offs[j], stops[j]))
         rep.add(fqn, "overlaps", f"chunks {box_chunk[i]} and {box_chunk[j]} overlap in region {inter}")
@@ -549,48 +581,45 @@ def _validate_array(m: Manifest, fqn: str, shape: tuple[int, ...], data_type: st
     if m.partial:
         return
     if geo.union is not None:
-        union = geo.union
-        if union < elems:
+        if geo.union < elems:
             loc = f"; first uncovered region {geo.gap}" if geo.gap is not None else ""
-            rep.add(fqn, "gaps", f"chunks cover {union} of {elems} elements (gap of {elems - union} elements{loc})")
-    elif not geo.pairs:
-        if vol_sum < elems:
-            rep.add(fqn, "gaps", f"chunks cover {vol_sum} of {elems} elements (gap of {elems - vol_sum} elements)")
-    elif vol_sum < elems:
-        rep.add(fqn, "gaps", f"chunks cover at most {vol_sum} of {elems} elements "
-                             f"(gap of at least {elems - vol_sum} elements)")
+            rep.add(fqn, "gaps", f"chunks cover {geo.union} of {elems} elements "
+                                 f"(gap of {elems - geo.union} elements{loc})")
+    else:  # overlaps and too irregular for the exact union: bound it by the sum of volumes
+        vol = sum(prod(b - a for a, b in zip(o, e)) for o, e in zip(offs, stops))
+        if vol < elems:
+            rep.add(fqn, "gaps", f"chunks cover at most {vol} of {elems} elements "
+                                 f"(gap of at least {elems - vol} elements)")
 
 
-def _validate_source(m: Manifest, fqn: str, ci: int, c: Chunk, dt: DType, rep: _Report,
-                     local: dict[tuple[str, str | None, tuple[int, int] | None], list[_LocalEntry]],
-                     files: dict[str, tuple[str, int, int, set[int]]], empty: bool) -> None:
+def _validate_source(m: Manifest, fqn: str, ci: int, c: Chunk, dt: DType, loff: tuple[int, ...],
+                     rep: _Report, local: dict[_LocalKey, list[_LocalEntry]],
+                     files: dict[str, list[Any]], empty: bool) -> None:
     r = c.region
-    nd = r.ndim
+    nd = len(r.sizes)
     src = c.source
-    loff = c.local_offsets
     if len(loff) != nd:
         rep.add(fqn, "source problems",
                 f"chunk {ci}: source.offsets has {len(loff)} entries (expected {nd}, one per dim, got {len(loff)})")
         return
-    if any(o < 0 for o in loff):
+    if src is not None and src.offsets is not None and any(o < 0 for o in loff):
         rep.add(fqn, "source problems", f"chunk {ci}: source.offsets {_dims(loff)} must be non-negative")
         return
-    lstop = tuple(o + s for o, s in zip(loff, r.sizes))
-    lbox = Box(loff, r.sizes)
-    if any(v > INT64_MAX for v in lstop) or prod(lstop) * dt.itemsize > INT64_MAX:
+    lstop = tuple([o + z for o, z in zip(loff, r.sizes)])
+    if prod(lstop) * dt.itemsize > INT64_MAX:
         rep.add(fqn, "size problems",
-                f"chunk {ci}: local box {lbox} overflows int64 (expected offsets + sizes within "
-                f"{INT64_MAX} bytes, got stops {_dims(lstop)})")
+                f"chunk {ci}: local box {Box(loff, r.sizes)} overflows int64 (expected a local tensor of "
+                f"at most {INT64_MAX} bytes, got stops {_dims(lstop)})")
         return
-    tensor = c.tensor(fqn)
+    tensor = fqn if src is None or src.tensor is None else src.tensor
     if src is not None:
         if src.file is not None:
-            prev = files.get(src.file)
-            if prev is None:
-                files[src.file] = (fqn, ci, 1, set(c.holders))
+            use = files.get(src.file)
+            if use is None:
+                files[src.file] = [fqn, ci, 1, set(c.holders)]
             else:
-                prev[3].update(c.holders)
-                files[src.file] = (prev[0], prev[1], prev[2] + 1, prev[3])
+                use[2] += 1
+                use[3].update(c.holders)
         if (src.byte_range is None) != (src.stored_shape is None):
             rep.add(fqn, "source problems",
                     f"chunk {ci}: source.byte_range and source.stored_shape must be given together "
@@ -598,6 +627,7 @@ def _validate_source(m: Manifest, fqn: str, ci: int, c: Chunk, dt: DType, rep: _
         elif src.byte_range is not None and src.stored_shape is not None:
             ss = src.stored_shape
             a, b = src.byte_range
+            lbox = Box(loff, r.sizes)
             if len(ss) != nd:
                 rep.add(fqn, "source problems",
                         f"chunk {ci}: source.stored_shape {_dims(ss)} has {len(ss)} dims "
@@ -618,8 +648,12 @@ def _validate_source(m: Manifest, fqn: str, ci: int, c: Chunk, dt: DType, rep: _
                         f"{_dims(ss)} of {sdt.name} needs {need} (expected {need} bytes, got {b - a})")
     if empty:
         return
-    key = (tensor, src.file if src else None, src.byte_range if src else None)
-    local.setdefault(key, []).append(_LocalEntry(fqn, ci, loff, lstop, c.holders, dt.name))
+    key = (tensor, None, None) if src is None else (tensor, src.file, src.byte_range)
+    ents = local.get(key)
+    if ents is None:
+        local[key] = [_LocalEntry(fqn, ci, loff, lstop, c.holders, dt.name)]
+    else:
+        ents.append(_LocalEntry(fqn, ci, loff, lstop, c.holders, dt.name))
     # declared local tensors must contain the chunk's local box
     if m.tensors:
         for hr in c.holders:
@@ -634,8 +668,9 @@ def _validate_source(m: Manifest, fqn: str, ci: int, c: Chunk, dt: DType, rep: _
             for d in range(nd):
                 if lstop[d] > ts.shape[d]:
                     rep.add(fqn, "local tensor problems",
-                            f"chunk {ci}: local box {lbox} does not fit local tensor {tensor!r} declared on "
-                            f"rank {hr} with shape {_dims(ts.shape)} in dim {d} (stop {lstop[d]} > {ts.shape[d]})")
+                            f"chunk {ci}: local box {Box(loff, r.sizes)} does not fit local tensor {tensor!r} "
+                            f"declared on rank {hr} with shape {_dims(ts.shape)} in dim {d} "
+                            f"(stop {lstop[d]} > {ts.shape[d]})")
 
 
 def _declared_dtype(m: Manifest, holders: Iterable[int], tensor: str) -> DType | None:
@@ -663,8 +698,7 @@ def _validate_tensors_section(m: Manifest, rep: _Report) -> None:
                         f"local tensor size overflows int64 (expected at most {INT64_MAX} bytes, got {n})")
 
 
-def _validate_local(m: Manifest, rep: _Report,
-                    local: dict[tuple[str, str | None, tuple[int, int] | None], list[_LocalEntry]]) -> None:
+def _validate_local(m: Manifest, rep: _Report, local: dict[_LocalKey, list[_LocalEntry]]) -> None:
     """Chunks sharing a local tensor on a rank: same dtype (unless declared), same ndim, disjoint."""
     for (tensor, _file, _br), ents in local.items():
         if len(ents) < 2:
@@ -707,8 +741,7 @@ def _validate_local(m: Manifest, rep: _Report,
                 if nd == 0:  # 0-d local tensors: any two chunks overlap
                     pairs = [(sub[0], sub[b]) for b in range(1, min(len(sub), _MAX_PAIRS + 1))]
                 else:
-                    geo = _analyze(_int64_rows([ents[k].off for k in sub], nd),
-                                   _int64_rows([ents[k].stop for k in sub], nd))
+                    geo = _analyze([ents[k].off for k in sub], [ents[k].stop for k in sub], nd)
                     pairs = [(sub[a], sub[b]) for a, b in geo.pairs]
                     if geo.truncated:
                         rep.more(ents[sub[0]].fqn, "local tensor overlaps", 0, at_least=True)
@@ -738,7 +771,7 @@ def _validate_local(m: Manifest, rep: _Report,
                     f"{who} write overlapping ranges of local tensor {tensor!r} on {_ranks(rs)}{where_inter}")
 
 
-def _validate_paths(m: Manifest, rep: _Report, files: dict[str, tuple[str, int, int, set[int]]]) -> None:
+def _validate_paths(m: Manifest, rep: _Report, files: dict[str, list[Any]]) -> None:
     base = m.base_dir
     cache: dict[str, str | None] = {}
     for f, (fqn, ci, uses, holders) in files.items():

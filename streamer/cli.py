@@ -106,6 +106,10 @@ def cmd_layout(args: argparse.Namespace) -> int:
     mesh = parse_mesh(args.mesh or "tp=1")
     rules = [parse_rule(r, mesh) for r in args.rule]
     pattern = None if args.no_files else args.file_pattern
+    if args.file_pattern is None and not args.no_files:
+        # one rank: leave files to `convert`, which names them HF style (model.safetensors, or shards
+        # + index with --max-shard-size); several ranks: one file per rank
+        pattern = None if mesh.size == 1 else "rank-{rank:05d}.safetensors"
     m = apply_layout(like, mesh, rules, file_pattern=pattern, domain_size=args.domain_size, name=args.name)
     from formats.validate import validate_manifest
 
@@ -248,6 +252,82 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_refit(args: argparse.Namespace) -> int:
+    """One side of a live refit. Under MPI, runtime failures abort every rank with exit 3."""
+    from formats.errors import TransportError
+
+    from .jobs import abort, connect
+
+    try:
+        return _refit(args)
+    except TransportError as e:
+        abort("\n".join(e.problems or [str(e)]), 3)
+        return 3
+
+
+def _refit(args: argparse.Namespace) -> int:
+    import time
+
+    from .jobs import connect
+    from .persist import alloc_local, finish_save, load_local, save_local
+    from .refit import RefitSession
+    from .transport.mpi import MPITransport
+
+    if args.save and args.role != "recv":
+        raise UsageError("--save is for the receiving side (refit recv)")
+    if args.transport != "mpi":
+        raise UsageError(f"--transport {args.transport}: only the mpi transport is available in this version")
+    m = _load(args.manifest)
+    group = connect(args.role, rendezvous=args.rendezvous, timeout=args.timeout)
+    rank = group.role_rank
+    role_t = MPITransport(group.role_comm)
+    save = Path(args.save) if args.save else None
+    if save is not None and rank == 0:
+        save.mkdir(parents=True, exist_ok=True)
+        try:  # until this run finishes, the directory must not look complete
+            (save / "manifest.json").unlink()
+        except FileNotFoundError:
+            pass
+    tensors = load_local(m, rank) if args.role == "send" else alloc_local(m, rank)
+    session = RefitSession(m, args.role, group, timeout=args.timeout, bucket_size=args.bucket_size,
+                           verify=args.verify, strategy=args.strategy, src_domain_size=args.src_domain_size,
+                           dst_domain_size=args.dst_domain_size, allow_extra=args.allow_extra)
+    steps = []
+    for _ in range(args.steps):
+        role_t.barrier(args.timeout)
+        t0 = time.perf_counter()
+        st = session.push(tensors) if args.role == "send" else session.pull(tensors)
+        # the step ends when the slowest rank is done
+        times = role_t.allgather_bytes(f"{time.perf_counter() - t0:.9f}".encode(), args.timeout)
+        steps.append((max(float(x) for x in times), st))
+    if save is not None:
+        sums = save_local(save, session.dst, rank, tensors)
+        gathered = role_t.allgather_bytes(json.dumps(sums).encode(), args.timeout)
+        if rank == 0:
+            allsums: dict[str, str] = {}
+            for g in gathered:
+                allsums.update(json.loads(g))
+            finish_save(save, m, allsums)
+        role_t.barrier(args.timeout)
+    stats = session.plan.stats()
+    if rank == 0:
+        secs = [s for s, _ in steps]
+        best = min(secs)
+        med = sorted(secs)[len(secs) // 2]
+        moved = stats["moved_bytes"] if args.strategy == "reshard" else stats["broadcast_moved_bytes"]
+        obj = {"role": args.role, "strategy": args.strategy, "steps": len(steps), "seconds": secs,
+               "median_s": med, "moved_bytes": moved, "reshard_moved_bytes": stats["moved_bytes"],
+               "broadcast_moved_bytes": stats["broadcast_moved_bytes"], "gb_per_s": moved / med / 1e9 if med else 0,
+               "verified": args.verify, "saved": str(save) if save else None,
+               "peak_buffer_bytes": max(st.peak_buffer_bytes for _, st in steps)}
+        text = (f"refit {args.role} ({args.strategy}): {len(steps)} step(s), median {med:.3f} s, best {best:.3f} s, "
+                f"{moved / 1e9:.3f} GB moved ({moved / med / 1e9 if med else 0:.2f} GB/s); reshard moves "
+                f"{stats['moved_bytes'] / 1e9:.3f} GB vs gather-broadcast {stats['broadcast_moved_bytes'] / 1e9:.3f} GB"
+                + ("; checksums verified" if args.verify else "") + (f"; saved to {save}" if save else ""))
+        _out(args, obj, text)
+    return 0
+
+
 def cmd_synth(args: argparse.Namespace) -> int:
     import time
 
@@ -285,7 +365,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mesh", metavar="A=N,...", help="device mesh, row-major (default tp=1)")
     p.add_argument("--rule", action="append", default=[], metavar="GLOB=PLACEMENTS",
                    help="e.g. '*.q_proj.weight=S(0)'; one placement per mesh axis; first match wins")
-    p.add_argument("--file-pattern", default="rank-{rank:05d}.safetensors")
+    p.add_argument("--file-pattern", default=None,
+                   help="per-rank file name (default rank-{rank:05d}.safetensors; one rank: HF names)")
     p.add_argument("--no-files", action="store_true", help="a live (in-memory) manifest: no source.file")
     p.add_argument("--domain-size", type=_positive_int)
     p.add_argument("--name")
@@ -321,6 +402,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-extra", action="store_true")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("refit", help="live refit: push weights from a trainer job to an inference job")
+    p.add_argument("role", choices=["send", "recv"])
+    p.add_argument("--manifest", required=True, metavar="M", help="this side's manifest (sender: with files)")
+    p.add_argument("--rendezvous", metavar="FILE", help="join a separately launched job through this file")
+    p.add_argument("--save", metavar="DIR", help="receivers also write what they received (safetensors + manifest)")
+    p.add_argument("--transport", choices=["mpi", "gloo", "nccl"], default="mpi")
+    p.add_argument("--strategy", choices=["reshard", "broadcast"], default="reshard",
+                   help="broadcast: the gather-broadcast baseline, for comparison")
+    p.add_argument("--bucket-size", type=parse_size, default=256 << 20, metavar="SIZE")
+    p.add_argument("--timeout", type=float, default=300.0, metavar="S")
+    p.add_argument("--steps", type=_positive_int, default=1, help="pushes to run over one session")
+    p.add_argument("--verify", action="store_true", help="compare per-region checksums with the senders'")
+    p.add_argument("--src-domain-size", type=_positive_int)
+    p.add_argument("--dst-domain-size", type=_positive_int)
+    p.add_argument("--allow-extra", action="store_true")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_refit)
 
     p = sub.add_parser("synth", help="write a seeded synthetic HF checkpoint shaped like a Qwen3 model")
     p.add_argument("--preset", choices=["qwen3-tiny", "qwen3-small", "qwen3-2g"], default="qwen3-small")

@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+import safetensors
+import safetensors.numpy
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -30,10 +32,13 @@ from formats.safetensors_io import (
     save_tensors,
 )
 
-torch = pytest.importorskip("torch")
-safetensors = pytest.importorskip("safetensors")
-import safetensors.numpy  # noqa: E402
-import safetensors.torch  # noqa: E402
+try:  # torch is an optional dependency: only the torch-interop tests need it
+    import safetensors.torch
+    import torch
+except ImportError:  # pragma: no cover
+    torch = None  # type: ignore[assignment]
+
+needs_torch = pytest.mark.skipif(torch is None, reason="torch not installed")
 
 F32, I16, I64, BF16, U8 = (DTYPES[n] for n in ("float32", "int16", "int64", "bfloat16", "uint8"))
 
@@ -122,13 +127,13 @@ def test_writer_golden_bytes(tmp_path: Path) -> None:
 def test_golden_matches_official_writer(tmp_path: Path) -> None:
     # The official writer orders tensors by dtype alignment then name; these dicts are already in
     # that order, so the bytes must be identical.
-    d = {"a": np.ones(2, dtype=np.float32), "b": np.arange(3, dtype=np.int16)}
+    d: dict[str, np.ndarray[Any, Any]] = {"a": np.ones(2, dtype=np.float32), "b": np.arange(3, dtype=np.int16)}
     assert safetensors.numpy.save(d, metadata={"k": "v"}) == GOLDEN_2
     p = tmp_path / "ours.safetensors"
     save_tensors(p, d, metadata={"k": "v"})
     assert p.read_bytes() == GOLDEN_2
 
-    e = {"s": np.array(5, dtype=np.int64), "z": np.zeros((0, 3), dtype=np.float32)}
+    e: dict[str, np.ndarray[Any, Any]] = {"s": np.array(5, dtype=np.int64), "z": np.zeros((0, 3), dtype=np.float32)}
     assert safetensors.numpy.save(e) == GOLDEN_EDGE
     save_tensors(p, e)
     assert p.read_bytes() == GOLDEN_EDGE
@@ -194,19 +199,20 @@ def test_layout_rejects_bad_specs() -> None:
     with pytest.raises(TypeError, match="str to str"):
         layout_file([], {"k": 1})  # type: ignore[dict-item]
     # numpy integers are fine as sizes
-    prefix, _ = layout_file([("a", F32, (np.int64(2),))])
+    prefix, _ = layout_file([("a", F32, (np.int64(2),))])  # type: ignore[list-item]
     assert b'"shape":[2]' in prefix
 
 
 # --------------------------------------------------------------------------- official-library compatibility
 
 
+@needs_torch
 def test_our_files_load_with_official_library(tmp_path: Path) -> None:
     cases = _torch_cases()
     p = tmp_path / "t.safetensors"
     save_tensors(p, cases, metadata={"format": "pt"})
     loaded = safetensors.torch.load_file(str(p))
-    assert list(loaded) == sorted(cases) or set(loaded) == set(cases)
+    assert set(loaded) == set(cases)
     with safetensors.safe_open(str(p), "pt") as f:
         assert f.metadata() == {"format": "pt"}
         assert set(f.keys()) == set(cases)
@@ -222,6 +228,7 @@ def test_our_files_load_with_official_library(tmp_path: Path) -> None:
             assert arr.shape == tuple(t.shape) and arr.tobytes() == _tbytes(t), name
 
 
+@needs_torch
 def test_streamed_file_equals_whole_file(tmp_path: Path) -> None:
     """Writing regions in shuffled order with write_box gives the same bytes as save_tensors."""
     cases = _torch_cases()
@@ -245,6 +252,7 @@ def test_streamed_file_equals_whole_file(tmp_path: Path) -> None:
     assert streamed.read_bytes() == whole.read_bytes()
 
 
+@needs_torch
 def test_we_read_official_files(tmp_path: Path) -> None:
     cases = _torch_cases()
     p = tmp_path / "official.safetensors"
@@ -260,6 +268,7 @@ def test_we_read_official_files(tmp_path: Path) -> None:
         np.testing.assert_array_equal(r.read("fp8", box), cases["fp8"].view(torch.uint8).numpy()[1:3, 1:2, 0:3])
 
 
+@needs_torch
 def test_save_tensors_numpy_dtype_override(tmp_path: Path) -> None:
     bits = torch.tensor([1.0, -2.5, 3.0], dtype=torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
     p = tmp_path / "b.safetensors"
@@ -423,7 +432,7 @@ def test_reader_missing_file(tmp_path: Path) -> None:
 
 # --------------------------------------------------------------------------- hostile headers
 
-def _w(dtype: str = "F32", shape: Any = (2,), offs: Any = (0, 8)) -> dict[str, Any]:
+def _w(dtype: Any = "F32", shape: Any = (2,), offs: Any = (0, 8)) -> dict[str, Any]:
     return {"dtype": dtype, "shape": list(shape) if isinstance(shape, tuple) else shape,
             "data_offsets": list(offs) if isinstance(offs, tuple) else offs}
 
@@ -477,13 +486,13 @@ HOSTILE: list[tuple[str, Any, bytes, int | None, str]] = [
     ("deep-in-metadata", b'{"__metadata__":' + b"[" * 100_000 + b"]" * 100_000 + b"}", b"", None,
      "nests too deeply"),
     # json.loads would silently keep the last 'w'; we refuse the ambiguity instead.
-    ("duplicate-key", b'{"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, '
-                      b'"w": {"dtype": "I64", "shape": [1], "data_offsets": [0, 8]}}', bytes(8), None,
+    ("duplicate-key", (b'{"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, '
+                       b'"w": {"dtype": "I64", "shape": [1], "data_offsets": [0, 8]}}'), bytes(8), None,
      "header repeats the key 'w'"),
     ("duplicate-inner-key", b'{"w": {"dtype": "F32", "dtype": "I32", "shape": [2], "data_offsets": [0, 8]}}',
      bytes(8), None, "header repeats the key 'dtype'"),
-    ("metadata-int-value", {"__metadata__": {"k": 1}}, b"", None, "__metadata__['k'] must be a string, got an "
-                                                                  "integer 1"),
+    ("metadata-int-value", {"__metadata__": {"k": 1}}, b"", None,
+     "__metadata__['k'] must be a string, got an integer 1"),
     ("metadata-nested", {"__metadata__": {"k": {"x": "y"}}}, b"", None, "__metadata__['k'] must be a string"),
     ("metadata-list", {"__metadata__": ["k"]}, b"", None, "__metadata__ must be an object of string values"),
     ("length-past-eof", b"{}", b"", 1000, "header length 1000 runs past the end of the file (10 bytes leave 2 for the header)"),
@@ -556,9 +565,9 @@ def test_accepted_edge_headers(tmp_path: Path) -> None:
 
 # A few valid files for the mutation fuzzer.
 def _fuzz_seed() -> bytes:
-    d = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.array(7, dtype=np.int64),
+    d: dict[str, np.ndarray[Any, Any]] = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.array(7, dtype=np.int64),
          "c": np.zeros((0, 2), dtype=np.uint8)}
-    return safetensors.numpy.save(d, metadata={"m": "v"})
+    return bytes(safetensors.numpy.save(d, metadata={"m": "v"}))
 
 
 _SEED = _fuzz_seed()
@@ -644,7 +653,7 @@ def test_writer_commit_is_atomic(tmp_path: Path) -> None:
     w.commit()
     assert w.committed and not w.temp_path.exists()
     assert sorted(x.name for x in tmp_path.iterdir()) == ["c.safetensors"]
-    t = safetensors.torch.load_file(str(p))
+    t = safetensors.numpy.load_file(str(p))
     assert t["w"].flatten().tolist() == list(range(12)) and t["b"].tolist() == [0, 0, 7, 8, 9]
     w.abort()  # no-op after commit
     assert p.exists()
