@@ -21,6 +21,7 @@ No MPI. No torch at import time: ``save_tensors`` imports it only when handed a 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import operator
 import os
@@ -59,6 +60,10 @@ _INT64_MAX = (1 << 63) - 1
 _ENTRY_KEYS = frozenset({"dtype", "shape", "data_offsets"})
 _METADATA = "__metadata__"
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+# O_NONBLOCK: opening a FIFO planted where a file should be must not hang (no effect on files).
+_O_READ = os.O_RDONLY | _O_CLOEXEC | getattr(os, "O_NONBLOCK", 0)
+# O_NOFOLLOW: never write through a symlink planted at the temp name.
+_O_WRITE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
 _HAVE_PREADV = hasattr(os, "preadv")
 
 
@@ -136,7 +141,7 @@ def _fspath(path: str | os.PathLike[str]) -> str:
 
 def _open_read(path: str | os.PathLike[str]) -> int:
     try:
-        return os.open(path, os.O_RDONLY | _O_CLOEXEC)
+        return os.open(path, _O_READ)
     except FileNotFoundError as e:
         raise ShardNotFoundError(f"{_fspath(path)}: safetensors file not found") from e
 
@@ -504,7 +509,8 @@ def read_region(
         step = stride * itemsize
         base = start + s * itemsize
         if count > 1 and step - run > max_gap:
-            # Runs too far apart to read through their gaps: one syscall each, into out.
+            # Runs too far apart to read through their gaps: one syscall each, into out. (All groups
+            # of one uniform_runs call share count/stride/length, so no batch is pending here today.)
             if batch:
                 io.flush(batch, lo, hi)
                 batch = []
@@ -618,6 +624,10 @@ class SafetensorsReader:
                  tb: TracebackType | None) -> None:
         self.close()
 
+    def __del__(self) -> None:  # a reader dropped without close() must not leak its fd
+        if getattr(self, "_fd", -1) >= 0:
+            self.close()
+
     def __repr__(self) -> str:
         return f"SafetensorsReader({self.path!r}, {len(self.header.tensors)} tensors)"
 
@@ -703,7 +713,8 @@ class SafetensorsWriter:
     ...     w.write_box("w", Box((0, 0), (2, 2)), np.array([[1, 2], [4, 5]], dtype=np.uint8))
     ...     w.write_box("w", Box((0, 2), (2, 1)), np.array([[3], [6]], dtype=np.uint8))
     ...     w.commit()
-    >>> SafetensorsReader(p).read("w").tolist()
+    >>> with SafetensorsReader(p) as r:
+    ...     r.read("w").tolist()
     [[1, 2, 3], [4, 5, 6]]
     """
 
@@ -718,7 +729,7 @@ class SafetensorsWriter:
             name: (dt, tuple(int(v) for v in shape)) for name, dt, shape in specs}
         self._size = max((e for _, e in ranges.values()), default=len(prefix))
         self.bytes_written = 0
-        fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_CLOEXEC, 0o644)
+        fd = os.open(self._tmp, _O_WRITE, 0o644)
         try:
             _pwrite_all(fd, memoryview(prefix), 0)
             os.ftruncate(fd, self._size)
@@ -839,6 +850,12 @@ class SafetensorsWriter:
                  tb: TracebackType | None) -> None:
         if self._state != "committed":
             self.abort()
+
+    def __del__(self) -> None:
+        # Dropped without commit(): nothing was written, so remove the temp file too.
+        if getattr(self, "_state", None) == "open":
+            with contextlib.suppress(OSError):  # best effort
+                self.abort()
 
     def __repr__(self) -> str:
         return f"SafetensorsWriter({str(self._path)!r}, {len(self._ranges)} tensors, {self._state})"

@@ -291,9 +291,10 @@ def _refit(args: argparse.Namespace) -> int:
     tensors = load_local(m, rank) if args.role == "send" else alloc_local(m, rank)
     session = RefitSession(m, args.role, group, timeout=args.timeout, bucket_size=args.bucket_size,
                            verify=args.verify, strategy=args.strategy, src_domain_size=args.src_domain_size,
-                           dst_domain_size=args.dst_domain_size, allow_extra=args.allow_extra)
+                           dst_domain_size=args.dst_domain_size, allow_extra=args.allow_extra,
+                           planned_steps=args.steps)
     steps = []
-    for _ in range(args.steps):
+    for _ in range(session.planned_steps):
         role_t.barrier(args.timeout)
         t0 = time.perf_counter()
         st = session.push(tensors) if args.role == "send" else session.pull(tensors)

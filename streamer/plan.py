@@ -255,6 +255,10 @@ def _water_fill(box: Box, holders: Sequence[int], loads: dict[int, int], itemsiz
 
 # --------------------------------------------------------------------------- planner
 
+def _chunk_order(c: Chunk) -> tuple[Any, ...]:
+    return (c.region.offsets, c.region.sizes, c.holders, c.tensor(""), c.local_offsets)
+
+
 def _domain_of(rank: int, size: int) -> int:
     return rank // size
 
@@ -295,12 +299,17 @@ def plan_transfers(src: Manifest, dst: Manifest, *, src_domain_size: int | None 
     needed_by_set: dict[tuple[int, ...], int] = defaultdict(int)
     uncovered: list[str] = []
 
-    for fqn, d in dst.arrays.items():
+    # Canonical order (arrays by name, chunks and pieces by region), so that the greedy balancing
+    # and hence the plan do not depend on the order of arrays or chunks in either manifest.
+    for fqn in sorted(dst.arrays):
+        d = dst.arrays[fqn]
         s = src.arrays[fqn]
         isz = d.dtype.itemsize
         index = _Index(s.chunks)
-        for di, dchunk in enumerate(d.chunks):
-            pieces = _overlaps(fqn, s, dchunk, index)
+        for di in sorted(range(len(d.chunks)), key=lambda i: _chunk_order(d.chunks[i])):
+            dchunk = d.chunks[di]
+            pieces = sorted(_overlaps(fqn, s, dchunk, index),
+                            key=lambda p: (p[1].offsets, p[1].sizes, _chunk_order(s.chunks[p[0]])))
             covered = sum(b.volume for _, b in pieces)
             dvol = dchunk.region.volume
             total += dvol * isz * len(dchunk.holders)

@@ -60,6 +60,8 @@ class RefitSession:
     src_domain_size: int | None = None
     dst_domain_size: int | None = None
     allow_extra: bool = False
+    #: pushes the CLI runs over this session; both jobs agree on the largest asked for
+    planned_steps: int = 1
     steps: list[StepStats] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -85,7 +87,20 @@ class RefitSession:
             raise PlanError(problems=problems)
         self.plan: Plan = plan_transfers(self.src, self.dst, src_domain_size=self.src_domain_size,
                                          dst_domain_size=self.dst_domain_size, allow_extra=self.allow_extra)
-        digest = self.plan.digest()
+        # both jobs must agree on how to move: verify if any side asks, the smallest bucket, one strategy
+        import json
+
+        cfgs = [json.loads(c) for c in t.allgather_bytes(json.dumps(
+            {"verify": self.verify, "bucket": self.bucket_size, "strategy": self.strategy,
+             "steps": self.planned_steps}).encode(), self.timeout)]
+        strategies = sorted({c["strategy"] for c in cfgs})
+        if len(strategies) > 1:
+            raise PlanError(f"the two jobs asked for different strategies ({', '.join(strategies)}); pass the same "
+                            "--strategy to both")
+        self.verify = any(c["verify"] for c in cfgs)
+        self.bucket_size = min(c["bucket"] for c in cfgs)
+        self.planned_steps = max(c["steps"] for c in cfgs)
+        digest = self.plan.digest() + f"|bucket={self.bucket_size}"
         digests = t.allgather_bytes(digest.encode(), self.timeout)
         bad = [i for i, d in enumerate(digests) if d.decode() != digest]
         if bad:

@@ -23,6 +23,9 @@ class LoopbackHub:
         self.size = size
         self.lock = threading.Condition()
         self.queues: dict[tuple[int, int, int], deque[bytes]] = defaultdict(deque)
+        # receives posted and not yet matched, per (src, dst, tag): like MPI, messages match
+        # receives in the order the receives were posted, whatever order they are tested in
+        self.posted: dict[tuple[int, int, int], deque[_Req]] = defaultdict(deque)
         self.log: list[tuple[int, int, int, int]] = []  # (src, dst, tag, nbytes)
         self.corrupt: Callable[[int, int, int, bytearray], None] | None = None
         self._coll: dict[tuple[str, int], dict[int, bytes]] = defaultdict(dict)
@@ -42,11 +45,14 @@ class _Req:
         if self.done:
             return True
         hub = self.t.hub
+        key = (self.peer, self.t.rank, self.tag)
         with hub.lock:
-            q = hub.queues.get((self.peer, self.t.rank, self.tag))
-            if not q:
+            q = hub.queues.get(key)
+            posted = hub.posted.get(key)
+            if not q or not posted or posted[0] is not self:
                 return False
             data = q.popleft()
+            posted.popleft()
         dst = np.frombuffer(memoryview(self.buf).cast("B"), dtype=np.uint8) if not isinstance(
             self.buf, np.ndarray) else self.buf.reshape(-1).view(np.uint8)
         if len(data) != dst.size:
@@ -57,6 +63,12 @@ class _Req:
         return True
 
     def cancel(self) -> None:
+        if not self.done and self.kind == "recv":
+            hub = self.t.hub
+            with hub.lock:
+                posted = hub.posted.get((self.peer, self.t.rank, self.tag))
+                if posted is not None and self in posted:
+                    posted.remove(self)
         self.done = True
 
 
@@ -81,7 +93,10 @@ class LoopbackTransport:
         return _Req(self, "send", dst, tag, None)
 
     def irecv(self, buf: Any, src: int, tag: int) -> _Req:
-        return _Req(self, "recv", src, tag, buf)
+        req = _Req(self, "recv", src, tag, buf)
+        with self.hub.lock:
+            self.hub.posted[(src, self.rank, tag)].append(req)
+        return req
 
     def _collective(self, kind: str, data: bytes, timeout: float) -> dict[int, bytes]:
         hub = self.hub

@@ -281,7 +281,8 @@ def test_save_tensors_numpy_dtype_override(tmp_path: Path) -> None:
         save_tensors(p, {"w": np.zeros(2, dtype=np.complex64)})
     # big-endian input is stored little-endian
     save_tensors(p, {"w": np.arange(3, dtype=">i4")})
-    assert SafetensorsReader(p).read("w").tolist() == [0, 1, 2]
+    with SafetensorsReader(p) as r:
+        assert r.read("w").tolist() == [0, 1, 2]
 
 
 def test_module_does_not_import_torch() -> None:
@@ -661,6 +662,28 @@ def test_writer_commit_is_atomic(tmp_path: Path) -> None:
         w.commit()
 
 
+def test_dropped_writer_and_reader_clean_up(tmp_path: Path) -> None:
+    w = SafetensorsWriter(tmp_path / "d.safetensors", SPECS)
+    tmp = w.temp_path
+    assert tmp.exists()
+    del w  # never committed: the temp file goes with it
+    assert not tmp.exists()
+    save_tensors(tmp_path / "r.safetensors", {"a": np.zeros(2, np.uint8)})
+    r = SafetensorsReader(tmp_path / "r.safetensors")
+    fd = r.fd
+    del r
+    with pytest.raises(OSError):
+        os.fstat(fd)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs")
+def test_fifo_does_not_hang(tmp_path: Path) -> None:
+    p = tmp_path / "fifo.safetensors"
+    os.mkfifo(p)
+    with pytest.raises(FormatError, match="not a regular file"):
+        read_header(p)
+
+
 def test_writer_checks_inputs_before_touching_disk(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="duplicate"):
         SafetensorsWriter(tmp_path / "d.safetensors", [("a", U8, (1,)), ("a", U8, (1,))])
@@ -685,11 +708,10 @@ def test_writer_bounds(tmp_path: Path) -> None:
         w.write_box("w", Box((1, 1), (2, 2)), np.full((2, 2), 2.0, np.float32))
         assert w.bytes_written == 10 + 16
         w.commit()
-    r = SafetensorsReader(tmp_path / "b.safetensors")
-    assert r.read("b").tolist() == [1] * 5
-    np.testing.assert_array_equal(r.read("w").view(np.float32),
-                                  np.array([[0, 0, 0, 0], [0, 2, 2, 0], [0, 2, 2, 0]], np.float32))
-    r.close()
+    with SafetensorsReader(tmp_path / "b.safetensors") as r:
+        assert r.read("b").tolist() == [1] * 5
+        np.testing.assert_array_equal(r.read("w").view(np.float32),
+                                      np.array([[0, 0, 0, 0], [0, 2, 2, 0], [0, 2, 2, 0]], np.float32))
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
