@@ -329,6 +329,44 @@ def _refit(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from . import bench
+
+    work = args.work or tempfile.mkdtemp(prefix="shardstream-bench-")
+    if args.what == "convert":
+        r = bench.bench_convert(work, preset=args.preset or "qwen3-2g", memory_limit=args.memory_limit,
+                                repeats=args.repeats)
+        text = (f"bench convert ({r['bytes'] / 1e9:.2f} GB, TP4 -> TP3, --memory-limit {r['memory_limit']}):\n"
+                f"  shardstream convert  {r['convert_s']:8.2f} s  {r['convert_gb_per_s']:6.2f} GB/s  peak RSS "
+                f"{r['convert_peak_rss_bytes'] / 2**20:7.0f} MiB\n"
+                f"  raw copy floor       {r['floor_s']:8.2f} s  {r['floor_gb_per_s']:6.2f} GB/s  peak RSS "
+                f"{r['floor_peak_rss_bytes'] / 2**20:7.0f} MiB\n"
+                f"  ratio to floor       {r['ratio_to_floor']:8.2f} x   (target <= 1.3)\n"
+                f"  validate --data      {r['validate_data_s']:8.2f} s")
+    elif args.what == "validate":
+        r = bench.bench_validate(args.chunks)
+        text = (f"bench validate: {r['chunks']} chunks ({r['manifest_bytes'] / 1e6:.1f} MB JSON): parse "
+                f"{r['parse_s']:.2f} s + validate {r['validate_s']:.2f} s = {r['total_s']:.2f} s (target <= 5 s)")
+    else:
+        r = bench.bench_refit(work, senders=args.senders, receivers=args.receivers,
+                              preset=args.preset or "qwen3-small", train_mesh=args.train_mesh,
+                              serve_mesh=args.serve_mesh, repeats=args.repeats or 5, bucket_size=args.bucket_size)
+        text = (f"bench refit ({r['senders']}+{r['receivers']} ranks, {r['train_mesh']} -> {r['serve_mesh']}, "
+                f"{r['bytes_moved'] / 1e9:.3f} GB planned, median of {r['repeats']}):\n"
+                f"  reshard              {r['reshard_s']:8.3f} s\n"
+                f"  gather-broadcast     {r['broadcast_s']:8.3f} s  ({r['broadcast_bytes_moved'] / 1e9:.3f} GB)\n"
+                f"  Alltoallv floor      {r['floor_s']:8.3f} s\n"
+                f"  speedup vs broadcast {r['speedup_vs_broadcast']:8.2f} x   (target >= 3)\n"
+                f"  ratio to floor       {r['ratio_to_floor']:8.2f} x   (target <= 1.3)\n"
+                f"  peak extra / rank    {r['peak_extra_bytes_per_rank'] / 2**20:8.1f} MiB (bucket "
+                f"{r['bucket_bytes'] / 2**20:.0f} MiB, target <= 2 buckets)")
+    r["work"] = work
+    _out(args, r, text)
+    return 0
+
+
 def cmd_synth(args: argparse.Namespace) -> int:
     import time
 
@@ -421,6 +459,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-extra", action="store_true")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_refit)
+
+    p = sub.add_parser("bench", help="benchmarks: ratios measured side by side in one run")
+    p.add_argument("what", choices=["convert", "refit", "validate"])
+    p.add_argument("--work", metavar="DIR", help="scratch directory (default: a new temp dir)")
+    p.add_argument("--preset", choices=["qwen3-tiny", "qwen3-small", "qwen3-2g"])
+    p.add_argument("--memory-limit", default="256MiB")
+    p.add_argument("--repeats", type=_positive_int, default=2)
+    p.add_argument("--chunks", type=_positive_int, default=100_000)
+    p.add_argument("--senders", type=_positive_int, default=4)
+    p.add_argument("--receivers", type=_positive_int, default=4)
+    p.add_argument("--train-mesh", default="pp=2,tp=2")
+    p.add_argument("--serve-mesh", default="tp=4")
+    p.add_argument("--bucket-size", type=parse_size, default=64 << 20)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("synth", help="write a seeded synthetic HF checkpoint shaped like a Qwen3 model")
     p.add_argument("--preset", choices=["qwen3-tiny", "qwen3-small", "qwen3-2g"], default="qwen3-small")

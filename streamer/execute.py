@@ -92,8 +92,17 @@ def _split_transfer(t: Transfer, bucket: int) -> list[Transfer]:
     return out
 
 
-def build_schedule(plan: Plan, bucket_size: int) -> list[Message]:
-    """Every message of the plan, in the one global order all ranks use."""
+#: contiguous transfers at least this large travel as their own message, zero-copy at both ends
+INPLACE_MIN_BYTES = 256 << 10
+
+
+def build_schedule(plan: Plan, bucket_size: int, shape_of: Any = None) -> list[Message]:
+    """Every message of the plan, in the one global order all ranks use.
+
+    ``shape_of(global_rank, local_tensor) -> shape`` (optional) lets contiguous transfers of at
+    least ``INPLACE_MIN_BYTES`` go as their own messages, sent from and received into the local
+    tensors without packing; the rest share packed buckets.
+    """
     world = plan.world_size
     by_pair: dict[tuple[int, int, int], list[Transfer]] = defaultdict(list)
     for t in plan.transfers:
@@ -106,6 +115,12 @@ def build_schedule(plan: Plan, bucket_size: int) -> list[Message]:
         size = 0
         idx = 0
         for t in ts:
+            if (shape_of is not None and t.nbytes >= INPLACE_MIN_BYTES
+                    and is_contiguous(t.src_box, shape_of(t.src_rank, t.src_tensor, t.phase == 2))
+                    and is_contiguous(t.dst_box, shape_of(t.dst_rank, t.dst_tensor, True))):
+                msgs.append(Message(phase, s, d, idx, (t,), t.nbytes))
+                idx += 1
+                continue
             if cur and size + t.nbytes > bucket_size:
                 msgs.append(Message(phase, s, d, idx, tuple(cur), size))
                 idx += 1

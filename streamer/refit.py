@@ -106,9 +106,20 @@ class RefitSession:
         if bad:
             raise PlanError(f"ranks {bad} computed a different plan (digest mismatch): the two jobs run "
                             "different shardstream versions or read different manifests")
-        self.schedule = build_schedule(self.plan, self.bucket_size)
+        self.schedule = build_schedule(self.plan, self.bucket_size, self._shape_of)
         self._executor: Executor | None = None
         self._tensor_ids: tuple[int, ...] = ()
+
+    def _shape_of(self, g: int, tensor: str, on_dst: bool) -> tuple[int, ...]:
+        """Shape of local tensor ``tensor`` on global rank ``g`` (source or destination side)."""
+        cache = self.__dict__.setdefault("_shapes", {})
+        key = (g, on_dst)
+        if key not in cache:
+            if on_dst:
+                cache[key] = self.dst.local_tensors(self.plan.dst_local(g))
+            else:
+                cache[key] = self.src.local_tensors(g)
+        return tuple(cache[key][tensor].shape)
 
     @property
     def local_rank(self) -> int:

@@ -1,0 +1,276 @@
+"""Benchmarks as commands: every figure is a ratio of things measured side by side in one run.
+
+``bench convert``: shardstream convert TP4 -> TP3 (uneven, strided S(1) reads) vs the raw copy
+floor (read the same source files, write the same number of bytes, fsync), each in its own
+process so peak RSS is measured per process.
+
+``bench refit``: one MPMD launch of N senders + M receivers; over one session, the median of
+repeated pushes for reshard, for the gather-broadcast baseline, and for a raw ``MPI_Alltoallv``
+of exactly the planned bytes per rank pair (the floor).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+__all__ = ["bench_convert", "bench_refit", "refit_worker"]
+
+
+def _sh(cmd: list[str]) -> tuple[float, int, str]:
+    """Run ``cmd``; return (wall seconds, peak RSS bytes of the child, stdout)."""
+    t0 = time.perf_counter()
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _, status, ru = os.wait4(p.pid, 0)
+    dt = time.perf_counter() - t0
+    out = p.stdout.read() if p.stdout else ""
+    err = p.stderr.read() if p.stderr else ""
+    p.returncode = os.waitstatus_to_exitcode(status)
+    if p.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({p.returncode}): {err.strip()[-2000:]}")
+    return dt, ru.ru_maxrss * 1024, out
+
+
+def _copy_floor(src_dir: str, out_dir: str, chunk: int = 64 << 20) -> None:
+    """Read every safetensors file of src_dir and write the same bytes to out_dir, fsynced."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    buf = bytearray(chunk)
+    mv = memoryview(buf)
+    for f in sorted(Path(src_dir).glob("*.safetensors")):
+        with open(f, "rb", buffering=0) as r, open(out / f.name, "wb", buffering=0) as w:
+            while True:
+                n = r.readinto(mv)
+                if not n:
+                    break
+                w.write(mv[:n])
+            os.fsync(w.fileno())
+
+
+def bench_convert(work: str, *, preset: str = "qwen3-2g", memory_limit: str = "256MiB", repeats: int = 2,
+                  keep: bool = False) -> dict[str, Any]:
+    from .synth import QWEN3_TP_RULES
+
+    w = Path(work)
+    w.mkdir(parents=True, exist_ok=True)
+    py = sys.executable
+    ss = [py, "-m", "streamer"]
+    rules = [a for r in QWEN3_TP_RULES for a in ("--rule", r)]
+    if not (w / "tp4" / "manifest.json").exists():
+        subprocess.run(ss + ["synth", "--preset", preset, "--out", str(w / "hf")], check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(ss + ["import", str(w / "hf"), "-o", str(w / "hf" / "manifest.json")], check=True,
+                       stdout=subprocess.DEVNULL)
+        subprocess.run(ss + ["layout", "--like", str(w / "hf" / "manifest.json"), "--mesh", "tp=4", *rules, "-o",
+                             str(w / "tp4.json")], check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(ss + ["convert", str(w / "hf" / "manifest.json"), str(w / "tp4.json"), "--out",
+                             str(w / "tp4")], check=True, stdout=subprocess.DEVNULL)
+        shutil.rmtree(w / "hf")
+    subprocess.run(ss + ["layout", "--like", str(w / "tp4"), "--mesh", "tp=3", *rules, "-o", str(w / "tp3.json")],
+                   check=True, stdout=subprocess.DEVNULL)
+    nbytes = sum(f.stat().st_size for f in (w / "tp4").glob("*.safetensors"))
+    conv, floor, rss_c, rss_f = [], [], [], []
+    conv_out: dict[str, Any] = {}
+    for _ in range(repeats):
+        shutil.rmtree(w / "floor", ignore_errors=True)
+        dt, rss, _ = _sh([py, "-c", f"from streamer.bench import _copy_floor; _copy_floor({str(w / 'tp4')!r}, "
+                                    f"{str(w / 'floor')!r})"])
+        floor.append(dt)
+        rss_f.append(rss)
+        shutil.rmtree(w / "tp3", ignore_errors=True)
+        dt, rss, out = _sh(ss + ["convert", str(w / "tp4"), str(w / "tp3.json"), "--out", str(w / "tp3"),
+                                 "--memory-limit", memory_limit, "--json"])
+        conv.append(dt)
+        rss_c.append(rss)
+        conv_out = json.loads(out)
+    t0 = time.perf_counter()
+    subprocess.run(ss + ["validate", "--data", str(w / "tp3")], check=True, stdout=subprocess.DEVNULL)
+    validate_s = time.perf_counter() - t0
+    res = {
+        "bytes": nbytes,
+        "convert_s": min(conv),
+        "floor_s": min(floor),
+        "ratio_to_floor": min(conv) / min(floor),
+        "convert_gb_per_s": nbytes / min(conv) / 1e9,
+        "floor_gb_per_s": nbytes / min(floor) / 1e9,
+        "convert_peak_rss_bytes": max(rss_c),
+        "floor_peak_rss_bytes": max(rss_f),
+        "memory_limit": memory_limit,
+        "bytes_read": conv_out.get("bytes_read"),
+        "reads": conv_out.get("reads"),
+        "validate_data_s": validate_s,
+        "runs": {"convert_s": conv, "floor_s": floor},
+    }
+    if not keep:
+        for d in ("tp3", "floor"):
+            shutil.rmtree(w / d, ignore_errors=True)
+    return res
+
+
+def bench_validate(n_chunks: int = 100_000) -> dict[str, Any]:
+    """Time parse + validate of a manifest with ``n_chunks`` chunks (a 1-D grid per array)."""
+    from formats.manifest import loads_manifest
+    from formats.validate import validate_manifest
+
+    per = 100
+    arrays = {}
+    for a in range(n_chunks // per):
+        arrays[f"a{a}"] = {"shape": [per * 8, 16], "data_type": "bfloat16", "chunks": [
+            {"region": {"offsets": [i * 8, 0], "sizes": [8, 16]}, "holders": [i % 8],
+             "source": {"file": "rank-{rank:05d}.safetensors", "tensor": f"a{a}", "offsets": [0, 0]}}
+            for i in range(per)]}
+    # each rank holds several chunks of one array in one local tensor: give distinct offsets
+    for spec in arrays.values():
+        for i, c in enumerate(spec["chunks"]):
+            c["source"]["offsets"] = [(i // 8) * 8, 0]
+    text = json.dumps({"format": "shardstream.manifest", "format_version": 1, "world_size": 8, "arrays": arrays})
+    t0 = time.perf_counter()
+    m = loads_manifest(text)
+    t1 = time.perf_counter()
+    problems = validate_manifest(m, check_paths=False)
+    t2 = time.perf_counter()
+    return {"chunks": n_chunks, "parse_s": t1 - t0, "validate_s": t2 - t1, "total_s": t2 - t0,
+            "problems": len(problems), "manifest_bytes": len(text)}
+
+
+# ------------------------------------------------------------------ refit
+
+def refit_worker(argv: list[str]) -> int:
+    """Runs inside ``mpiexec -n N+M``: ranks < N send, the rest receive."""
+    import argparse
+
+    import numpy as np
+    from mpi4py import MPI
+
+    from formats.manifest import load_manifest
+
+    from .jobs import Group
+    from .persist import alloc_local, load_local
+    from .refit import RefitSession
+    from .transport.mpi import MPITransport
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--train", required=True)
+    ap.add_argument("--serve", required=True)
+    ap.add_argument("--senders", type=int, required=True)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--bucket-size", type=int, default=256 << 20)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args(argv)
+    world = MPI.COMM_WORLD
+    S = a.senders
+    rank = world.Get_rank()
+    role = "send" if rank < S else "recv"
+    role_comm = world.Split(0 if role == "send" else 1, rank)
+    group = Group(world, role_comm, role, S, world.Get_size() - S)
+    m = load_manifest(a.train if role == "send" else a.serve)
+    rr = role_comm.Get_rank()
+    tensors = load_local(m, rr) if role == "send" else alloc_local(m, rr)
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    results: dict[str, Any] = {}
+    sess = {}
+    for strategy in ("reshard", "broadcast"):
+        sess[strategy] = RefitSession(m, role, group, bucket_size=a.bucket_size, strategy=strategy, timeout=600)
+    plan = sess["reshard"].plan
+    # the floor: one Alltoallv of exactly the planned bytes per (sender, receiver) pair
+    W = world.Get_size()
+    counts = np.zeros((W, W), dtype=np.int64)
+    for t in plan.transfers:
+        if t.phase:
+            counts[t.src_rank, t.dst_rank] += t.nbytes
+    scount = counts[rank].astype(np.int64)
+    rcount = counts[:, rank].astype(np.int64)
+    sbuf = np.ones(int(scount.sum()), dtype=np.uint8)
+    rbuf = np.empty(int(rcount.sum()), dtype=np.uint8)
+    sdis = np.concatenate([[0], np.cumsum(scount)[:-1]])
+    rdis = np.concatenate([[0], np.cumsum(rcount)[:-1]])
+
+    def floor_step() -> float:
+        world.Barrier()
+        t0 = time.perf_counter()
+        world.Alltoallv([sbuf, (scount.tolist(), sdis.tolist()), MPI.BYTE],
+                        [rbuf, (rcount.tolist(), rdis.tolist()), MPI.BYTE])
+        return time.perf_counter() - t0
+
+    peak_extra = 0
+    for name in ("reshard", "broadcast", "floor"):
+        times = []
+        for _ in range(a.repeats):
+            if name == "floor":
+                dt = floor_step()
+            else:
+                world.Barrier()
+                t0 = time.perf_counter()
+                st = sess[name].push(tensors) if role == "send" else sess[name].pull(tensors)
+                dt = time.perf_counter() - t0
+                if name == "reshard":
+                    peak_extra = max(peak_extra, st.peak_buffer_bytes)
+            times.append(world.allreduce(dt, op=MPI.MAX))
+        results[name] = times
+    peaks = world.gather(peak_extra, root=0)
+    rss = world.gather(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss0, root=0)
+    if rank == 0:
+        st = plan.stats()
+        r = median(results["reshard"])
+        b = median(results["broadcast"])
+        f = median(results["floor"])
+        out = {"senders": S, "receivers": W - S, "repeats": a.repeats,
+               "reshard_s": r, "broadcast_s": b, "floor_s": f,
+               "speedup_vs_broadcast": b / r, "ratio_to_floor": r / f,
+               "bytes_moved": st["moved_bytes"], "broadcast_bytes_moved": st["broadcast_moved_bytes"],
+               "bucket_bytes": a.bucket_size, "peak_extra_bytes_per_rank": max(peaks or [0]),
+               "rss_growth_bytes_max": max(rss or [0]),
+               "runs": results}
+        Path(a.out).write_text(json.dumps(out))
+    return 0
+
+
+def bench_refit(work: str, *, senders: int = 4, receivers: int = 4, preset: str = "qwen3-small",
+                train_mesh: str = "pp=2,tp=2", serve_mesh: str = "tp=4", repeats: int = 5,
+                bucket_size: int = 64 << 20) -> dict[str, Any]:
+    from .synth import QWEN3_TP_RULES
+
+    w = Path(work)
+    w.mkdir(parents=True, exist_ok=True)
+    py = sys.executable
+    ss = [py, "-m", "streamer"]
+
+    def rules(mesh: str) -> list[str]:
+        axes = [x.split("=")[0] for x in mesh.split(",")]
+        out = []
+        for r in QWEN3_TP_RULES:
+            glob, pl = r.split("=", 1)
+            out += ["--rule", f"{glob}=" + ",".join(pl if ax == "tp" else "R" for ax in axes)]
+        return out
+
+    if not (w / "hf" / "manifest.json").exists():
+        subprocess.run(ss + ["synth", "--preset", preset, "--out", str(w / "hf")], check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(ss + ["import", str(w / "hf"), "-o", str(w / "hf" / "manifest.json")], check=True,
+                       stdout=subprocess.DEVNULL)
+    subprocess.run(ss + ["layout", "--like", str(w / "hf" / "manifest.json"), "--mesh", train_mesh,
+                         *rules(train_mesh), "-o", str(w / "train.json")], check=True, stdout=subprocess.DEVNULL)
+    shutil.rmtree(w / "train", ignore_errors=True)
+    subprocess.run(ss + ["convert", str(w / "hf" / "manifest.json"), str(w / "train.json"), "--out", str(w / "train")],
+                   check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(ss + ["layout", "--like", str(w / "hf" / "manifest.json"), "--mesh", serve_mesh,
+                         *rules(serve_mesh), "--no-files", "-o", str(w / "serve.json")], check=True,
+                   stdout=subprocess.DEVNULL)
+    mpiexec = shutil.which("mpiexec") or str(Path(py).parent / "mpiexec")
+    env = dict(os.environ, HYDRA_LAUNCHER=os.environ.get("HYDRA_LAUNCHER", "fork"), OMP_NUM_THREADS="1")
+    res_path = w / "refit.json"
+    cmd = [mpiexec, "-n", str(senders + receivers), py, "-c",
+           "import sys; from streamer.bench import refit_worker; sys.exit(refit_worker(sys.argv[1:]))",
+           "--train", str(w / "train" / "manifest.json"), "--serve", str(w / "serve.json"),
+           "--senders", str(senders), "--repeats", str(repeats), "--bucket-size", str(bucket_size),
+           "--out", str(res_path)]
+    subprocess.run(cmd, check=True, env=env, timeout=3600)
+    out: dict[str, Any] = json.loads(res_path.read_text())
+    out.update({"preset": preset, "train_mesh": train_mesh, "serve_mesh": serve_mesh})
+    return out
