@@ -183,13 +183,36 @@ class _Writer:
                     self.chunks_in[(h, c.tensor(fqn))].append((fqn, ci, c.local_box))
         self.slab_budget = max(1 << 16, opts.memory_limit // 4)
         self.read_budget = max(1 << 16, opts.memory_limit // 4)
-        self._buf = np.empty(0, dtype=np.uint8)
+        # two slab buffers: the background writer drains one while the next is filled
+        self._bufs = [np.empty(0, dtype=np.uint8), np.empty(0, dtype=np.uint8)]
+        self._turn = 0
+        self._pending: Any = None
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardstream-write")
         self._resolved: dict[tuple[str, int, int], Any] = {}
 
     def buffer(self, n: int) -> np.ndarray:
-        if self._buf.size < n:
-            self._buf = np.empty(n, dtype=np.uint8)
-        return self._buf[:n]
+        self._turn ^= 1
+        if self._bufs[self._turn].size < n:
+            self._bufs[self._turn] = np.empty(n, dtype=np.uint8)
+        return self._bufs[self._turn][:n]
+
+    def _write_async(self, w: Any, name: str, off: int, buf: np.ndarray) -> None:
+        """Queue one slab write (pwrite releases the GIL, so reading the next slab overlaps it)."""
+        self.drain()
+        self._pending = self._pool.submit(w.write, name, off, buf)
+
+    def drain(self) -> None:
+        if self._pending is not None:
+            p, self._pending = self._pending, None
+            p.result()
+
+    def close(self) -> None:
+        try:
+            self.drain()
+        finally:
+            self._pool.shutdown(wait=True)
 
     def resolve(self, t: Transfer) -> Any:
         key = (t.fqn, t.src_chunk, t.src_rank)
@@ -211,8 +234,13 @@ class _Writer:
         try:
             for name, ts, rank in job.tensors:
                 checksums.update(self._fill_tensor(w, name, ts, rank))
+            self.drain()
             w.commit()
         except BaseException:
+            try:
+                self.drain()
+            except BaseException:
+                pass
             w.abort()
             raise
         return checksums
@@ -255,7 +283,7 @@ class _Writer:
                 rel = inter.relative_to(slab.offsets)
                 sl = tuple(slice(o, o + s) for o, s in zip(rel.offsets, rel.sizes))
                 hashers[(fqn, ci)].update(np.ascontiguousarray(view[sl]))
-            w.write(name, byte_off, buf)
+            self._write_async(w, name, byte_off, buf)
             byte_off += n
             self.progress.update(n)
         return {f"{fqn}|{ci}": h.result() for (fqn, ci), h in hashers.items()}
@@ -496,6 +524,8 @@ def _run_jobs(src: Manifest, filled: Manifest, plan: Plan, out: Path, jobs: list
             raise
         error = "; ".join(e.problems or [str(e)])
     finally:
+        if "writer" in locals():
+            writer.close()
         store.close()
         progress.close()
     rep.bytes_read = store.stats.bytes_read

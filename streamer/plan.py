@@ -299,9 +299,15 @@ def plan_transfers(src: Manifest, dst: Manifest, *, src_domain_size: int | None 
     needed_by_set: dict[tuple[int, ...], int] = defaultdict(int)
     uncovered: list[str] = []
 
-    # Canonical order (arrays by name, chunks and pieces by region), so that the greedy balancing
-    # and hence the plan do not depend on the order of arrays or chunks in either manifest.
-    for fqn in sorted(dst.arrays):
+    # Canonical order, so that the greedy balancing and hence the plan do not depend on the order
+    # of arrays or chunks in either manifest: arrays with the fewest source replicas first (the
+    # most constrained: EP expert blocks before EP-replicated dense arrays), larger ones first,
+    # then by name; chunks and pieces by region.
+    def array_order(f: str) -> tuple[int, int, str]:
+        a = src.arrays[f]
+        return (min((len(c.holders) for c in a.chunks), default=0), -a.nbytes, f)
+
+    for fqn in sorted(dst.arrays, key=array_order):
         d = dst.arrays[fqn]
         s = src.arrays[fqn]
         isz = d.dtype.itemsize

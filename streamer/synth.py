@@ -36,8 +36,8 @@ PRESETS: dict[str, Qwen3Shape] = {
     "qwen3-small": Qwen3Shape(),
     # a few MB: tests
     "qwen3-tiny": Qwen3Shape(hidden=64, intermediate=160, layers=2, vocab=1000, heads=4, kv_heads=2, head_dim=16),
-    # ~2.1 GB: the convert benchmark
-    "qwen3-2g": Qwen3Shape(hidden=2048, intermediate=6144, layers=12, vocab=50000, heads=16, kv_heads=8,
+    # ~2.3 GB: the convert benchmark
+    "qwen3-2g": Qwen3Shape(hidden=2048, intermediate=8192, layers=14, vocab=64000, heads=16, kv_heads=8,
                            head_dim=128),
 }
 
