@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from formats.errors import ShardstreamError, UsageError
+from formats.errors import PlanError, ShardstreamError, UsageError
 
 __all__ = ["main", "parse_size", "build_parser"]
 
@@ -77,6 +77,12 @@ def _load(path: str) -> Any:
     if p.is_dir() and (p / "manifest.json").exists():
         return load_manifest(p / "manifest.json")
     return import_checkpoint([p])
+
+
+def _where(path: str) -> str:
+    """How problem lines name a manifest given as PATH: the manifest file a directory stands for."""
+    p = Path(path)
+    return str(p / "manifest.json") if p.is_dir() and (p / "manifest.json").exists() else path
 
 
 # ------------------------------------------------------------------ commands
@@ -189,8 +195,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if problems:
         raise ShardstreamError(problems=problems)
     t0 = time.perf_counter()
-    plan = plan_transfers(src, dst, src_domain_size=args.src_domain_size, dst_domain_size=args.dst_domain_size,
-                          same_job=args.same_job, allow_extra=args.allow_extra)
+    try:
+        plan = plan_transfers(src, dst, src_domain_size=args.src_domain_size, dst_domain_size=args.dst_domain_size,
+                              same_job=args.same_job, allow_extra=args.allow_extra)
+    except PlanError as e:  # its lines name the array; say which manifests were being matched
+        raise PlanError(problems=[f"{args.dst}: {ln}; source manifest {args.src}" for ln in e.problems]) from e
     dt = time.perf_counter() - t0
     st = plan.stats()
     st["plan_seconds"] = round(dt, 4)
@@ -208,7 +217,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     src, dst = _load(args.src), _load(args.dst)
     opts = ConvertOptions(memory_limit=args.memory_limit, resume=args.resume, max_shard_size=args.max_shard_size,
                           allow_extra=args.allow_extra, progress=None if not args.json else False)
-    rep = convert(src, dst, args.out, opts, comm=comm)
+    rep = convert(src, dst, args.out, opts, comm=comm, src_where=_where(args.src), dst_where=_where(args.dst))
     if comm is not None and comm.Get_rank() != 0:
         return 0
     gbps = rep.bytes_written / rep.seconds / 1e9 if rep.seconds else 0.0
@@ -263,6 +272,14 @@ def cmd_refit(args: argparse.Namespace) -> int:
     except TransportError as e:
         abort("\n".join(e.problems or [str(e)]), 3)
         return 3
+    except ShardstreamError as e:
+        # every rank computed the same verdict; let one rank per job say it
+        from mpi4py import MPI
+
+        if MPI.COMM_WORLD.Get_rank() == 0:
+            for line in e.problems or [str(e)]:
+                print(line, file=sys.stderr)
+        return e.exit_code
 
 
 def _refit(args: argparse.Namespace) -> int:
@@ -275,8 +292,6 @@ def _refit(args: argparse.Namespace) -> int:
 
     if args.save and args.role != "recv":
         raise UsageError("--save is for the receiving side (refit recv)")
-    if args.transport != "mpi":
-        raise UsageError(f"--transport {args.transport}: only the mpi transport is available in this version")
     m = _load(args.manifest)
     group = connect(args.role, rendezvous=args.rendezvous, timeout=args.timeout)
     rank = group.role_rank
@@ -288,8 +303,17 @@ def _refit(args: argparse.Namespace) -> int:
             (save / "manifest.json").unlink()
         except FileNotFoundError:
             pass
-    tensors = load_local(m, rank) if args.role == "send" else alloc_local(m, rank)
-    session = RefitSession(m, args.role, group, timeout=args.timeout, bucket_size=args.bucket_size,
+    tensors: dict[str, Any] = load_local(m, rank) if args.role == "send" else alloc_local(m, rank)
+    transport = None
+    if args.transport in ("gloo", "nccl"):
+        from .transport.torch_dist import TorchDistTransport
+
+        transport = TorchDistTransport(group.comm, args.transport, timeout=args.timeout)
+        if args.transport == "nccl":  # NCCL moves GPU memory: stage the local tensors on the device
+            import torch
+
+            tensors = {n: torch.from_numpy(v).to(transport.device) for n, v in tensors.items()}
+    session = RefitSession(m, args.role, group, transport=transport, timeout=args.timeout, bucket_size=args.bucket_size,
                            verify=args.verify, strategy=args.strategy, src_domain_size=args.src_domain_size,
                            dst_domain_size=args.dst_domain_size, allow_extra=args.allow_extra,
                            planned_steps=args.steps)
@@ -302,6 +326,8 @@ def _refit(args: argparse.Namespace) -> int:
         times = role_t.allgather_bytes(f"{time.perf_counter() - t0:.9f}".encode(), args.timeout)
         steps.append((max(float(x) for x in times), st))
     if save is not None:
+        if args.transport == "nccl":
+            tensors = {n: v.cpu().numpy() for n, v in tensors.items()}
         sums = save_local(save, session.dst, rank, tensors)
         gathered = role_t.allgather_bytes(json.dumps(sums).encode(), args.timeout)
         if rank == 0:
@@ -311,6 +337,8 @@ def _refit(args: argparse.Namespace) -> int:
             finish_save(save, m, allsums)
         role_t.barrier(args.timeout)
     stats = session.plan.stats()
+    if transport is not None:
+        transport.close()
     if rank == 0:
         secs = [s for s, _ in steps]
         best = min(secs)
@@ -319,12 +347,12 @@ def _refit(args: argparse.Namespace) -> int:
         obj = {"role": args.role, "strategy": args.strategy, "steps": len(steps), "seconds": secs,
                "median_s": med, "moved_bytes": moved, "reshard_moved_bytes": stats["moved_bytes"],
                "broadcast_moved_bytes": stats["broadcast_moved_bytes"], "gb_per_s": moved / med / 1e9 if med else 0,
-               "verified": args.verify, "saved": str(save) if save else None,
+               "verified": session.verify, "transport": args.transport, "saved": str(save) if save else None,
                "peak_buffer_bytes": max(st.peak_buffer_bytes for _, st in steps)}
         text = (f"refit {args.role} ({args.strategy}): {len(steps)} step(s), median {med:.3f} s, best {best:.3f} s, "
                 f"{moved / 1e9:.3f} GB moved ({moved / med / 1e9 if med else 0:.2f} GB/s); reshard moves "
                 f"{stats['moved_bytes'] / 1e9:.3f} GB vs gather-broadcast {stats['broadcast_moved_bytes'] / 1e9:.3f} GB"
-                + ("; checksums verified" if args.verify else "") + (f"; saved to {save}" if save else ""))
+                + ("; checksums verified" if session.verify else "") + (f"; saved to {save}" if save else ""))
         _out(args, obj, text)
     return 0
 

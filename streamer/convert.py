@@ -31,7 +31,7 @@ import numpy as np
 from formats.box import Box, contiguous_slabs
 from formats.checksum import DEFAULT_ALGO, new_hasher
 from formats.dtypes import by_name
-from formats.errors import (FormatError, OutputLockedError, ShardstreamError, UsageError,
+from formats.errors import (FormatError, OutputLockedError, PlanError, ShardstreamError, UsageError,
                             ValidationError)
 from formats.manifest import ArraySpec, Chunk, Manifest, Source, TensorSpec, atomic_write_bytes, save_manifest
 from formats.store import SourceStore
@@ -100,9 +100,28 @@ class ConvertReport:
 
 # ------------------------------------------------------------------ destination files
 
+def _empty_arrays(m: Manifest) -> dict[str, TensorSpec]:
+    """Arrays with a 0 in their shape (no chunks): a one-rank (HF) file still stores them."""
+    if m.world_size != 1:
+        return {}
+    return {fqn: TensorSpec(tuple(a.shape), a.data_type) for fqn, a in m.arrays.items()
+            if not a.chunks and any(s == 0 for s in a.shape)}
+
+
 def _hf_files(dst: Manifest, max_shard_size: int | None) -> dict[str, str]:
     """Tensor -> file for a one-rank output in Hugging Face style."""
-    tensors = dst.local_tensors(0)
+    local = dst.local_tensors(0)
+    empty = _empty_arrays(dst)
+    tensors: dict[str, TensorSpec] = {}
+    for fqn, a in dst.arrays.items():  # array order, so that an HF -> HF round trip keeps the file order
+        if fqn in empty:
+            tensors[fqn] = empty[fqn]
+        for c in a.chunks:
+            t = c.tensor(fqn)
+            if t in local and t not in tensors:
+                tensors[t] = local[t]
+    for t, ts in local.items():
+        tensors.setdefault(t, ts)
     if not max_shard_size:
         return {t: "model.safetensors" for t in tensors}
     groups: list[list[str]] = [[]]
@@ -148,7 +167,16 @@ def plan_files(dst: Manifest, *, max_shard_size: int | None = None) -> tuple[Man
     jobs: dict[str, FileJob] = {}
     seen: set[tuple[str, str]] = set()
     local = {r: filled.local_tensors(r) for r in filled.ranks_holding()}
-    for fqn, a, c in filled.iter_chunks():
+    empty = _empty_arrays(filled)
+    named = {c.file_for(0) for _, _, c in dst.iter_chunks() if c.source is not None and c.source.file}
+    for fqn, a, c in _chunks_and_empties(filled, empty):
+        if c is None:  # with one file named by the destination, empty arrays go there too
+            rel = next(iter(named)) if len(named) == 1 else hf.get(fqn, "model.safetensors")
+            assert rel is not None
+            if (rel, fqn) not in seen:
+                seen.add((rel, fqn))
+                jobs.setdefault(rel, FileJob(rel)).tensors.append((fqn, empty[fqn], 0))
+            continue
         for h in c.holders:
             rel = c.file_for(h)
             assert rel is not None
@@ -159,6 +187,15 @@ def plan_files(dst: Manifest, *, max_shard_size: int | None = None) -> tuple[Man
             jobs.setdefault(rel, FileJob(rel)).tensors.append((t, local[h][t], h))
     # padded local tensors that no chunk names are still part of the rank's file
     return filled, sorted(jobs.values(), key=lambda j: j.rel)
+
+
+def _chunks_and_empties(m: Manifest, empty: dict[str, TensorSpec]) -> Any:
+    """``iter_chunks`` in array order, with ``(fqn, spec, None)`` where an empty array stands."""
+    for fqn, a in m.arrays.items():
+        if fqn in empty:
+            yield fqn, a, None
+        for c in a.chunks:
+            yield fqn, a, c
 
 
 # ------------------------------------------------------------------ execution
@@ -336,6 +373,25 @@ def _verify_existing(out_dir: Path, job: FileJob, record: dict[str, Any], opts: 
         return False
 
 
+def _remove_stale_temps(out: Path, jobs: Sequence[FileJob]) -> None:
+    """Temp files of an interrupted run (``.NAME.tmp-PID``, ours or atomic_write_bytes'). Called
+    with the lock held, so no live writer owns them."""
+    dirs = {out / STATE_DIR} | {(out / j.rel).parent for j in jobs}
+    names = {(out / j.rel).name for j in jobs} | {"manifest.json", "model.safetensors.index.json"}
+    for d in dirs:
+        try:
+            entries = list(d.iterdir())
+        except OSError:
+            continue
+        for p in entries:
+            base, sep, _ = p.name.rpartition(".tmp-")
+            if sep and base.startswith(".") and (d.name == STATE_DIR or base[1:] in names):
+                try:
+                    p.unlink()
+                except OSError:
+                    pass
+
+
 def _sha(b: bytes) -> str:
     import hashlib
 
@@ -368,6 +424,7 @@ class _Lock:
 def _preflight(src: Manifest, dst: Manifest, plan: Plan) -> list[str]:
     """Open every source tensor the plan reads, before anything is written."""
     problems: list[str] = []
+    reported: set[str] = set()
     seen: set[tuple[str, int, int]] = set()
     store = SourceStore(src)
     try:
@@ -383,7 +440,9 @@ def _preflight(src: Manifest, dst: Manifest, plan: Plan) -> list[str]:
                     problems.append(f"{rt.path}: {t.fqn}: stored tensor {rt.name!r} has shape {list(rt.shape)}, "
                                     f"too small for chunk region {chunk.region} at offsets {list(chunk.local_offsets)}")
             except ShardstreamError as e:
-                problems.extend(e.problems or [str(e)])
+                # one line per problem: a broken file is reported once, not once per chunk in it
+                problems.extend(p for p in (e.problems or [str(e)]) if p not in reported)
+                reported.update(e.problems or [str(e)])
             if len(problems) > 200:
                 problems.append("... (stopping after 200 problems)")
                 break
@@ -404,11 +463,12 @@ def _assign(jobs: Sequence[FileJob], workers: int) -> list[list[FileJob]]:
 
 
 def convert(src: Manifest, dst: Manifest, out_dir: str | os.PathLike[str], opts: ConvertOptions | None = None,
-            *, comm: Any = None, log: Any = None) -> ConvertReport:
+            *, comm: Any = None, log: Any = None, src_where: str = "SRC", dst_where: str = "DST") -> ConvertReport:
     """Convert the checkpoint ``src`` describes into ``dst``'s layout under ``out_dir``.
 
     Raises ``ValidationError`` / ``PlanError`` / ``FormatError`` (nothing written) for bad input,
-    ``OutputLockedError`` when another convert holds ``out_dir``.
+    ``OutputLockedError`` when another convert holds ``out_dir``. ``src_where`` / ``dst_where``
+    name the manifests in problem lines (the CLI passes their paths).
     """
     opts = opts or ConvertOptions()
     t0 = time.perf_counter()
@@ -416,14 +476,17 @@ def convert(src: Manifest, dst: Manifest, out_dir: str | os.PathLike[str], opts:
     rank = comm.Get_rank() if comm is not None else 0
     size = comm.Get_size() if comm is not None else 1
 
-    problems = validate_manifest(src, where="SRC") + validate_manifest(dst, where="DST")
+    problems = validate_manifest(src, where=src_where) + validate_manifest(dst, where=dst_where)
     if problems:
         raise ValidationError(problems=problems)
     if any(c.source is None or c.source.file is None for _, _, c in src.iter_chunks()):
         missing = sorted({f for f, _, c in src.iter_chunks() if c.source is None or c.source.file is None})
-        raise ValidationError(problems=[f"SRC: {f}: chunk has no source.file, so there is nothing to read "
+        raise ValidationError(problems=[f"{src_where}: {f}: chunk has no source.file, so there is nothing to read "
                                         "(describe the files with `shardstream import`)" for f in missing[:20]])
-    plan = plan_transfers(src, dst, allow_extra=opts.allow_extra)
+    try:
+        plan = plan_transfers(src, dst, allow_extra=opts.allow_extra)
+    except PlanError as e:  # its lines name the array; say which manifests were being matched
+        raise PlanError(problems=[f"{dst_where}: {ln}; source manifest {src_where}" for ln in e.problems]) from e
     filled, jobs = plan_files(dst, max_shard_size=opts.max_shard_size)
     problems = _preflight(src, dst, plan) if rank == 0 else []
     if comm is not None:
@@ -446,6 +509,7 @@ def convert(src: Manifest, dst: Manifest, out_dir: str | os.PathLike[str], opts:
             (out / "manifest.json").unlink()
         except FileNotFoundError:
             pass
+        _remove_stale_temps(out, jobs)
     if comm is not None:
         comm.barrier()
     try:
@@ -458,7 +522,7 @@ def convert(src: Manifest, dst: Manifest, out_dir: str | os.PathLike[str], opts:
                 arrays[fqn] = ArraySpec(a.shape, a.data_type, chunks)
             final = replace(filled, arrays=arrays)
             if dst.world_size == 1 and opts.max_shard_size:
-                _write_index(out, final)
+                _write_index(out, final, jobs)
             save_manifest(final, out / "manifest.json")
         if comm is not None:
             comm.barrier()
@@ -544,13 +608,12 @@ def _run_jobs(src: Manifest, filled: Manifest, plan: Plan, out: Path, jobs: list
     return _RunResult(rep, checksums)
 
 
-def _write_index(out: Path, m: Manifest) -> None:
+def _write_index(out: Path, m: Manifest, jobs: Sequence[FileJob]) -> None:
     weight_map: dict[str, str] = {}
     total = 0
-    for fqn, a, c in m.iter_chunks():
-        f = c.file_for(0)
-        assert f is not None
-        weight_map[c.tensor(fqn)] = f
+    for job in jobs:  # every stored tensor, empty arrays included
+        for name, _, _ in job.tensors:
+            weight_map[name] = job.rel
     for ts in m.local_tensors(0).values():
         n = by_name(ts.data_type).itemsize
         for s in ts.shape:

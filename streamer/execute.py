@@ -60,6 +60,32 @@ def byte_view(t: Any) -> np.ndarray:
     return flat.numpy().reshape(tuple(t.shape) + (isz,))
 
 
+def torch_byte_view(t: Any) -> Any:
+    """Like ``byte_view`` but a torch uint8 view (any device); numpy arrays are wrapped, not copied."""
+    import torch
+
+    if isinstance(t, np.ndarray):
+        return torch.from_numpy(byte_view(t))
+    if not t.is_contiguous():
+        raise ValueError("local tensor must be contiguous")
+    isz = t.element_size()
+    flat = t.reshape(-1).view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8)
+    return flat.reshape(tuple(t.shape) + (isz,))
+
+
+def _copy(dst: Any, src: Any) -> None:
+    if isinstance(dst, np.ndarray):
+        np.copyto(dst, src)
+    else:
+        dst.copy_(src)
+
+
+def _host_bytes(x: Any) -> np.ndarray:
+    if isinstance(x, np.ndarray):
+        return np.ascontiguousarray(x).reshape(-1)
+    return x.contiguous().cpu().numpy().reshape(-1)
+
+
 def _slices(box: Box) -> tuple[slice, ...]:
     return tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes))
 
@@ -173,14 +199,25 @@ class Executor:
         self.window = max(1, window)
         self.verify = verify
         self.peer_names = peer_names
-        self.views = {name: byte_view(x) for name, x in tensors.items()}
+        #: torch.distributed transports move torch tensors (GPU memory for NCCL); others numpy
+        self.use_torch = getattr(transport, "name", "") in ("gloo", "nccl")
+        view = torch_byte_view if self.use_torch else byte_view
+        self.views = {name: view(x) for name, x in tensors.items()}
         self.mine = [m for m in schedule if m.src == self.rank or m.dst == self.rank]
         self.local = [t for t in plan.transfers if t.phase == 0 and t.dst_rank == self.rank]
         bucket = max((m.nbytes for m in self.mine), default=0)
         # at most `window` bucket buffers, allocated once and reused every push
-        self._slots = [np.empty(bucket, dtype=np.uint8) for _ in range(min(self.window, len(self.mine)))]
+        self._slots = [self._empty(bucket) for _ in range(min(self.window, len(self.mine)))]
         self._free = list(range(len(self._slots)))
         self._check_tensors()
+
+    def _empty(self, n: int) -> Any:
+        if not self.use_torch:
+            return np.empty(n, dtype=np.uint8)
+        import torch
+
+        dev = getattr(self.t, "device", None) or torch.device("cpu")
+        return torch.empty(n, dtype=torch.uint8, device=dev)
 
     def _check_tensors(self) -> None:
         problems = []
@@ -216,14 +253,14 @@ class Executor:
         for tr in m.transfers:
             n = tr.nbytes
             dst = buf[off:off + n].reshape(tr.region.sizes + (tr.itemsize,))
-            np.copyto(dst, self._region(tr.src_tensor, tr.src_box))
+            _copy(dst, self._region(tr.src_tensor, tr.src_box))
             off += n
 
     def _unpack(self, m: Message, buf: np.ndarray) -> None:
         off = 0
         for tr in m.transfers:
             n = tr.nbytes
-            np.copyto(self._region(tr.dst_tensor, tr.dst_box), buf[off:off + n].reshape(tr.region.sizes + (tr.itemsize,)))
+            _copy(self._region(tr.dst_tensor, tr.dst_box), buf[off:off + n].reshape(tr.region.sizes + (tr.itemsize,)))
             off += n
 
     def _inplace(self, m: Message, send: bool) -> np.ndarray | None:
@@ -235,7 +272,12 @@ class Executor:
         if not is_contiguous(box, v.shape[:-1]):
             return None
         r = self._region(name, box)
-        return r.reshape(-1)
+        if isinstance(r, np.ndarray):
+            return r.reshape(-1)
+        try:
+            return r.view(-1)  # a view or nothing: never a silent copy we would receive into
+        except RuntimeError:
+            return None
 
     # -- main loop
     def run(self) -> ExecStats:
@@ -243,7 +285,8 @@ class Executor:
         t0 = time.perf_counter()
         for tr in self.local:  # same-job reshard: bytes already on this rank
             if tr.src_tensor != tr.dst_tensor or tr.src_offsets != tr.dst_offsets:
-                np.copyto(self._region(tr.dst_tensor, tr.dst_box), self._region(tr.src_tensor, tr.src_box).copy())
+                src = self._region(tr.src_tensor, tr.src_box)
+                _copy(self._region(tr.dst_tensor, tr.dst_box), src.copy() if isinstance(src, np.ndarray) else src.clone())
             st.local_copies += 1
         pending_p1 = sum(1 for m in self.mine if m.dst == self.rank and m.phase == 1)
         i = 0
@@ -311,7 +354,7 @@ class Executor:
     def _digest(self, name: str, box: Box) -> int:
         import xxhash
 
-        return xxhash.xxh64_intdigest(np.ascontiguousarray(self._region(name, box)).reshape(-1))
+        return xxhash.xxh64_intdigest(_host_bytes(self._region(name, box)))
 
     def _verify(self) -> int:
         """Senders hash the regions they sent (from their own tensors); receivers hash what landed
@@ -319,15 +362,16 @@ class Executor:
         reqs = []
         keep = []
         expect: list[tuple[Message, np.ndarray]] = []
+        ctrl = getattr(self.t, "ctrl", self.t)  # digests are host memory: NCCL cannot carry them
         for m in self.mine:
             if m.src == self.rank:
                 d = np.array([self._digest(tr.src_tensor, tr.src_box) for tr in m.transfers], dtype=np.uint64)
                 keep.append(d)
-                reqs.append(self.t.isend(d, m.dst, _DIGEST_TAG))
+                reqs.append(ctrl.isend(d, m.dst, _DIGEST_TAG))
             else:
                 d = np.zeros(len(m.transfers), dtype=np.uint64)
                 expect.append((m, d))
-                reqs.append(self.t.irecv(d, m.src, _DIGEST_TAG))
+                reqs.append(ctrl.irecv(d, m.src, _DIGEST_TAG))
         from .transport.base import wait_all
 
         wait_all(reqs, self.timeout, "verify checksums", names=self.peer_names)

@@ -142,11 +142,8 @@ def connect(role: str, *, rendezvous: str | None = None, timeout: float = 300.0)
             _write_atomic(path, port + "\n")
 
         def cleanup() -> None:
-            if role_comm.Get_rank() == 0:
-                try:
-                    path.unlink()
-                except FileNotFoundError:
-                    pass
+            # every rank: the first watchdog to fire aborts the job, maybe before rank 0's does
+            path.unlink(missing_ok=True)
 
         with Watchdog(timeout, f"waiting for the sender job to connect through {path}", cleanup):
             inter = role_comm.Accept(port, root=0)

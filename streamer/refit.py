@@ -85,14 +85,13 @@ class RefitSession:
                             f"{self.group.n_recv} ranks")
         if problems:
             raise PlanError(problems=problems)
-        self.plan: Plan = plan_transfers(self.src, self.dst, src_domain_size=self.src_domain_size,
-                                         dst_domain_size=self.dst_domain_size, allow_extra=self.allow_extra)
         # both jobs must agree on how to move: verify if any side asks, the smallest bucket, one strategy
         import json
 
         cfgs = [json.loads(c) for c in t.allgather_bytes(json.dumps(
             {"verify": self.verify, "bucket": self.bucket_size, "strategy": self.strategy,
-             "steps": self.planned_steps}).encode(), self.timeout)]
+             "steps": self.planned_steps, "src_domain": self.src_domain_size,
+             "dst_domain": self.dst_domain_size}).encode(), self.timeout)]
         strategies = sorted({c["strategy"] for c in cfgs})
         if len(strategies) > 1:
             raise PlanError(f"the two jobs asked for different strategies ({', '.join(strategies)}); pass the same "
@@ -100,6 +99,13 @@ class RefitSession:
         self.verify = any(c["verify"] for c in cfgs)
         self.bucket_size = min(c["bucket"] for c in cfgs)
         self.planned_steps = max(c["steps"] for c in cfgs)
+        for key, attr in (("src_domain", "src_domain_size"), ("dst_domain", "dst_domain_size")):
+            vals = sorted({c[key] for c in cfgs if c[key] is not None})
+            if len(vals) > 1:
+                raise PlanError(f"the two jobs asked for different --{key.replace('_', '-')}-size values {vals}")
+            setattr(self, attr, vals[0] if vals else None)
+        self.plan: Plan = plan_transfers(self.src, self.dst, src_domain_size=self.src_domain_size,
+                                         dst_domain_size=self.dst_domain_size, allow_extra=self.allow_extra)
         digest = self.plan.digest() + f"|bucket={self.bucket_size}"
         digests = t.allgather_bytes(digest.encode(), self.timeout)
         bad = [i for i, d in enumerate(digests) if d.decode() != digest]

@@ -239,16 +239,28 @@ def run_plan_loopback(plan: Plan, src: Manifest, dst: Manifest,
                       verify: bool = True, timeout: float = 10.0, window: int = 2,
                       skip_ranks: Iterable[int] = (),
                       corrupt: Callable[[int, int, int, bytearray], None] | None = None,
-                      join_timeout: float | None = None) -> RunResult:
+                      join_timeout: float | None = None, zero_copy: bool = False) -> RunResult:
     """Run every global rank of ``plan`` in its own thread over one ``LoopbackHub``.
 
     Destination tensors are written in place. ``skip_ranks`` are never started (a dead peer;
     the hub drops messages to them). Nothing is raised here: errors are collected per rank in
     the result (``raise_first`` re-raises the first), and threads that outlive ``join_timeout``
-    (default ``timeout + 10``) are listed in ``hung``.
+    (default ``timeout + 10``) are listed in ``hung``. ``zero_copy`` gives ``build_schedule``
+    the local tensor shapes (as ``RefitSession`` does), so that large contiguous transfers go as
+    their own messages, sent from and received into the local tensors.
     """
-    del src, dst  # the plan carries all it needs; kept in the signature for symmetry
-    sched = build_schedule(plan, bucket)
+    if zero_copy:
+        shapes: dict[tuple[int, bool], dict[str, Any]] = {}
+
+        def shape_of(g: int, tensor: str, on_dst: bool) -> tuple[int, ...]:
+            key = (g, on_dst)
+            if key not in shapes:
+                shapes[key] = dst.local_tensors(plan.dst_local(g)) if on_dst else src.local_tensors(g)
+            return tuple(shapes[key][tensor].shape)
+
+        sched = build_schedule(plan, bucket, shape_of)
+    else:
+        sched = build_schedule(plan, bucket)
     hub = LoopbackHub(plan.world_size)
     hub.corrupt = corrupt
     skip = set(skip_ranks)

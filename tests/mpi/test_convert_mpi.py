@@ -1,0 +1,40 @@
+"""``shardstream convert`` under ``mpiexec``: the ranks share the work and the output is the
+same bytes as a single-process convert of the same inputs (design §7, §8)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from mpi_helpers import Ckpt, ok, run, safetensors_files, same_files
+
+pytestmark = pytest.mark.mpi
+
+CASES = {
+    # HF checkpoint -> TP2xDP2 rank files
+    "hf-to-tp2dp2": ("hf", "serve_dp", 2),
+    # TP2xPP2 rank files (a convert output dir) -> TP4 rank files
+    "tp2pp2-to-tp4": ("train", "serve", 2),
+    # more workers than make an even split
+    "tp2pp2-to-tp4-n3": ("train", "serve", 3),
+    # rank files -> one HF file written by several workers
+    "tp2pp2-to-hf": ("train", "hf1", 2),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_mpi_convert_matches_single_process(ckpt: Ckpt, tmp_path: Path, case: str) -> None:
+    src_attr, dst_attr, n = CASES[case]
+    src, dst = getattr(ckpt, src_attr), getattr(ckpt, dst_attr)
+    single = tmp_path / "single"
+    ok(["shardstream", "convert", src, dst, "--out", single])
+    par = tmp_path / "mpi"
+    rc, so, se = run(["mpiexec", "-n", n, "shardstream", "convert", src, dst, "--out", par], timeout=60)
+    assert rc == 0, f"rc {rc}\nstdout:\n{so}\nstderr:\n{se}"
+    assert f"{n} worker(s)" in so, so
+    assert (par / "manifest.json").exists()
+    assert safetensors_files(par), "no files written"
+    assert same_files(par, single) == []
+    ok(["shardstream", "validate", "--data", par])
+    if dst_attr == "hf1":
+        assert (par / "model.safetensors").read_bytes() == (ckpt.hf / "model.safetensors").read_bytes()
