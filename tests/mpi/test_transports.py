@@ -1,0 +1,34 @@
+"""The generic transport suite, run for every transport available (mpi, gloo) under mpiexec."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.mpi
+ROOT = Path(__file__).resolve().parents[2]
+MPIEXEC = shutil.which("mpiexec") or str(Path(sys.executable).parent / "mpiexec")
+
+
+def _have(mod: str) -> bool:
+    try:
+        __import__(mod)
+        return True
+    except ImportError:
+        return False
+
+
+@pytest.mark.skipif(not Path(MPIEXEC).exists(), reason="mpiexec not installed")
+@pytest.mark.parametrize("kind", ["mpi", pytest.param("gloo", marks=pytest.mark.skipif(
+    not _have("torch.distributed"), reason="torch.distributed not available"))])
+@pytest.mark.parametrize("n", [4, 6])
+def test_transport_suite(kind: str, n: int) -> None:
+    env = dict(os.environ, HYDRA_LAUNCHER="fork", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    p = subprocess.run([MPIEXEC, "-n", str(n), sys.executable, str(ROOT / "tests/mpi/transport_worker.py"), kind],
+                       capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
+    assert p.returncode == 0 and p.stdout.strip().endswith("OK"), p.stdout[-3000:] + p.stderr[-3000:]

@@ -1,0 +1,104 @@
+"""One size-agnostic transport test body, run under mpiexec for each transport:
+``mpiexec -n N python tests/mpi/transport_worker.py mpi|gloo``. Prints OK on rank 0.
+
+Checks, collect-then-assert style (every rank reaches the same verdict):
+control collectives, a real plan executed byte-exact (with phase-2 forwarding and verify), and a
+receive that no one answers failing with PeerTimeoutError within its timeout.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from formats.dtypes import DTYPES, np_storage
+from formats.errors import PeerTimeoutError
+from formats.layouts import apply_layout, manifest_from_arrays, parse_mesh, parse_rule
+from streamer.execute import Executor, build_schedule
+from streamer.plan import plan_transfers
+
+
+def oracle(shape: tuple[int, ...], dt: str) -> np.ndarray:
+    n = int(np.prod(shape, dtype=np.int64))
+    return (np.arange(n, dtype=np.uint64) % 256).astype(np_storage(DTYPES[dt])).reshape(shape)
+
+
+def main(kind: str) -> int:
+    world = MPI.COMM_WORLD
+    W = world.Get_size()
+    S = W // 2
+    if kind == "mpi":
+        from streamer.transport.mpi import MPITransport
+
+        t = MPITransport(world)
+    else:
+        from streamer.transport.torch_dist import TorchDistTransport
+
+        t = TorchDistTransport(world, kind, timeout=60)
+    r = t.rank
+    fails: list[str] = []
+    # control plane
+    got = t.allgather_bytes(f"r{r}".encode() * (r + 1), 20)
+    if got != [f"r{i}".encode() * (i + 1) for i in range(W)]:
+        fails.append(f"rank {r}: allgather_bytes wrong")
+    if t.bcast_bytes(b"hello" if r == 1 % W else None, 1 % W, 20) != b"hello":
+        fails.append(f"rank {r}: bcast_bytes wrong")
+    t.barrier(20)
+    # a real plan: S senders (dp x tp) -> W-S receivers (tp, one domain => phase 2 for replicas)
+    arrays = {"w": ((37, 24), "bfloat16"), "v": ((24, 13), "float32"), "s": ((), "int64"), "b": ((6, 5, 4), "bool")}
+    base = manifest_from_arrays(arrays)
+    ms = parse_mesh(f"dp={2 if S % 2 == 0 else 1},tp={S // (2 if S % 2 == 0 else 1)}")
+    md = parse_mesh(f"dp=2,tp={(W - S) // 2}") if (W - S) % 2 == 0 else parse_mesh(f"tp={W - S}")
+    src = apply_layout(base, ms, [parse_rule("w=R,S(0)", ms), parse_rule("v=R,S(1)", ms)], file_pattern=None)
+    dst_rules = [parse_rule("w=" + ",".join(["R"] * (md.ndim - 1) + ["S(1)"]), md),
+                 parse_rule("b=" + ",".join(["R"] * (md.ndim - 1) + ["S(2)"]), md)]
+    dst = apply_layout(base, md, dst_rules, file_pattern=None)
+    plan = plan_transfers(src, dst, dst_domain_size=W - S, split_bytes=64)
+    sched = build_schedule(plan, 128)
+    full = {n: oracle(s, dt) for n, (s, dt) in arrays.items()}
+    if r < S:
+        tensors = {}
+        for fqn, a, c in src.iter_chunks():
+            if r in c.holders:
+                sl = tuple(slice(o, o + s) for o, s in zip(c.region.offsets, c.region.sizes))
+                tensors[c.tensor(fqn)] = np.array(full[fqn][sl], copy=True)
+    else:
+        tensors = {n: np.zeros(ts.shape, np_storage(DTYPES[ts.data_type])) for n, ts in dst.local_tensors(r - S).items()}
+    for step in range(3):  # the same executor, several pushes
+        Executor(t, plan, sched, tensors, timeout=30, verify=True).run()
+        if r >= S:
+            for fqn, a, c in dst.iter_chunks():
+                if r - S in c.holders:
+                    sl = tuple(slice(o, o + s) for o, s in zip(c.region.offsets, c.region.sizes))
+                    lsl = tuple(slice(o, o + s) for o, s in zip(c.local_offsets, c.region.sizes))
+                    if not np.array_equal(tensors[c.tensor(fqn)][lsl], full[fqn][sl]):
+                        fails.append(f"rank {r}: step {step}: {fqn} chunk {c.region} differs from the oracle")
+            for v in tensors.values():
+                v[...] = 0
+    t.barrier(20)
+    # a receive nobody answers must time out, naming the peer (MPI only: torch has no cancel)
+    if kind == "mpi" and r == 0:
+        from streamer.transport.base import wait_all
+
+        buf = np.zeros(4, np.uint8)
+        req = t.irecv(buf, W - 1, 999)
+        t0 = time.monotonic()
+        try:
+            wait_all([req], 1.0, "probe")
+            fails.append("rank 0: a receive nobody answers completed")
+        except PeerTimeoutError as e:
+            if f"rank {W - 1}" not in str(e) or time.monotonic() - t0 > 5:
+                fails.append(f"rank 0: bad timeout: {e}")
+        req.cancel()
+    verdicts = [f for fs in world.allgather(fails) for f in fs]
+    t.close()
+    if r == 0:
+        print("\n".join(verdicts) if verdicts else "OK")
+    return 1 if verdicts else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
