@@ -18,6 +18,7 @@ from math import prod
 from typing import Any
 
 import numpy as np
+from hypothesis import settings
 from hypothesis import strategies as st
 
 from formats.box import Box
@@ -48,6 +49,7 @@ __all__ = [
     "run_plan_loopback",
     "check_dest_tensors",
     "region_slices",
+    "n_examples",
 ]
 
 DTYPES_UNDER_TEST = ("bfloat16", "float32", "int64", "uint8", "bool")
@@ -55,6 +57,12 @@ AXIS_NAMES = ("dp", "tp", "cp", "fsdp")  # no pp / ep: those place arrays by nam
 
 
 # --------------------------------------------------------------------------- strategies
+
+def n_examples(n: int) -> int:
+    """``n`` examples under the default ``ci`` profile (40 examples), scaled with the loaded
+    profile's ``max_examples`` (``HYPOTHESIS_PROFILE=thorough`` runs 12.5x more)."""
+    return max(1, n * settings.default.max_examples // 40)
+
 
 @dataclass(frozen=True)
 class LayoutPair:

@@ -24,6 +24,7 @@ from helpers import (
     empty_dest_tensors,
     lay_out,
     make_source_tensors,
+    n_examples,
     oracle_arrays,
     random_layout_pair,
     run_plan_loopback,
@@ -56,7 +57,7 @@ def execute(plan: Plan, src: Manifest, dst: Manifest, arrays: dict[str, Any], *,
 # --------------------------------------------------------------------------- random layouts
 
 
-@settings(max_examples=25)
+@settings(max_examples=n_examples(25))
 @given(pair=random_layout_pair(max_ranks=6, max_dim=6), bucket=st.sampled_from([64, 1 << 20]),
        same_job=st.booleans())
 def test_random_layouts_land_byte_exact(pair: LayoutPair, bucket: int, same_job: bool) -> None:

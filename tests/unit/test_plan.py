@@ -35,7 +35,7 @@ from formats.layouts import (
     parse_rule,
 )
 from formats.manifest import ArraySpec, Chunk, Manifest
-from helpers import LayoutPair, lay_out, random_layout_pair
+from helpers import LayoutPair, lay_out, n_examples, random_layout_pair
 from streamer.plan import (
     DEFAULT_SPLIT_BYTES,
     Plan,
@@ -199,7 +199,7 @@ def assert_plan_exact(plan: Plan, src: Manifest, dst: Manifest, same_job: bool) 
 SPLITS = st.sampled_from([1, 16, 256, DEFAULT_SPLIT_BYTES])
 
 
-@settings(max_examples=50)
+@settings(max_examples=n_examples(50))
 @given(pair=random_layout_pair(), same_job=st.booleans(), split=SPLITS)
 @example(  # nested: two axes shard dim 0 of an uneven array; replicas on both sides
     pair=LayoutPair(
@@ -220,7 +220,7 @@ def test_plan_is_exact(pair: LayoutPair, same_job: bool, split: int) -> None:
         assert st_["dst_domain_size"] == (pair.dst_domain_size or 1)
 
 
-@settings(max_examples=30)
+@settings(max_examples=n_examples(30))
 @given(pair=random_layout_pair(domains=False), same_job=st.booleans())
 def test_domain_sizes_do_not_change_what_lands(pair: LayoutPair, same_job: bool) -> None:
     """With and without domains (phase 2): every byte lands exactly once on every holder, moved
@@ -233,7 +233,7 @@ def test_domain_sizes_do_not_change_what_lands(pair: LayoutPair, same_job: bool)
     assert_plan_exact(plan, pair.src, pair.dst, same_job)
 
 
-@settings(max_examples=40)
+@settings(max_examples=n_examples(40))
 @given(pair=random_layout_pair(max_ranks=6))
 def test_sweep_matches_all_pairs_oracle(pair: LayoutPair) -> None:
     """The planner's sorted sweep finds exactly the intersections the quadratic oracle finds, and
@@ -475,7 +475,7 @@ def _multiset(plan: Plan) -> Counter[str]:
     return Counter(t.key() for t in plan.transfers)
 
 
-@settings(max_examples=30)
+@settings(max_examples=n_examples(30))
 @given(pair=random_layout_pair(max_arrays=4), same_job=st.booleans(), seed=st.integers(0, 2**32 - 1),
        split=SPLITS)
 def test_plan_independent_of_array_and_chunk_order(pair: LayoutPair, same_job: bool, seed: int, split: int) -> None:

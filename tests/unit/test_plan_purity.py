@@ -21,7 +21,6 @@ PURE_MODULES = ("streamer.plan", "formats", "formats.box", "formats.manifest", "
 SMALL_PLAN = """
 from formats.layouts import Mesh, Replicate, Shard, build_manifest
 from formats.manifest import dumps_manifest, loads_manifest
-from formats.validate import validate_manifest
 arrays = {"w": ((7, 5), "bfloat16"), "s": ((), "int64")}
 src = build_manifest(arrays, Mesh(("dp", "tp"), (2, 2)), {"w": (Replicate(), Shard(0)), "s": (Replicate(), Replicate())},
                      file_pattern=None)
