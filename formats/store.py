@@ -57,6 +57,8 @@ class SourceStore:
         from .safetensors_io import ReadStats
 
         self.stats = ReadStats()
+        #: the largest span one coalesced read may buffer (convert sets it from --memory-limit)
+        self.read_budget = 64 << 20
 
     # -- resolution
     def header(self, path: str) -> Any:
@@ -118,7 +120,8 @@ class SourceStore:
         n = box.volume * rt.dtype.itemsize
         if out is None:
             out = np.empty(n, dtype=np.uint8)
-        read_region(self.fd(rt.path), rt.start, rt.shape, rt.dtype.itemsize, box, out, stats=self.stats)
+        read_region(self.fd(rt.path), rt.start, rt.shape, rt.dtype.itemsize, box, out, stats=self.stats,
+                    budget=self.read_budget)
         return out
 
     def close(self) -> None:

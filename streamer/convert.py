@@ -220,9 +220,11 @@ class _Writer:
                     self.chunks_in[(h, c.tensor(fqn))].append((fqn, ci, c.local_box))
         self.slab_budget = max(1 << 16, opts.memory_limit // 4)
         self.read_budget = max(1 << 16, opts.memory_limit // 4)
+        store.read_budget = self.read_budget
         # two slab buffers: the background writer drains one while the next is filled
         self._bufs = [np.empty(0, dtype=np.uint8), np.empty(0, dtype=np.uint8)]
         self._turn = 0
+        self._scratch = np.empty(0, dtype=np.uint8)
         self._pending: Any = None
         from concurrent.futures import ThreadPoolExecutor
 
@@ -234,6 +236,12 @@ class _Writer:
         if self._bufs[self._turn].size < n:
             self._bufs[self._turn] = np.empty(n, dtype=np.uint8)
         return self._bufs[self._turn][:n]
+
+    def scratch(self, n: int) -> np.ndarray:
+        """A reused read buffer: fresh allocations per read cost a page fault per 4 KiB."""
+        if self._scratch.size < n:
+            self._scratch = np.empty(n, dtype=np.uint8)
+        return self._scratch[:n]
 
     def _write_async(self, w: Any, name: str, off: int, buf: np.ndarray) -> None:
         """Queue one slab write (pwrite releases the GIL, so reading the next slab overlaps it)."""
@@ -309,7 +317,7 @@ class _Writer:
                 if sub == slab:
                     self.store.read(rt, sbox, buf)
                 else:
-                    tmp = self.store.read(rt, sbox)
+                    tmp = self.store.read(rt, sbox, self.scratch(sbox.volume * isz))
                     rel = sub.relative_to(slab.offsets)
                     sl = tuple(slice(o, o + s) for o, s in zip(rel.offsets, rel.sizes))
                     view[sl] = tmp.reshape(sub.sizes + (isz,))

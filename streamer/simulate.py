@@ -1,0 +1,461 @@
+"""Cluster cost model: how long a refit (trainer job -> inference job) would take on a real
+cluster, for shardstream's reshard plan and for the gather-broadcast baseline.
+
+No I/O, no MPI, no torch: ``formats`` + :mod:`streamer.plan` only. Nothing is allocated: the
+manifests describe full-size models, the planner is the real one, and the seconds come from
+the formulas below applied to the plan's bytes per rank pair.
+
+Layouts
+-------
+Trainer: Megatron-core (``formats.layouts.models.manifest_from_parallel``): ranks ``tp``
+fastest, then ``cp``, ``fsdp``, ``dp``, ``pp`` slowest; non-expert arrays by the generic
+Megatron rules (column-parallel ``S(0)``, row-parallel ``S(1)``, vocab-parallel embeddings),
+experts whole on their ``ep`` block (parallel folding, ETP = 1). Generator: vLLM
+``dp × tp`` (``pp`` too if given), experts TP-sharded (``ep = 1``) or on ``ep`` blocks.
+Global ranks: trainers ``0..S-1``, generators ``S..S+D-1``; both jobs are cut into NVLink
+domains of the cluster's ``domain_size`` and never share one (separate nodes).
+
+Reshard cost (:func:`reshard_cost`)
+-----------------------------------
+* A message is one bucket (``bucket_size``, default 256 MiB, as ``refit``) from one rank to one
+  peer in one phase: a rank pair in a phase exchanging ``b`` bytes sends ``ceil(b / bucket)``
+  messages (the executor packs a pair's transfers into buckets the same way).
+* Each message costs ``bytes / bandwidth(link class) + latency``. Link classes: *network* (the
+  two ranks are in different domains: one NIC per GPU, ``nic`` bytes/s) and *nvlink* (same
+  domain: per-GPU NVLink, unidirectional = half the published bidirectional figure).
+* A rank's sends serialise, and so do its receives, separately: in a phase a rank takes
+  ``max(send time, recv time)``; the phase takes as long as its busiest rank.
+* Phase 2 (fan-out inside a destination domain) is pipelined with phase 1 bucket by bucket:
+  ``total = max(p1, p2) + one bucket of the other phase``, i.e. ``p1 + min(p2, B/nvlink + lat)``
+  when phase 1 dominates and ``p2 + min(p1, B/nic + lat)`` when phase 2 does.
+
+Gather-broadcast baseline (:func:`broadcast_cost`)
+--------------------------------------------------
+What NeMo RL does without ``nccl_reshard``: trainer rank 0 (the root) gathers every array, and
+a pipelined ring broadcasts each to every generator rank that needs it.
+
+* Gather: the root pulls each source chunk it does not hold from a holder in its own domain when
+  there is one (NVLink) or over its NIC. Its receives serialise:
+  ``Tg = local_bytes / nvlink + network_bytes / nic + chunks · latency``.
+* Broadcast: one ring (``broadcast_rings`` > 1 models NCCL spreading the ring over several
+  NICs) through the root and the ``L`` generator ranks, domain by domain. The ring's speed is
+  its slowest link, ``bw = min(rings · nic, nvlink)`` (the ring always crosses the job
+  boundary once). Pipelined in chunks ``c`` (NCCL-style, 1 MiB) it takes
+  ``Tb = M / bw + (L - 1)(c / bw + latency) + n_buckets · latency`` for ``M`` total bytes.
+* Gather and broadcast are double-buffered by bucket:
+  ``T = max(Tg, Tb) + min(Tg, Tb) / n_buckets``.
+
+Scaling identical layers (``planning="scaled"``, the default)
+-------------------------------------------------------------
+A full DeepSeek-V3 plan has ~11 million transfers: far too slow and too big in Python (see
+BENCHMARKS.md). So the simulator plans *one representative layer of each kind* (same array
+names after ``layers.{i}``, same shapes and dtypes, same generator pipeline stage) with the
+real planner, on manifests holding just that layer, plus one plan for the arrays outside the
+layers (embeddings, final norm, ``lm_head``). A layer on another trainer stage is the
+representative with every source rank shifted by ``(stage - stage0) · ranks_per_stage``:
+the planner orders and breaks ties by rank, so a uniform shift gives the same plan shifted.
+The simulated plan is therefore exactly the union of independent per-layer plans (each made by
+``plan_transfers``), a valid plan that moves the same bytes per link class as one whole-model
+plan; only the greedy balancing differs (the whole plan balances across layers too).
+``tests/unit/test_simulate.py`` checks on small models that the scaled figures equal the
+per-layer union exactly and the whole-model plan's bytes exactly. ``planning="whole"`` runs
+one ``plan_transfers`` over the full manifests (exact; small models only).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections import Counter, defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from formats.errors import UsageError
+from formats.layouts.models import manifest_from_parallel, parallel_meshes
+from formats.layouts.rules import layer_index, stage_of_layer
+from formats.manifest import Manifest
+
+from .plan import Plan, plan_transfers
+
+__all__ = ["CLUSTERS", "Cluster", "PLANNING_MODES", "broadcast_cost", "group_layers", "pair_bytes",
+           "reshard_cost", "simulate"]
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Link speeds of one GPU. Figures are bytes per second (1 GB/s = 1e9 B/s)."""
+
+    name: str
+    #: GPUs per NVLink domain
+    domain_size: int
+    #: per-GPU NVLink, one direction (half the published bidirectional figure)
+    nvlink_bytes_per_s: float
+    #: per-GPU NIC, one direction
+    nic_bytes_per_s: float
+    #: fixed cost of one message (one bucket to one peer); an assumption, not a published spec
+    latency_s: float = 10e-6
+    #: refit bucket (one message at most), as ``shardstream refit --bucket-size``
+    bucket_bytes: int = 256 << 20
+    #: parallel rings of the broadcast baseline (1: one NIC per inter-domain hop)
+    broadcast_rings: int = 1
+    #: pipeline chunk of the baseline's ring broadcast (NCCL-style)
+    broadcast_chunk_bytes: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        for k in ("domain_size", "bucket_bytes", "broadcast_rings", "broadcast_chunk_bytes"):
+            v = getattr(self, k)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise UsageError(f"cluster {self.name}: {k} must be an integer >= 1, got {v!r}")
+        for k in ("nvlink_bytes_per_s", "nic_bytes_per_s"):
+            if not getattr(self, k) > 0:
+                raise UsageError(f"cluster {self.name}: {k} must be > 0, got {getattr(self, k)!r}")
+        if not self.latency_s >= 0:
+            raise UsageError(f"cluster {self.name}: latency must be >= 0, got {self.latency_s!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["nvlink_gb_per_s"] = self.nvlink_bytes_per_s / GB
+        d["nic_gb_per_s"] = self.nic_bytes_per_s / GB
+        d["latency_us"] = self.latency_s * 1e6
+        return d
+
+
+#: public specs (../shared/workloads/README.md). DGX H100: 8 GPUs per NVLink domain, NVLink
+#: 900 GB/s per GPU bidirectional (450 one way), one 400 Gb/s (50 GB/s) InfiniBand NIC per GPU.
+#: GB200 NVL72: 72 GPUs per domain, NVLink 1.8 TB/s per GPU bidirectional (900 one way), one
+#: 400 Gb/s NIC per GPU (ConnectX-7; pass --nic-gbps 100 for 800 Gb/s ConnectX-8).
+CLUSTERS: dict[str, Cluster] = {
+    "dgx-h100": Cluster("dgx-h100", 8, 450 * GB, 50 * GB),
+    "gb200-nvl72": Cluster("gb200-nvl72", 72, 900 * GB, 50 * GB),
+}
+
+#: how the plan is built: one representative per layer kind (default), every layer planned on its
+#: own (verification), or one plan of the whole model (exact, small models only)
+PLANNING_MODES = ("scaled", "per-layer", "whole")
+
+_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?=\.|$)")
+
+
+# ---------------------------------------------------------------- grouping
+
+
+def _kind_name(fqn: str) -> str:
+    m = _LAYER_RE.search(fqn)
+    if m is None:
+        return fqn
+    return fqn[: m.start(1)] + "{L}" + fqn[m.end(1):]
+
+
+def group_layers(arrays: Mapping[str, tuple[Sequence[int], str]]) -> tuple[list[str], dict[Any, list[int]]]:
+    """``(arrays outside any layer, {layer kind: [layer indices]})``. A kind is the sorted tuple of
+    ``(name with the layer index replaced by {L}, shape, data_type)`` of one layer's arrays."""
+    misc: list[str] = []
+    per_layer: dict[int, list[tuple[str, tuple[int, ...], str]]] = defaultdict(list)
+    for fqn, (shape, dt) in arrays.items():
+        li = layer_index(fqn)
+        if li is None:
+            misc.append(fqn)
+        else:
+            per_layer[li].append((_kind_name(fqn), tuple(shape), dt))
+    kinds: dict[Any, list[int]] = defaultdict(list)
+    for li in sorted(per_layer):
+        kinds[tuple(sorted(per_layer[li]))].append(li)
+    return misc, dict(kinds)
+
+
+# ---------------------------------------------------------------- plan -> pair bytes
+
+
+def pair_bytes(plan: Plan) -> dict[tuple[int, int, int], int]:
+    """Bytes per ``(phase, src global rank, dst global rank)`` (phase-0 local copies left out)."""
+    out: dict[tuple[int, int, int], int] = defaultdict(int)
+    for t in plan.transfers:
+        if t.phase:
+            out[(t.phase, t.src_rank, t.dst_rank)] += t.nbytes
+    return out
+
+
+_ADDITIVE = ("total_bytes", "moved_bytes", "lower_bound_bytes", "network_bytes", "local_bytes",
+             "min_network_bytes", "transfers", "phase2_transfers")
+
+
+@dataclass
+class _Accum:
+    pairs: dict[tuple[int, int, int], int]
+    totals: Counter[str]
+    plans: int = 0
+    plan_seconds: float = 0.0
+    manifest_seconds: float = 0.0
+    max_transfers: int = 0
+
+    def add(self, plan: Plan, *, S: int, shifts: Mapping[int, int]) -> None:
+        """Add ``plan`` once per layer: ``shifts`` maps a source-rank shift to a layer count."""
+        n = sum(shifts.values())
+        st = plan.stats()
+        for k in _ADDITIVE:
+            self.totals[k] += st[k] * n
+        self.max_transfers = max(self.max_transfers, st["transfers"])
+        for (ph, s, d), b in pair_bytes(plan).items():
+            for sh, cnt in shifts.items():
+                src = s + sh if s < S else s  # phase 2 starts on a generator: not shifted
+                self.pairs[(ph, src, d)] += b * cnt
+
+
+# ---------------------------------------------------------------- costs
+
+
+def _link(src: int, dst: int, S: int, ds: int) -> str:
+    """``network`` or ``nvlink`` between two global ranks (separate jobs never share a domain)."""
+    if (src < S) != (dst < S):
+        return "network"
+    a, b = (src, dst) if src < S else (src - S, dst - S)
+    return "nvlink" if a // ds == b // ds else "network"
+
+
+def reshard_cost(pairs: Mapping[tuple[int, int, int], int], *, S: int, cluster: Cluster) -> dict[str, Any]:
+    """Seconds of a plan given its bytes per ``(phase, src, dst)`` (see the module docstring)."""
+    bw = {"network": cluster.nic_bytes_per_s, "nvlink": cluster.nvlink_bytes_per_s}
+    lat, bucket, ds = cluster.latency_s, cluster.bucket_bytes, cluster.domain_size
+    # (phase, rank, direction) -> [seconds, bytes, link]
+    load: dict[tuple[int, int, str], list[Any]] = {}
+    by_class: Counter[str] = Counter()
+    for (ph, s, d), b in pairs.items():
+        link = _link(s, d, S, ds)
+        by_class[link] += b
+        t = b / bw[link] + math.ceil(b / bucket) * lat
+        for key in ((ph, s, "send"), (ph, d, "recv")):
+            cur = load.get(key)
+            if cur is None:
+                load[key] = [t, b, link]
+            else:
+                cur[0] += t
+                cur[1] += b
+                if cur[2] != link:
+                    cur[2] = "mixed"
+    phase_s = {1: 0.0, 2: 0.0}
+    busiest: dict[int, dict[str, Any]] = {}
+    for (ph, r, direction), (t, b, link) in load.items():
+        if t > phase_s.get(ph, 0.0) or ph not in busiest:
+            if t >= phase_s.get(ph, 0.0):
+                phase_s[ph] = t
+                busiest[ph] = {"rank": r, "job": "trainer" if r < S else "generator",
+                               "job_rank": r if r < S else r - S, "phase": ph, "direction": direction,
+                               "link": link, "seconds": t, "bytes": b}
+    p1, p2 = phase_s.get(1, 0.0), phase_s.get(2, 0.0)
+    if p1 >= p2:
+        total = p1 + min(p2, bucket / cluster.nvlink_bytes_per_s + lat)
+    else:
+        total = p2 + min(p1, bucket / cluster.nic_bytes_per_s + lat)
+    top = max(busiest.values(), key=lambda x: x["seconds"], default=None)
+    send: Counter[int] = Counter()
+    recv: Counter[int] = Counter()
+    for (_, s, d), b in pairs.items():
+        send[s] += b
+        recv[d] += b
+    return {"seconds": total, "phase1_s": p1, "phase2_s": p2, "network_bytes": by_class["network"],
+            "local_bytes": by_class["nvlink"], "busiest": top, "busiest_by_phase": busiest,
+            "max_send_bytes": max(send.values(), default=0), "max_recv_bytes": max(recv.values(), default=0),
+            "messages": sum(math.ceil(b / bucket) for b in pairs.values())}
+
+
+def broadcast_cost(*, gather_local_bytes: int, gather_network_bytes: int, gather_chunks: int, total_bytes: int,
+                   ring_ranks: int, cluster: Cluster) -> dict[str, Any]:
+    """Seconds of the gather-broadcast baseline (formulas in the module docstring). ``ring_ranks``
+    is the number of generator ranks on the ring (``L``)."""
+    lat = cluster.latency_s
+    tg = (gather_local_bytes / cluster.nvlink_bytes_per_s + gather_network_bytes / cluster.nic_bytes_per_s
+          + gather_chunks * lat)
+    bw = min(cluster.broadcast_rings * cluster.nic_bytes_per_s, cluster.nvlink_bytes_per_s)
+    c = min(cluster.broadcast_chunk_bytes, max(total_bytes, 1))
+    n_buckets = max(1, math.ceil(total_bytes / cluster.bucket_bytes))
+    tb = total_bytes / bw + max(ring_ranks - 1, 0) * (c / bw + lat) + n_buckets * lat
+    total = max(tg, tb) + min(tg, tb) / n_buckets
+    return {"seconds": total, "gather_s": tg, "broadcast_s": tb, "ring_gb_per_s": bw / GB, "buckets": n_buckets}
+
+
+# ---------------------------------------------------------------- simulate
+
+
+def _stage(li: int, num_layers: int, pp: int) -> int:
+    return stage_of_layer(li, num_layers, pp) if pp > 1 else 0
+
+
+def _mesh_text(par: Mapping[str, Any]) -> str:
+    ne, ex = parallel_meshes(par)
+    return str(ne) + (f" (experts {ex})" if ex is not None else "")
+
+
+def simulate(arrays: Mapping[str, tuple[Sequence[int], str]], train: Mapping[str, Any],
+             generation: Mapping[str, Any], cluster: Cluster | str, *, planning: str = "scaled",
+             direct: bool = False, num_layers: int | None = None) -> dict[str, Any]:
+    """Simulated refit of ``arrays`` from a trainer laid out by ``train`` to a generator laid out
+    by ``generation`` (sizes as :func:`formats.layouts.models.parallel_from_dict` returns them)
+    on ``cluster``. Returns a JSON-able dict: ``reshard_s``, ``broadcast_s``, ``speedup``,
+    ``network_bytes``, ``local_bytes``, the busiest link, bytes per GPU, and how it was planned.
+    ``direct`` also plans without destination domains (every generator rank fed over the
+    network, NCCL M2N's DIRECT algorithm) and reports ``direct_s``."""
+    if isinstance(cluster, str):
+        if cluster not in CLUSTERS:
+            raise UsageError(f"unknown cluster {cluster!r} (known: {', '.join(CLUSTERS)})")
+        cluster = CLUSTERS[cluster]
+    if planning not in PLANNING_MODES:
+        raise UsageError(f"planning {planning!r}: expected one of {', '.join(PLANNING_MODES)}")
+    S, D, ds = train["num_gpus"], generation["num_gpus"], cluster.domain_size
+    if num_layers is None:
+        idx = [li for li in (layer_index(n) for n in arrays) if li is not None]
+        num_layers = max(idx) + 1 if idx else 1
+    misc, kinds = group_layers(arrays)
+    layers_of = defaultdict(list)
+    for fqn in arrays:
+        li = layer_index(fqn)
+        if li is not None:
+            layers_of[li].append(fqn)
+
+    # groups: (array names of the representative, {source shift: layer count}, representative's stage)
+    groups: list[tuple[list[str], dict[int, int]]] = []
+    if planning == "whole":
+        groups.append((list(arrays), {0: 1}))
+    else:
+        if misc:
+            groups.append((misc, {0: 1}))
+        for layers in kinds.values():
+            by_gen: dict[int, list[int]] = defaultdict(list)
+            for li in layers:
+                by_gen[_stage(li, num_layers, generation["pp"])].append(li)
+            for members in by_gen.values():
+                if planning == "per-layer":
+                    groups.extend((layers_of[li], {0: 1}) for li in members)
+                    continue
+                rep = members[0]
+                s0 = _stage(rep, num_layers, train["pp"])
+                shifts: Counter[int] = Counter()
+                for li in members:
+                    shifts[(_stage(li, num_layers, train["pp"]) - s0) * train["ranks_per_stage"]] += 1
+                groups.append((layers_of[rep], dict(shifts)))
+
+    acc = _Accum(defaultdict(int), Counter())
+    acc_direct = _Accum(defaultdict(int), Counter())
+    gather_local = gather_net = gather_chunks = 0
+    root = 0
+    for names, shifts in groups:
+        sub = {n: arrays[n] for n in names}
+        t0 = time.perf_counter()
+        src = manifest_from_parallel(sub, train, num_layers=num_layers)
+        dst = manifest_from_parallel(sub, generation, num_layers=num_layers)
+        acc.manifest_seconds += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        plan = plan_transfers(src, dst, src_domain_size=ds, dst_domain_size=ds)
+        acc.plan_seconds += time.perf_counter() - t0
+        acc.plans += 1
+        acc.add(plan, S=S, shifts=shifts)
+        del plan
+        if direct:
+            t0 = time.perf_counter()
+            dplan = plan_transfers(src, dst, src_domain_size=ds, dst_domain_size=1)
+            acc_direct.plan_seconds += time.perf_counter() - t0
+            acc_direct.plans += 1
+            acc_direct.add(dplan, S=S, shifts=shifts)
+            del dplan
+        # gather to the root, per layer (shifted holders)
+        for a in src.arrays.values():
+            isz = a.dtype.itemsize
+            for c in a.chunks:
+                nb = c.region.volume * isz
+                for sh, cnt in shifts.items():
+                    hs = [h + sh for h in c.holders]
+                    if root in hs:
+                        continue
+                    gather_chunks += cnt
+                    if any(h // ds == root // ds for h in hs):
+                        gather_local += nb * cnt
+                    else:
+                        gather_net += nb * cnt
+
+    total_model = sum(_nbytes(s, dt) for s, dt in arrays.values())
+    cost = reshard_cost(acc.pairs, S=S, cluster=cluster)
+    bc = broadcast_cost(gather_local_bytes=gather_local, gather_network_bytes=gather_net,
+                        gather_chunks=gather_chunks, total_bytes=total_model, ring_ranks=D, cluster=cluster)
+    gen_domains = -(-D // ds)
+    totals = dict(acc.totals)
+    out: dict[str, Any] = {
+        "cluster": cluster.name,
+        "train_mesh": _mesh_text(train),
+        "generation_mesh": _mesh_text(generation),
+        "train_gpus": S,
+        "generation_gpus": D,
+        "reshard_s": cost["seconds"],
+        "broadcast_s": bc["seconds"],
+        "speedup": bc["seconds"] / cost["seconds"] if cost["seconds"] else math.inf,
+        "network_bytes": cost["network_bytes"],
+        "local_bytes": cost["local_bytes"],
+        "phase1_s": cost["phase1_s"],
+        "phase2_s": cost["phase2_s"],
+        "busiest": cost["busiest"],
+        "model_bytes": total_model,
+        "total_bytes": totals.get("total_bytes", 0),
+        "moved_bytes": totals.get("moved_bytes", 0),
+        "min_network_bytes": totals.get("min_network_bytes", 0),
+        "max_send_bytes": cost["max_send_bytes"],
+        "max_recv_bytes": cost["max_recv_bytes"],
+        "bytes_per_generator_gpu": totals.get("total_bytes", 0) / D,
+        "transfers": totals.get("transfers", 0),
+        "messages": cost["messages"],
+        "broadcast": {**bc, "gather_local_bytes": gather_local, "gather_network_bytes": gather_net,
+                      "gather_chunks": gather_chunks,
+                      "broadcast_network_bytes": total_model * gen_domains,
+                      "broadcast_local_bytes": total_model * (D - gen_domains)},
+        "planning": planning,
+        "plans": acc.plans,
+        "plan_seconds": acc.plan_seconds,
+        "manifest_seconds": acc.manifest_seconds,
+        "largest_plan_transfers": acc.max_transfers,
+        "constants": cluster.to_dict(),
+    }
+    if planning == "scaled":
+        out["approximation"] = (f"planned {acc.plans} representative group(s) (one per layer kind + the "
+                                f"non-layer arrays) and multiplied them over {len(layers_of)} layers; identical "
+                                f"layers give identical transfers, shifted by pipeline stage")
+    if direct:
+        dcost = reshard_cost(acc_direct.pairs, S=S, cluster=cluster)
+        out["direct_s"] = dcost["seconds"]
+        out["direct_network_bytes"] = dcost["network_bytes"]
+        out["direct_max_recv_bytes"] = dcost["max_recv_bytes"]
+        out["plan_seconds"] += acc_direct.plan_seconds
+    return out
+
+
+def _nbytes(shape: Sequence[int], data_type: str) -> int:
+    from formats.dtypes import by_name
+
+    n = by_name(data_type).itemsize
+    for s in shape:
+        n *= s
+    return n
+
+
+def with_overrides(cluster: Cluster, *, nvlink_gbps: float | None = None, nic_gbps: float | None = None,
+                   latency_us: float | None = None, bucket_bytes: int | None = None,
+                   broadcast_rings: int | None = None) -> Cluster:
+    """``cluster`` with some constants replaced (GB/s = 1e9 bytes/s, microseconds)."""
+    kw: dict[str, Any] = {}
+    if nvlink_gbps is not None:
+        kw["nvlink_bytes_per_s"] = nvlink_gbps * GB
+    if nic_gbps is not None:
+        kw["nic_bytes_per_s"] = nic_gbps * GB
+    if latency_us is not None:
+        kw["latency_s"] = latency_us * 1e-6
+    if bucket_bytes is not None:
+        kw["bucket_bytes"] = bucket_bytes
+    if broadcast_rings is not None:
+        kw["broadcast_rings"] = broadcast_rings
+    return replace(cluster, **kw) if kw else cluster
+
+
+def describe_manifest(m: Manifest) -> dict[str, int]:
+    """Chunks and logical bytes of a manifest (for reports)."""
+    return {"arrays": len(m.arrays), "chunks": sum(len(a.chunks) for a in m.arrays.values()),
+            "bytes": sum(a.nbytes for a in m.arrays.values())}
