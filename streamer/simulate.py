@@ -79,8 +79,8 @@ from formats.manifest import Manifest
 
 from .plan import Plan, plan_transfers
 
-__all__ = ["CLUSTERS", "Cluster", "PLANNING_MODES", "broadcast_cost", "group_layers", "pair_bytes",
-           "reshard_cost", "simulate"]
+__all__ = ["CLUSTERS", "Cluster", "PLANNING_MODES", "broadcast_cost", "describe_manifest", "group_layers",
+           "pair_bytes", "reshard_cost", "simulate", "with_overrides"]
 
 GB = 1e9
 
@@ -238,13 +238,12 @@ def reshard_cost(pairs: Mapping[tuple[int, int, int], int], *, S: int, cluster: 
                     cur[2] = "mixed"
     phase_s = {1: 0.0, 2: 0.0}
     busiest: dict[int, dict[str, Any]] = {}
-    for (ph, r, direction), (t, b, link) in load.items():
-        if t > phase_s.get(ph, 0.0) or ph not in busiest:
-            if t >= phase_s.get(ph, 0.0):
-                phase_s[ph] = t
-                busiest[ph] = {"rank": r, "job": "trainer" if r < S else "generator",
-                               "job_rank": r if r < S else r - S, "phase": ph, "direction": direction,
-                               "link": link, "seconds": t, "bytes": b}
+    for (ph, r, direction), (t, b, link) in sorted(load.items()):
+        if ph not in busiest or t > phase_s[ph]:
+            phase_s[ph] = t
+            busiest[ph] = {"rank": r, "job": "trainer" if r < S else "generator",
+                           "job_rank": r if r < S else r - S, "phase": ph, "direction": direction,
+                           "link": link, "seconds": t, "bytes": b}
     p1, p2 = phase_s.get(1, 0.0), phase_s.get(2, 0.0)
     if p1 >= p2:
         total = p1 + min(p2, bucket / cluster.nvlink_bytes_per_s + lat)

@@ -92,8 +92,8 @@ class Background:
         self.cmd = list(map(str, cmd))
         self.out_path = log_dir / f"{name}.out"
         self.err_path = log_dir / f"{name}.err"
-        self._out = open(self.out_path, "wb")
-        self._err = open(self.err_path, "wb")
+        self._out = open(self.out_path, "wb")  # noqa: SIM115 - open for the launch's lifetime
+        self._err = open(self.err_path, "wb")  # noqa: SIM115
         self.t0 = time.monotonic()
         self.p = subprocess.Popen(self.cmd, env=ENV, stdin=subprocess.DEVNULL, stdout=self._out,
                                   stderr=self._err, start_new_session=True)
@@ -131,12 +131,6 @@ class Background:
             _kill_group(self.p)
         self._out.close()
         self._err.close()
-
-    def __enter__(self) -> Background:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def session_pids(sid: int) -> list[int]:

@@ -5,11 +5,23 @@ mismatch refused before any byte moves."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 from pathlib import Path
 
 import pytest
-from mpi_helpers import Background, Ckpt, Saved, child_ranks, ok, run, safetensors_files, same_files, session_pids
+from mpi_helpers import (
+    Background,
+    Ckpt,
+    Saved,
+    child_ranks,
+    ok,
+    run,
+    safetensors_files,
+    same_files,
+    session_pids,
+)
 
 pytestmark = pytest.mark.mpi
 
@@ -112,7 +124,7 @@ def test_broadcast_strategy_same_bytes(ckpt: Ckpt, mpmd_saved: Saved, tmp_path: 
 def test_receiver_without_sender_times_out(ckpt: Ckpt, tmp_path: Path) -> None:
     rdv = tmp_path / "rdv"
     t0 = time.monotonic()
-    rc, so, se = run(["mpiexec", "-n", "2", *RECV, "--manifest", ckpt.serve, "--rendezvous", rdv,
+    rc, _so, se = run(["mpiexec", "-n", "2", *RECV, "--manifest", ckpt.serve, "--rendezvous", rdv,
                       "--timeout", "5"], timeout=30)
     dt = time.monotonic() - t0
     assert rc == 3, f"rc {rc}\nstderr:\n{se}"
@@ -124,7 +136,7 @@ def test_receiver_without_sender_times_out(ckpt: Ckpt, tmp_path: Path) -> None:
 def test_sender_without_receiver_times_out(ckpt: Ckpt, tmp_path: Path) -> None:
     rdv = tmp_path / "rdv"
     t0 = time.monotonic()
-    rc, so, se = run(["mpiexec", "-n", "2", *SEND, "--manifest", ckpt.train, "--rendezvous", rdv,
+    rc, _so, se = run(["mpiexec", "-n", "2", *SEND, "--manifest", ckpt.train, "--rendezvous", rdv,
                       "--timeout", "5"], timeout=30)
     dt = time.monotonic() - t0
     assert rc == 3, f"rc {rc}\nstderr:\n{se}"
@@ -143,9 +155,6 @@ def test_killed_peer(ckpt: Ckpt, tmp_path: Path, victim: str) -> None:
     """Two jobs stepping for a long time; SIGKILL one rank of one job. The other job's ranks time
     out and abort with 3; the victim's launcher reports the kill (hydra: 9); nothing is left
     running; --save leaves no manifest.json."""
-    import os
-    import signal
-
     T = TIMEOUT_KILL
     rdv = tmp_path / "rdv"
     out = tmp_path / "saved"
@@ -210,7 +219,7 @@ def _assert_mismatch_listed(ckpt: Ckpt, err: str) -> None:
 
 def test_mismatched_model_mpmd(ckpt: Ckpt, tmp_path: Path) -> None:
     out = tmp_path / "saved"
-    rc, so, se = run(["mpiexec", "-n", "4", *SEND, "--manifest", ckpt.train, "--timeout", "20", ":",
+    rc, _so, se = run(["mpiexec", "-n", "4", *SEND, "--manifest", ckpt.train, "--timeout", "20", ":",
                       "-n", "4", *RECV, "--manifest", ckpt.serve_bad, "--save", out, "--timeout", "20"], timeout=60)
     assert rc == 1, f"rc {rc}\nstderr:\n{se}"
     _assert_mismatch_listed(ckpt, se)

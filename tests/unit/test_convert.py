@@ -103,7 +103,8 @@ def check_rank_files(out: Path, dst: Manifest, hf_dir: Path) -> None:
             if rank not in c.holders:
                 continue
             g = global_array(hf_dir, fqn)
-            sl = tuple(slice(o, o + s) for o, s in zip(c.region.offsets, c.region.sizes))
+            # the trailing Ellipsis keeps a 0-d region an array (a numpy scalar would canonicalise bool bytes)
+            sl = tuple(slice(o, o + s) for o, s in zip(c.region.offsets, c.region.sizes)) + (Ellipsis,)
             with SafetensorsReader(path) as r:
                 got = r.read(c.tensor(fqn), c.local_box)
             assert got.tobytes() == np.ascontiguousarray(g[sl]).tobytes(), (rank, fqn, c.region)
