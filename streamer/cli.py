@@ -106,11 +106,21 @@ def cmd_layout(args: argparse.Namespace) -> int:
     from formats.layouts import apply_layout, parse_mesh, parse_rule
     from formats.manifest import save_manifest
 
-    if not args.like:
-        raise UsageError("layout needs --like MANIFEST (model presets come with --model/--preset)")
-    like = _load(args.like)
     mesh = parse_mesh(args.mesh or "tp=1")
-    rules = [parse_rule(r, mesh) for r in args.rule]
+    rule_texts = list(args.rule)
+    if getattr(args, "model", None):
+        from formats.layouts import manifest_from_arrays
+        from formats.layouts.models import arrays_from_model, generic_rules
+
+        if args.like:
+            raise UsageError("layout: give --like MANIFEST or --model CFG, not both")
+        like = manifest_from_arrays(arrays_from_model(args.model, fp8=args.fp8, include_mtp=args.include_mtp))
+        rule_texts = rule_texts or generic_rules(mesh.axes)  # no --rule: Megatron-like generic rules
+    elif args.like:
+        like = _load(args.like)
+    else:
+        raise UsageError("layout needs --like MANIFEST or --model CFG (HF config.json or NCCL M2N model JSON)")
+    rules = [parse_rule(r, mesh) for r in rule_texts]
     pattern = None if args.no_files else args.file_pattern
     if args.file_pattern is None and not args.no_files:
         # one rank: leave files to `convert`, which names them HF style (model.safetensors, or shards
@@ -429,6 +439,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("layout", help="generate a manifest from a mesh and placement rules")
     p.add_argument("--like", metavar="MANIFEST", help="take arrays, shapes and dtypes from this manifest/checkpoint")
+    p.add_argument("--model", metavar="CFG", help="take arrays from an HF config.json or an NCCL M2N model JSON "
+                   "(without --rule: generic Megatron-like rules)")
+    p.add_argument("--fp8", action="store_true", help="--model: block-FP8 linear weights + weight_scale_inv")
+    p.add_argument("--include-mtp", action="store_true", help="--model: DeepSeek-V3 MTP layers too")
     p.add_argument("--mesh", metavar="A=N,...", help="device mesh, row-major (default tp=1)")
     p.add_argument("--rule", action="append", default=[], metavar="GLOB=PLACEMENTS",
                    help="e.g. '*.q_proj.weight=S(0)'; one placement per mesh axis; first match wins")
@@ -510,6 +524,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, metavar="DIR")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_synth)
+
+    from .simulate import add_simulate_parser
+
+    add_simulate_parser(sub)
 
     p = sub.add_parser("inspect", help="summarise a safetensors file or a manifest")
     p.add_argument("path", metavar="PATH")

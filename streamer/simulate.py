@@ -458,3 +458,104 @@ def describe_manifest(m: Manifest) -> dict[str, int]:
     """Chunks and logical bytes of a manifest (for reports)."""
     return {"arrays": len(m.arrays), "chunks": sum(len(a.chunks) for a in m.arrays.values()),
             "bytes": sum(a.nbytes for a in m.arrays.values())}
+
+
+# ---------------------------------------------------------------- command line (``shardstream simulate``)
+
+
+def _sizes(text: str, what: str) -> dict[str, int]:
+    """``num_gpus=256,pp=16,ep=16`` -> an M2N side dict (``pp`` -> ``pp_size``)."""
+    out: dict[str, int] = {}
+    for part in text.split(","):
+        k, eq, v = part.strip().partition("=")
+        k = k.strip()
+        if not eq or not k or not v.strip().isdigit():
+            raise UsageError(f"--{what} {text!r}: expected KEY=N,... (num_gpus, tp, cp, ep, pp, fsdp, dp)")
+        key = k if k == "num_gpus" or k.endswith("_size") else f"{k}_size"
+        out[key] = int(v)
+    return out
+
+
+def add_simulate_parser(sub: Any) -> None:
+    """Register ``shardstream simulate`` on the CLI's subparsers."""
+    from .cli import _positive_int, parse_size
+
+    p = sub.add_parser("simulate", help="simulated refit time on a cluster: reshard plan vs gather-broadcast")
+    p.add_argument("--model", required=True, metavar="CFG", help="HF config.json or NCCL M2N model JSON")
+    p.add_argument("--system", metavar="SYSTEM.json", help="NCCL M2N system JSON (train + generation sizes)")
+    p.add_argument("--train", metavar="K=N,...", help="trainer sizes instead of --system, e.g. num_gpus=256,pp=16,ep=16")
+    p.add_argument("--generation", metavar="K=N,...", help="generator sizes instead of --system, e.g. num_gpus=256,tp=32,dp=8")
+    p.add_argument("--cluster", required=True, choices=sorted(CLUSTERS))
+    p.add_argument("--nvlink-gbps", type=float, metavar="X", help="per-GPU NVLink, one direction, in GB/s (bytes)")
+    p.add_argument("--nic-gbps", type=float, metavar="Y", help="per-GPU NIC in GB/s (bytes: 400 Gb/s = 50)")
+    p.add_argument("--latency-us", type=float, metavar="Z", help="cost of one message (default 10)")
+    p.add_argument("--bucket-size", type=parse_size, metavar="SIZE", help="message size (default 256MiB)")
+    p.add_argument("--broadcast-rings", type=_positive_int, metavar="N", help="baseline rings over N NICs (default 1)")
+    p.add_argument("--fp8", action="store_true", help="HF config: block-FP8 linear weights + weight_scale_inv")
+    p.add_argument("--include-mtp", action="store_true", help="HF config: DeepSeek-V3 MTP layers too")
+    p.add_argument("--direct", action="store_true", help="also plan without destination domains (M2N DIRECT)")
+    p.add_argument("--planning", choices=PLANNING_MODES, default="scaled",
+                   help="scaled (default): one plan per layer kind; whole: one exact plan (small models)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_simulate)
+
+
+def cmd_simulate(args: Any) -> int:
+    from formats.layouts.models import arrays_from_model, parallel_from_dict, parse_m2n_system
+
+    from .cli import _out
+
+    if args.system and (args.train or args.generation):
+        raise UsageError("simulate: give --system or --train/--generation, not both")
+    if args.system:
+        train, gen = parse_m2n_system(args.system)
+    elif args.train and args.generation:
+        train = parallel_from_dict(_sizes(args.train, "train"), where="--train")
+        gen = parallel_from_dict(_sizes(args.generation, "generation"), where="--generation")
+    else:
+        raise UsageError("simulate needs --system SYSTEM.json (or both --train and --generation)")
+    cluster = with_overrides(CLUSTERS[args.cluster], nvlink_gbps=args.nvlink_gbps, nic_gbps=args.nic_gbps,
+                             latency_us=args.latency_us, bucket_bytes=args.bucket_size,
+                             broadcast_rings=args.broadcast_rings)
+    t0 = time.perf_counter()
+    arrays = arrays_from_model(args.model, fp8=args.fp8, include_mtp=args.include_mtp)
+    r = simulate(arrays, train, gen, cluster, planning=args.planning, direct=args.direct)
+    r["model"] = str(args.model)
+    r["seconds"] = time.perf_counter() - t0
+    _out(args, r, format_report(r))
+    return 0
+
+
+def format_report(r: Mapping[str, Any]) -> str:
+    """Human summary of :func:`simulate`'s result."""
+    c = r["constants"]
+    b = r["busiest"] or {}
+    bc = r["broadcast"]
+    lines = [
+        f"simulate {r.get('model', '')} on {r['cluster']} (domain {c['domain_size']} GPUs, NVLink "
+        f"{c['nvlink_gb_per_s']:g} GB/s, NIC {c['nic_gb_per_s']:g} GB/s per GPU, latency {c['latency_us']:g} us, "
+        f"bucket {c['bucket_bytes'] / 2**20:g} MiB)",
+        f"  trainer     {r['train_gpus']:5d} GPUs  {r['train_mesh']}",
+        f"  generator   {r['generation_gpus']:5d} GPUs  {r['generation_mesh']}",
+        f"  model       {r['model_bytes'] / GB:10.1f} GB",
+        f"  reshard     {r['reshard_s']:10.3f} s   (phase 1 network {r['phase1_s']:.3f} s, phase 2 NVLink "
+        f"{r['phase2_s']:.3f} s, pipelined)",
+        f"  broadcast   {r['broadcast_s']:10.3f} s   (gather {bc['gather_s']:.3f} s, ring broadcast "
+        f"{bc['broadcast_s']:.3f} s at {bc['ring_gb_per_s']:g} GB/s, double-buffered)",
+        f"  speedup     {r['speedup']:10.2f} x",
+    ]
+    if "direct_s" in r:
+        lines.append(f"  direct      {r['direct_s']:10.3f} s   (no domains: every generator rank fed over the network)")
+    lines += [
+        f"  bytes       network {r['network_bytes'] / GB:.1f} GB (minimum {r['min_network_bytes'] / GB:.1f}), "
+        f"NVLink {r['local_bytes'] / GB:.1f} GB; per generator GPU {r['bytes_per_generator_gpu'] / GB:.2f} GB; "
+        f"max send {r['max_send_bytes'] / GB:.2f} GB, max recv {r['max_recv_bytes'] / GB:.2f} GB",
+        f"  busiest     {b.get('job', '-')} rank {b.get('job_rank', '-')} {b.get('direction', '')} over "
+        f"{b.get('link', '-')} in phase {b.get('phase', '-')}: {b.get('bytes', 0) / GB:.2f} GB, "
+        f"{b.get('seconds', 0.0):.3f} s",
+        f"  planning    {r['planning']}: {r['plans']} plan(s), {r['transfers']} transfers, "
+        f"{r['plan_seconds']:.2f} s planning + {r['manifest_seconds']:.2f} s manifests",
+    ]
+    if "approximation" in r:
+        lines.append(f"  note        {r['approximation']}")
+    return "\n".join(lines)

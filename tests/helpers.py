@@ -36,20 +36,20 @@ from streamer.plan import Plan
 from streamer.transport.loopback import LoopbackHub
 
 __all__ = [
+    "DTYPES_UNDER_TEST",
     "LayoutPair",
     "RunResult",
-    "DTYPES_UNDER_TEST",
-    "meshes",
     "array_sets",
-    "random_layout_pair",
-    "lay_out",
-    "oracle_arrays",
-    "make_source_tensors",
-    "empty_dest_tensors",
-    "run_plan_loopback",
     "check_dest_tensors",
-    "region_slices",
+    "empty_dest_tensors",
+    "lay_out",
+    "make_source_tensors",
+    "meshes",
     "n_examples",
+    "oracle_arrays",
+    "random_layout_pair",
+    "region_slices",
+    "run_plan_loopback",
 ]
 
 DTYPES_UNDER_TEST = ("bfloat16", "float32", "int64", "uint8", "bool")
@@ -58,10 +58,12 @@ AXIS_NAMES = ("dp", "tp", "cp", "fsdp")  # no pp / ep: those place arrays by nam
 
 # --------------------------------------------------------------------------- strategies
 
+
 def n_examples(n: int) -> int:
     """``n`` examples under the default ``ci`` profile (40 examples), scaled with the loaded
     profile's ``max_examples`` (``HYPOTHESIS_PROFILE=thorough`` runs 12.5x more)."""
-    return max(1, n * settings.default.max_examples // 40)
+    cur = settings.default
+    return max(1, n * (cur.max_examples if cur is not None else 40) // 40)
 
 
 @dataclass(frozen=True)
@@ -76,9 +78,12 @@ class LayoutPair:
         def desc(m: Manifest) -> str:
             mesh = m.mesh or {}
             return f"{dict(zip(mesh.get('axes', []), mesh.get('shape', [])))}"
-        return (f"LayoutPair(arrays={self.arrays}, src_mesh={desc(self.src)}, dst_mesh={desc(self.dst)}, "
-                f"src_placements={self.src.name}, dst_placements={self.dst.name}, "
-                f"src_domain_size={self.src_domain_size}, dst_domain_size={self.dst_domain_size})")
+
+        return (
+            f"LayoutPair(arrays={self.arrays}, src_mesh={desc(self.src)}, dst_mesh={desc(self.dst)}, "
+            f"src_placements={self.src.name}, dst_placements={self.dst.name}, "
+            f"src_domain_size={self.src_domain_size}, dst_domain_size={self.dst_domain_size})"
+        )
 
 
 @st.composite
@@ -93,9 +98,14 @@ def meshes(draw: Any, max_axes: int = 3, max_ranks: int = 8, max_axis: int = 3) 
 
 
 @st.composite
-def array_sets(draw: Any, max_arrays: int = 3, max_ndim: int = 4, max_dim: int = 7,
-               dtypes: Sequence[str] = DTYPES_UNDER_TEST, allow_empty: bool = False
-               ) -> dict[str, tuple[tuple[int, ...], str]]:
+def array_sets(
+    draw: Any,
+    max_arrays: int = 3,
+    max_ndim: int = 4,
+    max_dim: int = 7,
+    dtypes: Sequence[str] = DTYPES_UNDER_TEST,
+    allow_empty: bool = False,
+) -> dict[str, tuple[tuple[int, ...], str]]:
     n = draw(st.integers(1, max_arrays))
     lo = 0 if allow_empty else 1
     out: dict[str, tuple[tuple[int, ...], str]] = {}
@@ -109,27 +119,50 @@ def array_sets(draw: Any, max_arrays: int = 3, max_ndim: int = 4, max_dim: int =
 
 
 def _placements(draw: Any, shape: Sequence[int], mesh: Mesh) -> tuple[Placement, ...]:
-    opts: list[Placement] = [Replicate()] + [Shard(d) for d in range(len(shape))]
-    # two axes sharding one dim (nested) come up naturally; bias towards sharding
+    opts: list[Placement] = [Replicate()]
+    opts += [Shard(d) for d in range(len(shape))]  # two axes may shard one dim (nested)
     return tuple(draw(st.sampled_from(opts)) if len(opts) > 1 else Replicate() for _ in mesh.axes)
 
 
-def lay_out(arrays: Mapping[str, tuple[Sequence[int], str]], mesh: Mesh,
-            placements: Mapping[str, Sequence[Placement]], *, name: str | None = None,
-            domain_size: int | None = None, make_chunks: Any = None) -> Manifest:
+def lay_out(
+    arrays: Mapping[str, tuple[Sequence[int], str]],
+    mesh: Mesh,
+    placements: Mapping[str, Sequence[Placement]],
+    *,
+    name: str | None = None,
+    domain_size: int | None = None,
+    make_chunks: Any = None,
+) -> Manifest:
     """A live (in-memory) manifest of ``arrays`` on ``mesh``."""
-    return build_manifest(arrays, mesh, placements, file_pattern=None, make_chunks=make_chunks,
-                          name=name, domain_size=domain_size)
+    return build_manifest(
+        arrays,
+        mesh,
+        placements,
+        file_pattern=None,
+        make_chunks=make_chunks,
+        name=name,
+        domain_size=domain_size,
+    )
 
 
 @st.composite
-def random_layout_pair(draw: Any, max_arrays: int = 3, max_ndim: int = 4, max_dim: int = 7,
-                       max_ranks: int = 8, dtypes: Sequence[str] = DTYPES_UNDER_TEST,
-                       domains: bool = True, allow_empty: bool = False) -> LayoutPair:
+def random_layout_pair(
+    draw: Any,
+    max_arrays: int = 3,
+    max_ndim: int = 4,
+    max_dim: int = 7,
+    max_ranks: int = 8,
+    dtypes: Sequence[str] = DTYPES_UNDER_TEST,
+    domains: bool = True,
+    allow_empty: bool = False,
+) -> LayoutPair:
     """Random arrays laid out on two random meshes with random placements (``R`` / ``S(d)``,
     nested shards of one dim, uneven shapes, replica axes), plus optional domain sizes."""
-    arrays = draw(array_sets(max_arrays=max_arrays, max_ndim=max_ndim, max_dim=max_dim, dtypes=dtypes,
-                             allow_empty=allow_empty))
+    arrays = draw(
+        array_sets(
+            max_arrays=max_arrays, max_ndim=max_ndim, max_dim=max_dim, dtypes=dtypes, allow_empty=allow_empty
+        )
+    )
     sm = draw(meshes(max_ranks=max_ranks))
     dm = draw(meshes(max_ranks=max_ranks))
     spl = {fqn: _placements(draw, shape, sm) for fqn, (shape, _) in arrays.items()}
@@ -144,6 +177,7 @@ def random_layout_pair(draw: Any, max_arrays: int = 3, max_ndim: int = 4, max_di
 
 
 # --------------------------------------------------------------------------- data
+
 
 def region_slices(box: Box) -> tuple[slice, ...]:
     return tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes))
@@ -172,7 +206,9 @@ def _zeros(shape: Sequence[int], data_type: str) -> np.ndarray:
     return np.zeros(tuple(shape), dtype=np_storage(DTYPES[data_type]))
 
 
-def make_source_tensors(src: Manifest, full_arrays: Mapping[str, np.ndarray]) -> dict[int, dict[str, np.ndarray]]:
+def make_source_tensors(
+    src: Manifest, full_arrays: Mapping[str, np.ndarray]
+) -> dict[int, dict[str, np.ndarray]]:
     """Every source rank's local tensors (shapes from ``src.local_tensors``), each chunk's region
     copied in at its ``source.offsets`` (fused local tensors included)."""
     out: dict[int, dict[str, np.ndarray]] = {}
@@ -187,12 +223,15 @@ def make_source_tensors(src: Manifest, full_arrays: Mapping[str, np.ndarray]) ->
 
 def empty_dest_tensors(dst: Manifest) -> dict[int, dict[str, np.ndarray]]:
     """Every destination rank's local tensors (destination-local rank numbers), zero-filled."""
-    return {r: {n: _zeros(spec.shape, spec.data_type) for n, spec in dst.local_tensors(r).items()}
-            for r in range(dst.world_size)}
+    return {
+        r: {n: _zeros(spec.shape, spec.data_type) for n, spec in dst.local_tensors(r).items()}
+        for r in range(dst.world_size)
+    }
 
 
-def check_dest_tensors(dst: Manifest, dst_tensors: Mapping[int, Mapping[str, np.ndarray]],
-                       full_arrays: Mapping[str, np.ndarray]) -> list[str]:
+def check_dest_tensors(
+    dst: Manifest, dst_tensors: Mapping[int, Mapping[str, np.ndarray]], full_arrays: Mapping[str, np.ndarray]
+) -> list[str]:
     """Every destination (chunk, holder) whose bytes differ from the oracle."""
     bad = []
     for fqn, _spec, c in dst.iter_chunks():
@@ -200,12 +239,15 @@ def check_dest_tensors(dst: Manifest, dst_tensors: Mapping[int, Mapping[str, np.
         for h in c.holders:
             got = np.ascontiguousarray(dst_tensors[h][c.tensor(fqn)][region_slices(c.local_box)])
             if got.tobytes() != want.tobytes():
-                bad.append(f"{fqn}: region {c.region} on destination rank {h} (tensor {c.tensor(fqn)!r} at "
-                           f"{list(c.local_offsets)}) differs from the oracle")
+                bad.append(
+                    f"{fqn}: region {c.region} on destination rank {h} (tensor {c.tensor(fqn)!r} at "
+                    f"{list(c.local_offsets)}) differs from the oracle"
+                )
     return bad
 
 
 # --------------------------------------------------------------------------- running
+
 
 @dataclass
 class RunResult:
@@ -225,8 +267,9 @@ class RunResult:
             raise AssertionError(f"rank {g} failed: {e!r}") from e
 
 
-def rank_tensors(plan: Plan, src_tensors: Mapping[int, Mapping[str, Any]],
-                 dst_tensors: Mapping[int, Mapping[str, Any]]) -> dict[int, dict[str, Any]]:
+def rank_tensors(
+    plan: Plan, src_tensors: Mapping[int, Mapping[str, Any]], dst_tensors: Mapping[int, Mapping[str, Any]]
+) -> dict[int, dict[str, Any]]:
     """Local tensors of every global rank. Separate jobs: sources are ``0..S-1``, destinations
     ``S..S+D-1``. Same job: rank r gets both dicts merged (names must not collide)."""
     out: dict[int, dict[str, Any]] = {g: {} for g in range(plan.world_size)}
@@ -241,13 +284,22 @@ def rank_tensors(plan: Plan, src_tensors: Mapping[int, Mapping[str, Any]],
     return out
 
 
-def run_plan_loopback(plan: Plan, src: Manifest, dst: Manifest,
-                      src_tensors: Mapping[int, Mapping[str, Any]],
-                      dst_tensors: Mapping[int, Mapping[str, Any]], *, bucket: int = 1 << 20,
-                      verify: bool = True, timeout: float = 10.0, window: int = 2,
-                      skip_ranks: Iterable[int] = (),
-                      corrupt: Callable[[int, int, int, bytearray], None] | None = None,
-                      join_timeout: float | None = None, zero_copy: bool = False) -> RunResult:
+def run_plan_loopback(
+    plan: Plan,
+    src: Manifest,
+    dst: Manifest,
+    src_tensors: Mapping[int, Mapping[str, Any]],
+    dst_tensors: Mapping[int, Mapping[str, Any]],
+    *,
+    bucket: int = 1 << 20,
+    verify: bool = True,
+    timeout: float = 10.0,
+    window: int = 2,
+    skip_ranks: Iterable[int] = (),
+    corrupt: Callable[[int, int, int, bytearray], None] | None = None,
+    join_timeout: float | None = None,
+    zero_copy: bool = False,
+) -> RunResult:
     """Run every global rank of ``plan`` in its own thread over one ``LoopbackHub``.
 
     Destination tensors are written in place. ``skip_ranks`` are never started (a dead peer;
@@ -292,8 +344,11 @@ def run_plan_loopback(plan: Plan, src: Manifest, dst: Manifest,
             with lock:
                 res.finished_at[g] = time.monotonic() - t0
 
-    threads = {g: threading.Thread(target=body, args=(g,), daemon=True, name=f"rank-{g}")
-               for g in range(plan.world_size) if g not in skip}
+    threads = {
+        g: threading.Thread(target=body, args=(g,), daemon=True, name=f"rank-{g}")
+        for g in range(plan.world_size)
+        if g not in skip
+    }
     for t in threads.values():
         t.start()
     deadline = time.monotonic() + (timeout + 10.0 if join_timeout is None else join_timeout)

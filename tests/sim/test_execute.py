@@ -11,13 +11,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-from formats.box import Box
-from formats.errors import PeerTimeoutError, TransportError
-from formats.layouts import Mesh, Replicate, Shard, chunk_regions
-from formats.manifest import Chunk, Manifest, Source
 from helpers import (
     LayoutPair,
     check_dest_tensors,
@@ -29,19 +22,36 @@ from helpers import (
     random_layout_pair,
     run_plan_loopback,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from formats.box import Box
+from formats.errors import PeerTimeoutError, TransportError
+from formats.layouts import Mesh, Replicate, Shard, chunk_regions
+from formats.manifest import Chunk, Manifest, Source
 from streamer.execute import INPLACE_MIN_BYTES, Message
 from streamer.plan import Plan, plan_transfers, validate_plan
 from streamer.transport.loopback import LoopbackHub
 
 
-def execute(plan: Plan, src: Manifest, dst: Manifest, arrays: dict[str, Any], *, bucket: int,
-            verify: bool = True, timeout: float = 10.0, zero_copy: bool = False,
-            dst_tensors: dict[int, dict[str, Any]] | None = None) -> tuple[Any, dict[int, dict[str, Any]]]:
+def execute(
+    plan: Plan,
+    src: Manifest,
+    dst: Manifest,
+    arrays: dict[str, Any],
+    *,
+    bucket: int,
+    verify: bool = True,
+    timeout: float = 10.0,
+    zero_copy: bool = False,
+    dst_tensors: dict[int, dict[str, Any]] | None = None,
+) -> tuple[Any, dict[int, dict[str, Any]]]:
     full = oracle_arrays(arrays)
     s = make_source_tensors(src, full)
     d = empty_dest_tensors(dst) if dst_tensors is None else dst_tensors
-    res = run_plan_loopback(plan, src, dst, s, d, bucket=bucket, verify=verify, timeout=timeout,
-                            zero_copy=zero_copy)
+    res = run_plan_loopback(
+        plan, src, dst, s, d, bucket=bucket, verify=verify, timeout=timeout, zero_copy=zero_copy
+    )
     res.raise_first()
     assert check_dest_tensors(dst, d, full) == []
     st_ = plan.stats()
@@ -58,28 +68,54 @@ def execute(plan: Plan, src: Manifest, dst: Manifest, arrays: dict[str, Any], *,
 
 
 @settings(max_examples=n_examples(25))
-@given(pair=random_layout_pair(max_ranks=6, max_dim=6), bucket=st.sampled_from([64, 1 << 20]),
-       same_job=st.booleans())
+@given(
+    pair=random_layout_pair(max_ranks=6, max_dim=6),
+    bucket=st.sampled_from([64, 1 << 20]),
+    same_job=st.booleans(),
+)
 def test_random_layouts_land_byte_exact(pair: LayoutPair, bucket: int, same_job: bool) -> None:
     """Random meshes/placements/dtypes (bf16, fp32, int64, uint8, bool; 0-d..4-d), tiny buckets
     (split transfers, many messages) and large ones, with and without domains (phase 2)."""
     dst = pair.dst
     if same_job:  # one process per rank: destination tensors need names of their own
         dst = _prefixed(dst, "dst:")
-    plan = plan_transfers(pair.src, dst, src_domain_size=pair.src_domain_size,
-                          dst_domain_size=pair.dst_domain_size, same_job=same_job, split_bytes=16)
+    plan = plan_transfers(
+        pair.src,
+        dst,
+        src_domain_size=pair.src_domain_size,
+        dst_domain_size=pair.dst_domain_size,
+        same_job=same_job,
+        split_bytes=16,
+    )
     assert validate_plan(plan, pair.src, dst) == []
     execute(plan, pair.src, dst, pair.arrays, bucket=bucket)
 
 
 def test_tiny_bucket_splits_transfers_into_many_messages() -> None:
-    arrays = {"a": ((37, 20), "bfloat16"), "b": ((20, 37), "float32"), "c": ((), "int64"),
-              "d": ((5, 4, 3, 2, 3), "uint8"), "e": ((9, 7), "bool")}
+    arrays = {
+        "a": ((37, 20), "bfloat16"),
+        "b": ((20, 37), "float32"),
+        "c": ((), "int64"),
+        "d": ((5, 4, 3, 2, 3), "uint8"),
+        "e": ((9, 7), "bool"),
+    }
     sm, dm = Mesh(("dp", "tp"), (2, 2)), Mesh(("tp",), (3,))
-    src = lay_out(arrays, sm, {"a": (Replicate(), Shard(0)), "b": (Shard(1), Shard(1)), "c": (Replicate(),) * 2,
-                               "d": (Shard(2), Shard(0)), "e": (Shard(0), Shard(0))})
-    dst = lay_out(arrays, dm, {"a": (Shard(1),), "b": (Shard(0),), "c": (Replicate(),), "d": (Shard(4),),
-                               "e": (Shard(1),)})
+    src = lay_out(
+        arrays,
+        sm,
+        {
+            "a": (Replicate(), Shard(0)),
+            "b": (Shard(1), Shard(1)),
+            "c": (Replicate(),) * 2,
+            "d": (Shard(2), Shard(0)),
+            "e": (Shard(0), Shard(0)),
+        },
+    )
+    dst = lay_out(
+        arrays,
+        dm,
+        {"a": (Shard(1),), "b": (Shard(0),), "c": (Replicate(),), "d": (Shard(4),), "e": (Shard(1),)},
+    )
     for dds in (None, 3):
         plan = plan_transfers(src, dst, dst_domain_size=dds, split_bytes=16)
         res, _ = execute(plan, src, dst, arrays, bucket=64)
@@ -129,21 +165,31 @@ def test_torch_destination_tensors() -> None:
     dst = lay_out(arrays, Mesh(("tp",), (3,)), {"w": (Shard(0),), "f": (Shard(1),), "m": (Replicate(),)})
     plan = plan_transfers(src, dst)
     tdt = {"bfloat16": torch.bfloat16, "float32": torch.float32, "bool": torch.bool}
-    d_torch = {r: {n: torch.zeros(spec.shape, dtype=tdt[spec.data_type]) for n, spec in dst.local_tensors(r).items()}
-               for r in range(dst.world_size)}
+    d_torch = {
+        r: {n: torch.zeros(spec.shape, dtype=tdt[spec.data_type]) for n, spec in dst.local_tensors(r).items()}
+        for r in range(dst.world_size)
+    }
     full = oracle_arrays(arrays)
     res = run_plan_loopback(plan, src, dst, make_source_tensors(src, full), d_torch, bucket=32)
     res.raise_first()
-    as_np = {r: {n: (t.view(torch.uint16) if t.dtype == torch.bfloat16 else t).numpy() for n, t in ts.items()}
-             for r, ts in d_torch.items()}
+    as_np = {
+        r: {n: (t.view(torch.uint16) if t.dtype == torch.bfloat16 else t).numpy() for n, t in ts.items()}
+        for r, ts in d_torch.items()
+    }
     assert check_dest_tensors(dst, as_np, full) == []
 
 
 # --------------------------------------------------------------------------- fused local tensors
 
 
-def _fused(arrays: dict[str, Any], mesh: Mesh, tp_axis: int, parts: list[str], fused: str,
-           extra: dict[str, tuple[Any, ...]]) -> Manifest:
+def _fused(
+    arrays: dict[str, Any],
+    mesh: Mesh,
+    tp_axis: int,
+    parts: list[str],
+    fused: str,
+    extra: dict[str, tuple[Any, ...]],
+) -> Manifest:
     """q/k/v sharded S(0) over ``tp_axis`` and stacked per rank into one local tensor ``fused``:
     ``[q_shard; k_shard; v_shard]``, each part starting at ``ceil(rows/tp)`` rows after the
     previous one (uneven shards leave a gap, as padded frameworks do)."""
@@ -158,14 +204,20 @@ def _fused(arrays: dict[str, Any], mesh: Mesh, tp_axis: int, parts: list[str], f
 
     def make(fqn: str, region: Box, holders: tuple[int, ...]) -> Iterable[Chunk]:
         if fqn in base:
-            return (Chunk(region, holders, Source(tensor=fused, offsets=(base[fqn],) + (0,) * (region.ndim - 1))),)
+            return (
+                Chunk(region, holders, Source(tensor=fused, offsets=(base[fqn],) + (0,) * (region.ndim - 1))),
+            )
         return (Chunk(region, holders),)
 
     return lay_out(arrays, mesh, pl, make_chunks=make)
 
 
-QKV = {"attn.q.weight": ((12, 8), "bfloat16"), "attn.k.weight": ((5, 8), "bfloat16"),
-       "attn.v.weight": ((5, 8), "bfloat16"), "attn.o.weight": ((8, 12), "bfloat16")}
+QKV = {
+    "attn.q.weight": ((12, 8), "bfloat16"),
+    "attn.k.weight": ((5, 8), "bfloat16"),
+    "attn.v.weight": ((5, 8), "bfloat16"),
+    "attn.o.weight": ((8, 12), "bfloat16"),
+}
 PARTS = ["attn.q.weight", "attn.k.weight", "attn.v.weight"]
 
 
@@ -186,9 +238,12 @@ def test_fused_qkv_lands_at_its_offsets(bucket: int, dds: int | None) -> None:
         tp = r % 3
         t = d[r]["qkv_proj"]
         for p, off in zip(PARTS, (0, 4, 6)):
-            (lo, hi), = [(b.offsets[0], b.offsets[0] + b.sizes[0])
-                         for b, h in chunk_regions(QKV[p][0], dm, (Replicate(), Shard(0))) if r in h]
-            assert t[off:off + hi - lo].tobytes() == full[p][lo:hi].tobytes(), (r, tp, p)
+            ((lo, hi),) = [
+                (b.offsets[0], b.offsets[0] + b.sizes[0])
+                for b, h in chunk_regions(QKV[p][0], dm, (Replicate(), Shard(0)))
+                if r in h
+            ]
+            assert t[off : off + hi - lo].tobytes() == full[p][lo:hi].tobytes(), (r, tp, p)
 
 
 # --------------------------------------------------------------------------- same job
@@ -202,8 +257,13 @@ def _prefixed(m: Manifest, prefix: str) -> Manifest:
         chunks = []
         for c in a.chunks:
             src = c.source or Source()
-            chunks.append(Chunk(c.region, c.holders, Source(tensor=prefix + c.tensor(fqn), offsets=src.offsets,
-                                                            file=src.file)))
+            chunks.append(
+                Chunk(
+                    c.region,
+                    c.holders,
+                    Source(tensor=prefix + c.tensor(fqn), offsets=src.offsets, file=src.file),
+                )
+            )
         out[fqn] = ArraySpec(a.shape, a.data_type, tuple(chunks))
     return m.with_arrays(out)
 
@@ -214,10 +274,15 @@ def test_same_job_reshard(dds: int | None) -> None:
     the rest move. Destination local tensors are named apart from the sources (``dst:`` prefix):
     one rank's tensor dict holds both."""
     arrays = {"w": ((8, 8), "float32"), "b": ((10,), "bfloat16"), "s": ((), "int64")}
-    src = lay_out(arrays, Mesh(("dp", "tp"), (2, 2)), {"w": (Replicate(), Shard(0)), "b": (Shard(0), Replicate()),
-                                                        "s": (Replicate(), Replicate())})
-    dst = _prefixed(lay_out(arrays, Mesh(("tp",), (4,)), {"w": (Shard(0),), "b": (Shard(0),),
-                                                          "s": (Replicate(),)}), "dst:")
+    src = lay_out(
+        arrays,
+        Mesh(("dp", "tp"), (2, 2)),
+        {"w": (Replicate(), Shard(0)), "b": (Shard(0), Replicate()), "s": (Replicate(), Replicate())},
+    )
+    dst = _prefixed(
+        lay_out(arrays, Mesh(("tp",), (4,)), {"w": (Shard(0),), "b": (Shard(0),), "s": (Replicate(),)}),
+        "dst:",
+    )
     plan = plan_transfers(src, dst, same_job=True, dst_domain_size=dds, split_bytes=8)
     st_ = plan.stats()
     assert st_["local_copies"] > 0 and st_["moved_bytes"] == st_["lower_bound_bytes"] < st_["total_bytes"]
@@ -244,8 +309,12 @@ FAULT_ARRAYS = {"w": ((16, 12), "float32"), "e": ((6, 5), "bfloat16")}
 
 
 def _fault_layout() -> tuple[Manifest, Manifest]:
-    src = lay_out(FAULT_ARRAYS, Mesh(("dp", "tp"), (2, 2)), {"w": (Replicate(), Shard(0)), "e": (Shard(1), Replicate())})
-    dst = lay_out(FAULT_ARRAYS, Mesh(("dp", "tp"), (2, 3)), {"w": (Replicate(), Shard(1)), "e": (Replicate(), Shard(0))})
+    src = lay_out(
+        FAULT_ARRAYS, Mesh(("dp", "tp"), (2, 2)), {"w": (Replicate(), Shard(0)), "e": (Shard(1), Replicate())}
+    )
+    dst = lay_out(
+        FAULT_ARRAYS, Mesh(("dp", "tp"), (2, 3)), {"w": (Replicate(), Shard(1)), "e": (Replicate(), Shard(0))}
+    )
     return src, dst
 
 
@@ -260,7 +329,7 @@ def test_corrupted_message_is_caught_by_verify(dds: int | None) -> None:
     # the first phase-1 message of sender 0 to its first receiver: byte 0 is the first transfer's
     victim: Message = next(m for m in sched if m.phase == 1 and m.src == 0)
     tr = victim.transfers[0]
-    done = []
+    done: list[int] = []
 
     def corrupt(s: int, d: int, tag: int, data: bytearray) -> None:
         if not done and (s, d, tag) == (victim.src, victim.dst, 1):
@@ -269,8 +338,18 @@ def test_corrupted_message_is_caught_by_verify(dds: int | None) -> None:
 
     full = oracle_arrays(FAULT_ARRAYS)
     d = empty_dest_tensors(dst)
-    res = run_plan_loopback(plan, src, dst, make_source_tensors(src, full), d, bucket=bucket, verify=True,
-                            timeout=5, corrupt=corrupt, join_timeout=15)
+    res = run_plan_loopback(
+        plan,
+        src,
+        dst,
+        make_source_tensors(src, full),
+        d,
+        bucket=bucket,
+        verify=True,
+        timeout=5,
+        corrupt=corrupt,
+        join_timeout=15,
+    )
     assert done and not res.hung
     assert set(res.errors) == {victim.dst}, {g: repr(e) for g, e in res.errors.items()}
     err = res.errors[victim.dst]
@@ -295,8 +374,9 @@ def test_corruption_goes_unnoticed_without_verify() -> None:
 
     full = oracle_arrays(FAULT_ARRAYS)
     d = empty_dest_tensors(dst)
-    res = run_plan_loopback(plan, src, dst, make_source_tensors(src, full), d, bucket=64, verify=False,
-                            corrupt=corrupt)
+    res = run_plan_loopback(
+        plan, src, dst, make_source_tensors(src, full), d, bucket=64, verify=False, corrupt=corrupt
+    )
     res.raise_first()
     assert check_dest_tensors(dst, d, full)
 
@@ -313,8 +393,18 @@ def test_dead_source_peer_times_out_naming_it(dds: int | None) -> None:
     plan = plan_transfers(src, dst, dst_domain_size=dds, split_bytes=16)
     dead, timeout = 1, 1.0
     full = oracle_arrays(FAULT_ARRAYS)
-    res = run_plan_loopback(plan, src, dst, make_source_tensors(src, full), empty_dest_tensors(dst),
-                            bucket=64, verify=True, timeout=timeout, skip_ranks=[dead], join_timeout=timeout + 10)
+    res = run_plan_loopback(
+        plan,
+        src,
+        dst,
+        make_source_tensors(src, full),
+        empty_dest_tensors(dst),
+        bucket=64,
+        verify=True,
+        timeout=timeout,
+        skip_ranks=[dead],
+        join_timeout=timeout + 10,
+    )
     assert not res.hung
     direct = _receivers_of(plan, dead, res.schedule)
     assert direct
@@ -336,8 +426,18 @@ def test_dead_destination_peer_does_not_hang_anyone() -> None:
     dead = plan.dst_global(0)  # a phase-1 landing rank that also forwards in phase 2
     timeout = 1.0
     full = oracle_arrays(FAULT_ARRAYS)
-    res = run_plan_loopback(plan, src, dst, make_source_tensors(src, full), empty_dest_tensors(dst),
-                            bucket=64, verify=True, timeout=timeout, skip_ranks=[dead], join_timeout=timeout + 10)
+    res = run_plan_loopback(
+        plan,
+        src,
+        dst,
+        make_source_tensors(src, full),
+        empty_dest_tensors(dst),
+        bucket=64,
+        verify=True,
+        timeout=timeout,
+        skip_ranks=[dead],
+        join_timeout=timeout + 10,
+    )
     assert not res.hung
     assert set(res.stats) | set(res.errors) == set(range(plan.world_size)) - {dead}
     for g, e in res.errors.items():

@@ -126,7 +126,7 @@ def _st_edit(fn: Callable[[dict[str, Any]], None]) -> Callable[[World], None]:
 def _truncate(n: int) -> Callable[[World], None]:
     def go(w: World) -> None:
         b = w.st.read_bytes()
-        w.st.write_bytes(b[:n] if n >= 0 else b[:n])
+        w.st.write_bytes(b[:n])
     return go
 
 
@@ -219,7 +219,7 @@ BAD = [
 
 def _check_one_line(rc: int, err: str, case: Bad, path: Path) -> str:
     assert rc == 1, err
-    assert "Traceback" not in err and "Error:" not in err.split(":", 1)[0], err
+    assert "Traceback" not in err, err
     got = lines(err)
     assert len(got) == 1, f"expected one problem line, got:\n{err}"
     line = got[0]
@@ -310,7 +310,7 @@ def test_debug_shows_the_traceback(world: World) -> None:
 ], ids=lambda a: " ".join(a) or "nothing")
 def test_usage_errors_exit_2(tmp_path: Path, capsys: Any, argv: list[str], monkeypatch: Any) -> None:
     monkeypatch.chdir(tmp_path)
-    rc, out, err = run(capsys, *argv)
+    rc, _, err = run(capsys, *argv)
     assert rc == 2
     assert "Traceback" not in err and err.strip()
     assert not (tmp_path / "o").exists() and not (tmp_path / "x.json").exists()
@@ -515,8 +515,8 @@ def _spec(p: argparse.ArgumentParser) -> list[str]:
 GOLDEN = {
     "": ["--debug", "--version"],
     "import": ["--json", "--name", "-o/--output!", "<paths>"],
-    "layout": ["--domain-size", "--file-pattern", "--json", "--like", "--mesh", "--name", "--no-files", "--rule",
-               "-o/--output!"],
+    "layout": ["--domain-size", "--file-pattern", "--fp8", "--include-mtp", "--json", "--like", "--mesh", "--model",
+               "--name", "--no-files", "--rule", "-o/--output!"],
     "validate": ["--data", "--json", "<manifests>"],
     "plan": ["--allow-extra", "--dst-domain-size", "--json", "--same-job", "--src-domain-size", "<dst>", "<src>"],
     "convert": ["--allow-extra", "--format{safetensors,zarr}", "--json", "--max-shard-size", "--memory-limit",
@@ -528,6 +528,9 @@ GOLDEN = {
               "--receivers", "--repeats", "--senders", "--serve-mesh", "--train-mesh", "--work",
               "<what>{convert,refit,validate}"],
     "synth": ["--json", "--max-shard-size", "--out!", "--preset{qwen3-tiny,qwen3-small,qwen3-2g}", "--seed"],
+    "simulate": ["--broadcast-rings", "--bucket-size", "--cluster!{dgx-h100,gb200-nvl72}", "--direct", "--fp8",
+                 "--generation", "--include-mtp", "--json", "--latency-us", "--model!", "--nic-gbps", "--nvlink-gbps",
+                 "--planning{scaled,per-layer,whole}", "--system", "--train"],
     "inspect": ["--json", "<path>"],
 }
 
@@ -540,8 +543,8 @@ def test_golden_cli_contract() -> None:
     for name, p in sub.choices.items():
         got[name] = _spec(p)
     assert got.keys() == GOLDEN.keys()
-    for k in GOLDEN:
-        assert got[k] == sorted(GOLDEN[k]), k
+    for k, flags in GOLDEN.items():
+        assert got[k] == sorted(flags), k
     # SIZE flags take sizes; defaults of the documented ones
     conv = sub.choices["convert"]
     d = {a.dest: a for a in conv._actions}

@@ -419,7 +419,6 @@ def test_resume_after_sigkill(tmp_path: Path, capsys: Any) -> None:
     full = time.perf_counter() - t0
     rng = random.Random(1234)
     delays = [full * (f + rng.uniform(-0.05, 0.05)) for f in (0.35, 0.55, 0.75, 0.9)]
-    mid = 0
     for i, delay in enumerate(delays):
         out = tmp_path / f"k{i}"
         p = subprocess.Popen(_convert_cmd(src, dst, out), env=_env(), stdout=subprocess.DEVNULL,
@@ -434,8 +433,7 @@ def test_resume_after_sigkill(tmp_path: Path, capsys: Any) -> None:
             assert len(_records(out)) == 8 and _rank_files_equal(out, ref)
         else:
             assert not finished or p.returncode != 0
-        rep = _resume_and_check(out, src, dst, ref, capsys)
-        mid += 0 < rep["files_skipped"] < 8
+        _resume_and_check(out, src, dst, ref, capsys)
     # one kill right after the first file is finished, so a partial state is certainly tested
     out = tmp_path / "k-first"
     p = subprocess.Popen(_convert_cmd(src, dst, out), env=_env(), stdout=subprocess.DEVNULL,
@@ -510,11 +508,11 @@ def test_plan_files_names_and_holders(tmp_path: Path) -> None:
     """Replicated chunks get one copy per holder's file; one-rank outputs get HF names."""
     hf = make_hf(tmp_path / "hf", {"a": ((4, 6), "float32"), "b": ((3,), "int64")})
     dst = lay_out(hf, Mesh(("dp", "tp"), (2, 2)), [Rule("a", (Replicate(), Shard(1)))], file_pattern=None)
-    filled, jobs = plan_files(dst)
+    _, jobs = plan_files(dst)
     assert [j.rel for j in jobs] == [PATTERN.format(rank=r) for r in range(4)]
     for j in jobs:
         assert [t for t, _, _ in j.tensors] == ["a", "b"]
         assert j.nbytes == 4 * 3 * 4 + 3 * 8
-    one, jobs1 = plan_files(hf_layout(hf), max_shard_size=50)
+    _, jobs1 = plan_files(hf_layout(hf), max_shard_size=50)
     assert [j.rel for j in jobs1] == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
     assert prod(len(j.tensors) for j in jobs1) == 1

@@ -15,15 +15,23 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 BLOCKED = ("mpi4py", "mpi4py.MPI", "torch", "torch.distributed")
-PURE_MODULES = ("streamer.plan", "formats", "formats.box", "formats.manifest", "formats.validate",
-                "formats.layouts", "formats.dtypes", "formats.errors")
+PURE_MODULES = (
+    "streamer.plan",
+    "formats",
+    "formats.box",
+    "formats.manifest",
+    "formats.validate",
+    "formats.layouts",
+    "formats.dtypes",
+    "formats.errors",
+)
 
 SMALL_PLAN = """
 from formats.layouts import Mesh, Replicate, Shard, build_manifest
 from formats.manifest import dumps_manifest, loads_manifest
 arrays = {"w": ((7, 5), "bfloat16"), "s": ((), "int64")}
-src = build_manifest(arrays, Mesh(("dp", "tp"), (2, 2)), {"w": (Replicate(), Shard(0)), "s": (Replicate(), Replicate())},
-                     file_pattern=None)
+src_pl = {"w": (Replicate(), Shard(0)), "s": (Replicate(), Replicate())}
+src = build_manifest(arrays, Mesh(("dp", "tp"), (2, 2)), src_pl, file_pattern=None)
 dst = build_manifest(arrays, Mesh(("tp",), (3,)), {"w": (Shard(1),), "s": (Replicate(),)}, file_pattern=None)
 src = loads_manifest(dumps_manifest(src))
 plan = plan_transfers(src, dst, dst_domain_size=3, split_bytes=1)
@@ -36,8 +44,15 @@ print("PLAN-OK", plan.digest())
 def _run(code: str) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        check=False,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_plan_and_formats_work_with_mpi_and_torch_blocked() -> None:
@@ -65,8 +80,7 @@ def test_importing_the_planner_loads_neither_torch_nor_mpi() -> None:
     code += "".join(f"import {m}\n" for m in PURE_MODULES)
     code += "from streamer.plan import plan_transfers, validate_plan\n"
     code += SMALL_PLAN
-    code += ("print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in "
-             "('torch', 'mpi4py'))))\n")
+    code += "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'mpi4py'))))\n"
     r = _run(code)
     assert r.returncode == 0, r.stdout + r.stderr
     loaded = json.loads(r.stdout.strip().splitlines()[-1])
@@ -80,9 +94,19 @@ def test_same_digest_in_separate_interpreters() -> None:
     digests = set()
     for seed in ("0", "1", "12345"):
         env_code = f"import os; os.environ['PYTHONHASHSEED'] = {seed!r}\n"
-        r = subprocess.run([sys.executable, "-c", env_code + code], cwd=ROOT, capture_output=True, text=True,
-                           timeout=120, env={**os.environ, "PYTHONHASHSEED": seed,
-                                             "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")})
+        r = subprocess.run(
+            [sys.executable, "-c", env_code + code],
+            check=False,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={
+                **os.environ,
+                "PYTHONHASHSEED": seed,
+                "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+            },
+        )
         assert r.returncode == 0, r.stdout + r.stderr
         digests.add(r.stdout.split("PLAN-OK", 1)[1].strip())
     assert len(digests) == 1
