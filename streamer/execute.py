@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -103,6 +103,8 @@ class Message:
     index: int  # bucket index within (phase, src, dst)
     transfers: tuple[Transfer, ...]
     nbytes: int
+    uid: int = -1  # position in the global order
+    deps: tuple[int, ...] = ()  # phase-2: uids of the phase-1 messages that bring its bytes
 
 
 def _split_transfer(t: Transfer, bucket: int) -> list[Transfer]:
@@ -122,41 +124,76 @@ def _split_transfer(t: Transfer, bucket: int) -> list[Transfer]:
 INPLACE_MIN_BYTES = 256 << 10
 
 
+def _bucket(ts: Sequence[Transfer], phase: int, s: int, d: int, bucket_size: int,
+            shape_of: Any) -> list[Message]:
+    msgs: list[Message] = []
+    cur: list[Transfer] = []
+    size = 0
+    for t in ts:
+        if (shape_of is not None and t.nbytes >= INPLACE_MIN_BYTES
+                and is_contiguous(t.src_box, shape_of(t.src_rank, t.src_tensor, t.phase == 2))
+                and is_contiguous(t.dst_box, shape_of(t.dst_rank, t.dst_tensor, True))):
+            msgs.append(Message(phase, s, d, len(msgs), (t,), t.nbytes))
+            continue
+        if cur and size + t.nbytes > bucket_size:
+            msgs.append(Message(phase, s, d, len(msgs), tuple(cur), size))
+            cur, size = [], 0
+        cur.append(t)
+        size += t.nbytes
+    if cur:
+        msgs.append(Message(phase, s, d, len(msgs), tuple(cur), size))
+    return msgs
+
+
 def build_schedule(plan: Plan, bucket_size: int, shape_of: Any = None) -> list[Message]:
     """Every message of the plan, in the one global order all ranks use.
 
-    ``shape_of(global_rank, local_tensor) -> shape`` (optional) lets contiguous transfers of at
-    least ``INPLACE_MIN_BYTES`` go as their own messages, sent from and received into the local
-    tensors without packing; the rest share packed buckets.
+    ``shape_of(global_rank, local_tensor, on_dst) -> shape`` (optional) lets contiguous transfers
+    of at least ``INPLACE_MIN_BYTES`` go as their own messages, sent from and received into the
+    local tensors without packing; the rest share packed buckets.
+
+    Phase-2 forwards are pipelined with phase 1: each phase-2 message is placed right after the
+    last phase-1 message that brings its bytes to the forwarding rank, and records those messages
+    in ``deps`` (the executor posts it once they have arrived).
     """
-    world = plan.world_size
+    world = max(plan.world_size, 1)
     by_pair: dict[tuple[int, int, int], list[Transfer]] = defaultdict(list)
     for t in plan.transfers:
         if t.phase == 0:
             continue
         by_pair[(t.phase, t.src_rank, t.dst_rank)].extend(_split_transfer(t, bucket_size))
-    msgs = []
+    p1: list[Message] = []
     for (phase, s, d), ts in by_pair.items():
-        cur: list[Transfer] = []
-        size = 0
-        idx = 0
+        if phase == 1:
+            p1.extend(_bucket(ts, 1, s, d, bucket_size, shape_of))
+    p1.sort(key=lambda m: (m.index, (m.dst - m.src) % world, m.src, m.dst))
+    # where each phase-1 byte lands: (rank, local tensor) -> [(box, position in p1)]
+    landed: dict[tuple[int, str], list[tuple[Box, int]]] = defaultdict(list)
+    for pos, m in enumerate(p1):
+        for t in m.transfers:
+            landed[(t.dst_rank, t.dst_tensor)].append((t.dst_box, pos))
+    keyed: list[tuple[tuple[int, ...], Message, tuple[int, ...]]] = [((pos, 0), m, ()) for pos, m in enumerate(p1)]
+    for (phase, s, d), ts in by_pair.items():
+        if phase != 2:
+            continue
+        dep_of = {}
         for t in ts:
-            if (shape_of is not None and t.nbytes >= INPLACE_MIN_BYTES
-                    and is_contiguous(t.src_box, shape_of(t.src_rank, t.src_tensor, t.phase == 2))
-                    and is_contiguous(t.dst_box, shape_of(t.dst_rank, t.dst_tensor, True))):
-                msgs.append(Message(phase, s, d, idx, (t,), t.nbytes))
-                idx += 1
-                continue
-            if cur and size + t.nbytes > bucket_size:
-                msgs.append(Message(phase, s, d, idx, tuple(cur), size))
-                idx += 1
-                cur, size = [], 0
-            cur.append(t)
-            size += t.nbytes
-        if cur:
-            msgs.append(Message(phase, s, d, idx, tuple(cur), size))
-    msgs.sort(key=lambda m: (m.phase, m.index, (m.dst - m.src) % max(world, 1), m.src))
-    return msgs
+            deps = tuple(sorted({pos for box, pos in landed.get((t.src_rank, t.src_tensor), [])
+                                 if box.intersect(t.src_box) is not None}))
+            dep_of[id(t)] = deps
+        ts = sorted(ts, key=lambda t: (max(dep_of[id(t)], default=-1)))
+        for m in _bucket(ts, 2, s, d, bucket_size, shape_of):
+            deps = tuple(sorted({x for t in m.transfers for x in dep_of[id(t)]}))
+            keyed.append(((max(deps, default=-1), 1, (m.dst - m.src) % world, m.src, m.dst, m.index), m, deps))
+    keyed.sort(key=lambda k: k[0])
+    uid_of_p1 = {}
+    for uid, (key, m, _) in enumerate(keyed):
+        if key[1] == 0:
+            uid_of_p1[key[0]] = uid
+    out = []
+    for uid, (_, m, deps) in enumerate(keyed):
+        out.append(replace(m, uid=uid, deps=tuple(uid_of_p1[p] for p in deps)))
+    return out
 
 
 @dataclass
@@ -204,6 +241,7 @@ class Executor:
         view = torch_byte_view if self.use_torch else byte_view
         self.views = {name: view(x) for name, x in tensors.items()}
         self.mine = [m for m in schedule if m.src == self.rank or m.dst == self.rank]
+        self._by_uid = {m.uid: m for m in schedule}
         self.local = [t for t in plan.transfers if t.phase == 0 and t.dst_rank == self.rank]
         bucket = max((m.nbytes for m in self.mine), default=0)
         # at most `window` bucket buffers, allocated once and reused every push
@@ -288,7 +326,7 @@ class Executor:
                 src = self._region(tr.src_tensor, tr.src_box)
                 _copy(self._region(tr.dst_tensor, tr.dst_box), src.copy() if isinstance(src, np.ndarray) else src.clone())
             st.local_copies += 1
-        pending_p1 = sum(1 for m in self.mine if m.dst == self.rank and m.phase == 1)
+        done: set[int] = set()
         i = 0
         active: list[_Active] = []
         last = time.monotonic()
@@ -298,8 +336,8 @@ class Executor:
             while len(active) < self.window and i < len(self.mine):
                 m = self.mine[i]
                 send = m.src == self.rank
-                if send and m.phase == 2 and pending_p1:
-                    break
+                if send and m.phase == 2 and not all(d in done for d in m.deps):
+                    break  # its bytes are still arriving (earlier in the global order)
                 buf = self._inplace(m, send)
                 slot = -1
                 if buf is None:
@@ -319,8 +357,7 @@ class Executor:
                         if a.slot >= 0:
                             self._unpack(a.msg, a.buf)  # type: ignore[arg-type]
                         st.bytes_received += a.msg.nbytes
-                        if a.msg.phase == 1:
-                            pending_p1 -= 1
+                        done.add(a.msg.uid)
                     else:
                         st.bytes_sent += a.msg.nbytes
                     if a.slot >= 0:
@@ -336,7 +373,16 @@ class Executor:
                 continue
             if now - last > self.timeout:
                 peers = sorted({a.msg.src if a.is_recv else a.msg.dst for a in active})
-                name = self.peer_names or (lambda p: f"rank {p}")
+                name0 = self.peer_names or (lambda p: f"rank {p}")
+                # a forwarder that is late may itself be waiting: name where its bytes come from
+                upstream: dict[int, set[int]] = defaultdict(set)
+                for a in active:
+                    if a.is_recv and a.msg.phase == 2:
+                        upstream[a.msg.src].update(self._by_uid[d].src for d in a.msg.deps if d in self._by_uid)
+
+                def name(p: int) -> str:
+                    up = sorted(upstream.get(p, ()))
+                    return name0(p) + (f" (which forwards bytes from {', '.join(name0(u) for u in up)})" if up else "")
                 for a in active:
                     a.req.cancel()
                 raise PeerTimeoutError(f"rank {self.rank}: timed out after {self.timeout:g} s waiting for "
