@@ -4,7 +4,16 @@ from __future__ import annotations
 
 from .box import Box
 from .errors import ShardstreamError
-from .manifest import ArraySpec, Chunk, Manifest, Source, TensorSpec, load_manifest, parse_manifest, save_manifest
+from .manifest import (
+           ArraySpec,
+           Chunk,
+           Manifest,
+           Source,
+           TensorSpec,
+           load_manifest,
+           parse_manifest,
+           save_manifest,
+)
 
 __all__ = ["Box", "ShardstreamError", "ArraySpec", "Chunk", "Manifest", "Source", "TensorSpec",
            "load_manifest", "parse_manifest", "save_manifest"]

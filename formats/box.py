@@ -75,6 +75,11 @@ class Box:
     def fits_in(self, shape: Sequence[int]) -> bool:
         return len(shape) == self.ndim and all(e <= n for e, n in zip(self.stops, shape))
 
+    @property
+    def slices(self) -> tuple[slice, ...]:
+        """Basic-indexing slices of this box (numpy and torch)."""
+        return tuple(slice(o, o + s) for o, s in zip(self.offsets, self.sizes))
+
     def shift(self, delta: Sequence[int]) -> Box:
         """Translate by ``delta`` (may be negative as long as the result stays >= 0)."""
         return Box(tuple(o + d for o, d in zip(self.offsets, delta)), self.sizes)

@@ -59,6 +59,8 @@ class SourceStore:
         self.stats = ReadStats()
         #: the largest span one coalesced read may buffer (convert sets it from --memory-limit)
         self.read_budget = 64 << 20
+        #: runs closer than this are read as one span (a page: the kernel reads it whole anyway)
+        self.max_gap = 4096
 
     # -- resolution
     def header(self, path: str) -> Any:
@@ -121,7 +123,7 @@ class SourceStore:
         if out is None:
             out = np.empty(n, dtype=np.uint8)
         read_region(self.fd(rt.path), rt.start, rt.shape, rt.dtype.itemsize, box, out, stats=self.stats,
-                    budget=self.read_budget)
+                    budget=self.read_budget, max_gap=self.max_gap)
         return out
 
     def close(self) -> None:

@@ -841,9 +841,9 @@ def _region_checksum(path: Path, start: int, shape: tuple[int, ...], itemsize: i
             return h.result()
         view = raw.view(np.dtype(f"u{itemsize}") if itemsize in (1, 2, 4, 8) else np.uint8)
         arr = view.reshape(shape)
-        region = arr[tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes))]
+        region = arr[box.slices]
         for slab in contiguous_slabs(region.shape, itemsize, _CHECKSUM_SLAB):
-            piece = np.ascontiguousarray(region[tuple(slice(o, o + s) for o, s in zip(slab.offsets, slab.sizes))])
+            piece = np.ascontiguousarray(region[slab.slices])
             h.update(piece.view(np.uint8))
         return h.result()
     finally:

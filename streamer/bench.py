@@ -154,7 +154,6 @@ def refit_worker(argv: list[str]) -> int:
     from .jobs import Group
     from .persist import alloc_local, load_local
     from .refit import RefitSession
-    from .transport.mpi import MPITransport
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--train", required=True)

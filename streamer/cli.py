@@ -121,6 +121,11 @@ def cmd_layout(args: argparse.Namespace) -> int:
     else:
         raise UsageError("layout needs --like MANIFEST or --model CFG (HF config.json or NCCL M2N model JSON)")
     rules = [parse_rule(r, mesh) for r in rule_texts]
+    if args.rule:  # a typo in a glob silently replicates the array: say so
+        from formats.layouts import unmatched_rules
+
+        for r in unmatched_rules(like.arrays, rules):
+            print(f"shardstream: warning: rule {r.pattern!r} matches no array", file=sys.stderr)
     pattern = None if args.no_files else args.file_pattern
     if args.file_pattern is None and not args.no_files:
         # one rank: leave files to `convert`, which names them HF style (model.safetensors, or shards
@@ -275,7 +280,7 @@ def cmd_refit(args: argparse.Namespace) -> int:
     """One side of a live refit. Under MPI, runtime failures abort every rank with exit 3."""
     from formats.errors import TransportError
 
-    from .jobs import abort, connect
+    from .jobs import abort
 
     try:
         return _refit(args)

@@ -18,7 +18,6 @@ import errno
 import fcntl
 import json
 import os
-import shutil
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -31,14 +30,20 @@ import numpy as np
 from formats.box import Box, contiguous_slabs
 from formats.checksum import DEFAULT_ALGO, new_hasher
 from formats.dtypes import by_name
-from formats.errors import (FormatError, OutputLockedError, PlanError, ShardstreamError, UsageError,
-                            ValidationError)
+from formats.errors import (
+    FormatError,
+    OutputLockedError,
+    PlanError,
+    ShardstreamError,
+    UsageError,
+    ValidationError,
+)
 from formats.manifest import ArraySpec, Chunk, Manifest, Source, TensorSpec, atomic_write_bytes, save_manifest
 from formats.store import SourceStore
 from formats.validate import validate_manifest
 
 from .plan import Plan, Transfer, plan_transfers
-from .progress import Progress, human_bytes
+from .progress import Progress
 
 __all__ = ["ConvertOptions", "ConvertReport", "FileJob", "convert", "plan_files", "DEFAULT_PATTERN"]
 
@@ -319,14 +324,14 @@ class _Writer:
                 else:
                     tmp = self.store.read(rt, sbox, self.scratch(sbox.volume * isz))
                     rel = sub.relative_to(slab.offsets)
-                    sl = tuple(slice(o, o + s) for o, s in zip(rel.offsets, rel.sizes))
+                    sl = rel.slices
                     view[sl] = tmp.reshape(sub.sizes + (isz,))
             for fqn, ci, lbox in chunks:
                 inter = slab.intersect(lbox)
                 if inter is None or inter.empty:
                     continue
                 rel = inter.relative_to(slab.offsets)
-                sl = tuple(slice(o, o + s) for o, s in zip(rel.offsets, rel.sizes))
+                sl = rel.slices
                 hashers[(fqn, ci)].update(np.ascontiguousarray(view[sl]))
             self._write_async(w, name, byte_off, buf)
             byte_off += n

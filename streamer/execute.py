@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -84,10 +84,6 @@ def _host_bytes(x: Any) -> np.ndarray:
     if isinstance(x, np.ndarray):
         return np.ascontiguousarray(x).reshape(-1)
     return x.contiguous().cpu().numpy().reshape(-1)
-
-
-def _slices(box: Box) -> tuple[slice, ...]:
-    return tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes))
 
 
 def is_contiguous(box: Box, shape: Sequence[int]) -> bool:
@@ -223,12 +219,15 @@ class Executor:
     """Executes the part of a plan that concerns ``transport.rank``.
 
     ``tensors`` maps local tensor names to buffers (numpy or CPU torch): the sources on sending
-    ranks, the destinations (written in place) on receiving ranks.
+    ranks, the destinations (written in place) on receiving ranks. ``dst_tensors``, when given,
+    holds the destination buffers separately (a same-job reshard, where one process is both a
+    source and a destination and the two layouts may use the same local names).
     """
 
     def __init__(self, transport: Transport, plan: Plan, schedule: Sequence[Message],
                  tensors: Mapping[str, Any], *, timeout: float = 300.0, window: int = 2,
-                 verify: bool = False, peer_names: Any = None) -> None:
+                 verify: bool = False, peer_names: Any = None,
+                 dst_tensors: Mapping[str, Any] | None = None) -> None:
         self.t = transport
         self.plan = plan
         self.rank = transport.rank
@@ -239,7 +238,8 @@ class Executor:
         #: torch.distributed transports move torch tensors (GPU memory for NCCL); others numpy
         self.use_torch = getattr(transport, "name", "") in ("gloo", "nccl")
         view = torch_byte_view if self.use_torch else byte_view
-        self.views = {name: view(x) for name, x in tensors.items()}
+        self.src_views = {name: view(x) for name, x in tensors.items()}
+        self.dst_views = self.src_views if dst_tensors is None else {n: view(x) for n, x in dst_tensors.items()}
         self.mine = [m for m in schedule if m.src == self.rank or m.dst == self.rank]
         self._by_uid = {m.uid: m for m in schedule}
         self.local = [t for t in plan.transfers if t.phase == 0 and t.dst_rank == self.rank]
@@ -264,9 +264,11 @@ class Executor:
             for tr in m.transfers:
                 if m.src == self.rank:
                     name, box = tr.src_tensor, tr.src_box
+                    views = self.dst_views if tr.phase == 2 else self.src_views
                 else:
                     name, box = tr.dst_tensor, tr.dst_box
-                v = self.views.get(name)
+                    views = self.dst_views
+                v = views.get(name)
                 if v is None:
                     if name not in need:
                         problems.append(f"rank {self.rank}: local tensor {name!r} (for {tr.fqn}) was not provided")
@@ -282,23 +284,30 @@ class Executor:
             raise ValidationError(problems=sorted(set(problems))[:50])
 
     # -- packing
-    def _region(self, name: str, box: Box) -> np.ndarray:
-        v = self.views[name]
-        return v[_slices(box)] if box.ndim else v
+    def _region(self, name: str, box: Box, dst: bool) -> np.ndarray:
+        v = (self.dst_views if dst else self.src_views)[name]
+        return v[box.slices] if box.ndim else v
+
+    def _src(self, tr: Transfer) -> Any:
+        # phase-2 forwards read what the forwarder received into its destination tensors
+        return self._region(tr.src_tensor, tr.src_box, tr.phase == 2)
+
+    def _dst(self, tr: Transfer) -> Any:
+        return self._region(tr.dst_tensor, tr.dst_box, True)
 
     def _pack(self, m: Message, buf: np.ndarray) -> None:
         off = 0
         for tr in m.transfers:
             n = tr.nbytes
             dst = buf[off:off + n].reshape(tr.region.sizes + (tr.itemsize,))
-            _copy(dst, self._region(tr.src_tensor, tr.src_box))
+            _copy(dst, self._src(tr))
             off += n
 
     def _unpack(self, m: Message, buf: np.ndarray) -> None:
         off = 0
         for tr in m.transfers:
             n = tr.nbytes
-            _copy(self._region(tr.dst_tensor, tr.dst_box), buf[off:off + n].reshape(tr.region.sizes + (tr.itemsize,)))
+            _copy(self._dst(tr), buf[off:off + n].reshape(tr.region.sizes + (tr.itemsize,)))
             off += n
 
     def _inplace(self, m: Message, send: bool) -> np.ndarray | None:
@@ -306,10 +315,11 @@ class Executor:
             return None
         tr = m.transfers[0]
         name, box = (tr.src_tensor, tr.src_box) if send else (tr.dst_tensor, tr.dst_box)
-        v = self.views[name]
+        on_dst = (not send) or tr.phase == 2
+        v = (self.dst_views if on_dst else self.src_views)[name]
         if not is_contiguous(box, v.shape[:-1]):
             return None
-        r = self._region(name, box)
+        r = self._region(name, box, on_dst)
         if isinstance(r, np.ndarray):
             return r.reshape(-1)
         try:
@@ -322,9 +332,10 @@ class Executor:
         st = ExecStats()
         t0 = time.perf_counter()
         for tr in self.local:  # same-job reshard: bytes already on this rank
-            if tr.src_tensor != tr.dst_tensor or tr.src_offsets != tr.dst_offsets:
-                src = self._region(tr.src_tensor, tr.src_box)
-                _copy(self._region(tr.dst_tensor, tr.dst_box), src.copy() if isinstance(src, np.ndarray) else src.clone())
+            if (self.dst_views is not self.src_views or tr.src_tensor != tr.dst_tensor
+                    or tr.src_offsets != tr.dst_offsets):
+                src = self._src(tr)
+                _copy(self._dst(tr), src.copy() if isinstance(src, np.ndarray) else src.clone())
             st.local_copies += 1
         done: set[int] = set()
         i = 0
@@ -397,10 +408,10 @@ class Executor:
         return st
 
     # -- integrity without gathering
-    def _digest(self, name: str, box: Box) -> int:
+    def _digest(self, region: Any) -> int:
         import xxhash
 
-        return xxhash.xxh64_intdigest(_host_bytes(self._region(name, box)))
+        return xxhash.xxh64_intdigest(_host_bytes(region))
 
     def _verify(self) -> int:
         """Senders hash the regions they sent (from their own tensors); receivers hash what landed
@@ -411,7 +422,7 @@ class Executor:
         ctrl = getattr(self.t, "ctrl", self.t)  # digests are host memory: NCCL cannot carry them
         for m in self.mine:
             if m.src == self.rank:
-                d = np.array([self._digest(tr.src_tensor, tr.src_box) for tr in m.transfers], dtype=np.uint64)
+                d = np.array([self._digest(self._src(tr)) for tr in m.transfers], dtype=np.uint64)
                 keep.append(d)
                 reqs.append(ctrl.isend(d, m.dst, _DIGEST_TAG))
             else:
@@ -425,7 +436,7 @@ class Executor:
         n = 0
         for m, d in expect:
             for tr, want in zip(m.transfers, d.tolist()):
-                got = self._digest(tr.dst_tensor, tr.dst_box)
+                got = self._digest(self._dst(tr))
                 n += 1
                 if got != want:
                     bad.append(f"{tr.fqn}: region {tr.region} received by rank {self.rank} from rank {tr.src_rank} "

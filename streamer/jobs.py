@@ -92,8 +92,8 @@ class Watchdog:
 def _iallgather_int(comm: Any, value: int, timeout: float, what: str) -> list[int]:
     from mpi4py import MPI
 
-    from .transport.mpi import _Req
     from .transport.base import wait_all
+    from .transport.mpi import _Req
 
     send = np.array([value], dtype=np.int64)
     recv = np.zeros(comm.Get_size(), dtype=np.int64)

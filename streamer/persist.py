@@ -42,14 +42,14 @@ def load_local(m: Manifest, rank: int) -> dict[str, np.ndarray]:
             for piece in contiguous_slabs(lb.sizes, isz, 64 << 20):
                 box = piece.shift(lb.offsets)
                 data = store.read(rt, box)
-                sl = tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes))
+                sl = box.slices
                 bview[sl] = data.reshape(box.sizes + (isz,))
     return out
 
 
 def _chunk_checksum(view: np.ndarray, box: Box) -> str:
     h = new_hasher(DEFAULT_ALGO)
-    sl = tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes))
+    sl = box.slices
     h.update(np.ascontiguousarray(view[sl]).reshape(-1).view(np.uint8))
     return h.result()
 

@@ -23,7 +23,7 @@ import numpy as np
 from formats.errors import PlanError, TransportError
 from formats.manifest import Manifest, dumps_manifest, loads_manifest
 
-from .execute import DEFAULT_BUCKET, Executor, byte_view, build_schedule
+from .execute import DEFAULT_BUCKET, Executor, build_schedule, byte_view
 from .plan import Plan, plan_transfers
 
 __all__ = ["RefitSession", "StepStats"]
@@ -197,8 +197,8 @@ class RefitSession:
                 bufs[fqn] = full
             for ci, c in enumerate(a.chunks):
                 owner = c.holders[0]
-                sl = tuple(slice(o, o + s) for o, s in zip(c.region.offsets, c.region.sizes))
-                lsl = tuple(slice(o, o + s) for o, s in zip(c.local_offsets, c.region.sizes))
+                sl = c.region.slices
+                lsl = c.local_box.slices
                 if rank == 0 and 0 in c.holders:
                     full[sl] = views[c.tensor(fqn)][lsl]
                 elif rank == 0:
@@ -248,8 +248,8 @@ class RefitSession:
                         full = buf[off:off + n].reshape(a.shape + (a.dtype.itemsize,))
                         for c in a.chunks:
                             if rank - S in c.holders:
-                                sl = tuple(slice(o, o + s) for o, s in zip(c.region.offsets, c.region.sizes))
-                                lsl = tuple(slice(o, o + s) for o, s in zip(c.local_offsets, c.region.sizes))
+                                sl = c.region.slices
+                                lsl = c.local_box.slices
                                 views[c.tensor(f)][lsl] = full[sl]
                         off += n
         if rank == 0:

@@ -95,6 +95,8 @@ def tensor_data(name: str, shape: tuple[int, ...], data_type: str, seed: int) ->
             arr = ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
         else:
             arr = f.astype(data_type)
+    elif data_type == "bool":
+        return rng.integers(0, 2, size=n, dtype=np.uint8).astype(np.bool_).reshape(shape)
     else:
         dt = DTYPES[data_type]
         arr = rng.integers(0, 256, size=n * dt.itemsize, dtype=np.uint8)
