@@ -142,6 +142,13 @@ class TensorSpec:
     shape: tuple[int, ...]
     data_type: str
 
+    @property
+    def nbytes(self) -> int:
+        n = DTYPES[self.data_type].itemsize
+        for s in self.shape:
+            n *= s
+        return n
+
     def to_dict(self) -> dict[str, Any]:
         return {"shape": list(self.shape), "data_type": self.data_type}
 

@@ -78,13 +78,7 @@ class FileJob:
 
     @property
     def nbytes(self) -> int:
-        total = 0
-        for _, ts, _ in self.tensors:
-            n = by_name(ts.data_type).itemsize
-            for s in ts.shape:
-                n *= s
-            total += n
-        return total
+        return sum(ts.nbytes for _, ts, _ in self.tensors)
 
 
 @dataclass
@@ -132,9 +126,7 @@ def _hf_files(dst: Manifest, max_shard_size: int | None) -> dict[str, str]:
     groups: list[list[str]] = [[]]
     size = 0
     for t, ts in tensors.items():
-        n = by_name(ts.data_type).itemsize
-        for s in ts.shape:
-            n *= s
+        n = ts.nbytes
         if groups[-1] and size + n > max_shard_size:
             groups.append([])
             size = 0
@@ -627,10 +619,6 @@ def _write_index(out: Path, m: Manifest, jobs: Sequence[FileJob]) -> None:
     for job in jobs:  # every stored tensor, empty arrays included
         for name, _, _ in job.tensors:
             weight_map[name] = job.rel
-    for ts in m.local_tensors(0).values():
-        n = by_name(ts.data_type).itemsize
-        for s in ts.shape:
-            n *= s
-        total += n
+    total = sum(ts.nbytes for ts in m.local_tensors(0).values())
     data = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     atomic_write_bytes(out / "model.safetensors.index.json", (json.dumps(data, indent=2) + "\n").encode())

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from formats.errors import PeerTimeoutError, UsageError
+from formats.manifest import atomic_write_bytes
 
 __all__ = ["Group", "connect", "Watchdog", "abort"]
 
@@ -102,15 +103,6 @@ def _iallgather_int(comm: Any, value: int, timeout: float, what: str) -> list[in
     return [int(x) for x in recv]
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def connect(role: str, *, rendezvous: str | None = None, timeout: float = 300.0) -> Group:
     """Join the refit group as ``role`` ("send" or "recv")."""
     from mpi4py import MPI
@@ -139,7 +131,7 @@ def connect(role: str, *, rendezvous: str | None = None, timeout: float = 300.0)
         port = None
         if role_comm.Get_rank() == 0:
             port = MPI.Open_port()
-            _write_atomic(path, port + "\n")
+            atomic_write_bytes(path, (port + "\n").encode())
 
         def cleanup() -> None:
             # every rank: the first watchdog to fire aborts the job, maybe before rank 0's does
