@@ -231,7 +231,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     comm = _mpi_comm()
     src, dst = _load(args.src), _load(args.dst)
     opts = ConvertOptions(memory_limit=args.memory_limit, resume=args.resume, max_shard_size=args.max_shard_size,
-                          allow_extra=args.allow_extra, progress=None if not args.json else False)
+                          allow_extra=args.allow_extra, progress=None if not args.json else False,
+                          cast=args.cast)
     rep = convert(src, dst, args.out, opts, comm=comm, src_where=_where(args.src), dst_where=_where(args.dst))
     if comm is not None and comm.Get_rank() != 0:
         return 0
@@ -485,6 +486,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-shard-size", type=parse_size, metavar="SIZE",
                    help="one-rank (HF) output: split files at this size and write model.safetensors.index.json")
     p.add_argument("--resume", action="store_true")
+    p.add_argument("--cast", metavar="DTYPE", choices=["float16", "bfloat16", "float32", "float64"],
+                   help="store floating-point arrays as DTYPE (e.g. fp32 master weights -> bfloat16)")
     p.add_argument("--allow-extra", action="store_true")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_convert)

@@ -67,6 +67,8 @@ class ConvertOptions:
     checksum: str = DEFAULT_ALGO
     #: show a progress bar (None: only on a terminal)
     progress: bool | None = None
+    #: cast floating-point arrays to this data_type on the way (e.g. fp32 master weights -> bfloat16)
+    cast: str | None = None
 
 
 @dataclass
@@ -195,6 +197,44 @@ def _chunks_and_empties(m: Manifest, empty: dict[str, TensorSpec]) -> Any:
             yield fqn, a, c
 
 
+# ------------------------------------------------------------------ casting
+
+FLOATS = ("float16", "bfloat16", "float32", "float64")
+
+
+def _to_f32(raw: np.ndarray, dt: str) -> np.ndarray:
+    if dt == "bfloat16":
+        return (raw.view("<u2").astype(np.uint32) << np.uint32(16)).view(np.float32)
+    return raw.view(np.dtype(dt).newbyteorder("<")).astype(np.float32 if dt != "float64" else np.float64)
+
+
+def cast_bytes(raw: np.ndarray, src: str, dst: str) -> np.ndarray:
+    """Row-major bytes of ``src`` elements -> bytes of ``dst`` elements (round to nearest even)."""
+    with np.errstate(over="ignore", invalid="ignore"):  # overflow to inf is the IEEE answer
+        return _cast(raw, src, dst)
+
+
+def _cast(raw: np.ndarray, src: str, dst: str) -> np.ndarray:
+    f = _to_f32(raw, src)
+    if dst == "bfloat16":
+        f32 = f.astype(np.float32)
+        u = f32.view(np.uint32)
+        out = ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
+        out[np.isnan(f32)] = 0x7FC0  # keep NaN a NaN (rounding could carry it into infinity)
+        return out.view(np.uint8)
+    return f.astype(np.dtype(dst).newbyteorder("<")).view(np.uint8)
+
+
+def cast_manifest(m: Manifest, to: str) -> Manifest:
+    """``m`` with every floating-point array (and declared local tensor) stored as ``to``."""
+    if to not in FLOATS:
+        raise UsageError(f"--cast {to}: only floating-point targets are supported ({', '.join(FLOATS)})")
+    arrays = {f: (ArraySpec(a.shape, to, a.chunks) if a.data_type in FLOATS else a) for f, a in m.arrays.items()}
+    tensors = {r: {n: (TensorSpec(t.shape, to) if t.data_type in FLOATS else t) for n, t in ts.items()}
+               for r, ts in m.tensors.items()}
+    return replace(m, arrays=arrays, tensors=tensors)
+
+
 # ------------------------------------------------------------------ execution
 
 class _Writer:
@@ -215,6 +255,8 @@ class _Writer:
             for ci, c in enumerate(a.chunks):
                 for h in c.holders:
                     self.chunks_in[(h, c.tensor(fqn))].append((fqn, ci, c.local_box))
+        #: (rank, local tensor) -> dtype the plan moves (differs from the output with --cast)
+        self.src_dtypes: dict[tuple[int, str], str] = {}
         self.slab_budget = max(1 << 16, opts.memory_limit // 4)
         self.read_budget = max(1 << 16, opts.memory_limit // 4)
         store.read_budget = self.read_budget
@@ -298,8 +340,11 @@ class _Writer:
             volume *= s
         covered = sum(t.region.volume for t in transfers)
         need_zero = covered < volume  # padding rows (vLLM vocab) that no chunk covers
+        src_dt = self.src_dtypes.get((rank, name), ts.data_type)
+        out_isz = isz
+        isz = by_name(src_dt).itemsize  # slabs are filled in the source dtype, cast before writing
         byte_off = 0
-        for slab in contiguous_slabs(shape, isz, self.slab_budget):
+        for slab in contiguous_slabs(shape, max(isz, out_isz), self.slab_budget):
             n = slab.volume * isz
             buf = self.buffer(n)
             if need_zero:
@@ -318,6 +363,10 @@ class _Writer:
                     rel = sub.relative_to(slab.offsets)
                     sl = rel.slices
                     view[sl] = tmp.reshape(sub.sizes + (isz,))
+            if src_dt != ts.data_type:
+                buf = cast_bytes(buf, src_dt, ts.data_type)
+                n = buf.size
+                view = buf.reshape(slab.sizes + (out_isz,)) if slab.ndim else buf.reshape((out_isz,))
             for fqn, ci, lbox in chunks:
                 inter = slab.intersect(lbox)
                 if inter is None or inter.empty:
@@ -492,7 +541,9 @@ def convert(src: Manifest, dst: Manifest, out_dir: str | os.PathLike[str], opts:
         plan = plan_transfers(src, dst, allow_extra=opts.allow_extra)
     except PlanError as e:  # its lines name the array; say which manifests were being matched
         raise PlanError(problems=[f"{dst_where}: {ln}; source manifest {src_where}" for ln in e.problems]) from e
-    filled, jobs = plan_files(dst, max_shard_size=opts.max_shard_size)
+    filled, jobs = plan_files(cast_manifest(dst, opts.cast) if opts.cast else dst, max_shard_size=opts.max_shard_size)
+    src_dtypes = ({(r, n): ts.data_type for r in dst.ranks_holding() for n, ts in dst.local_tensors(r).items()}
+                  if opts.cast else {})
     problems = _preflight(src, dst, plan) if rank == 0 else []
     if comm is not None:
         problems = comm.bcast(problems, root=0)
@@ -518,7 +569,7 @@ def convert(src: Manifest, dst: Manifest, out_dir: str | os.PathLike[str], opts:
     if comm is not None:
         comm.barrier()
     try:
-        report = _run_jobs(src, filled, plan, out, jobs, opts, rank, size, comm)
+        report = _run_jobs(src, filled, plan, out, jobs, opts, rank, size, comm, src_dtypes)
         if rank == 0:
             arrays = {}
             for fqn, a in filled.arrays.items():
@@ -551,7 +602,8 @@ def report_checksums(r: _RunResult, fqn: str, ci: int) -> str | None:
 
 
 def _run_jobs(src: Manifest, filled: Manifest, plan: Plan, out: Path, jobs: list[FileJob],
-              opts: ConvertOptions, rank: int, size: int, comm: Any) -> _RunResult:
+              opts: ConvertOptions, rank: int, size: int, comm: Any,
+              src_dtypes: dict[tuple[int, str], str] | None = None) -> _RunResult:
     mine = _assign(jobs, size)[rank]
     rep = ConvertReport(workers=size)
     checksums: dict[str, str] = {}
@@ -562,6 +614,7 @@ def _run_jobs(src: Manifest, filled: Manifest, plan: Plan, out: Path, jobs: list
     store = SourceStore(src)
     try:
         writer = _Writer(src, store, plan, filled, opts, progress)
+        writer.src_dtypes = dict(src_dtypes or {})
         for job in mine:
             rec_path = state / (job.rel.replace("/", "__") + ".done.json")
             if opts.resume and rec_path.exists() and (out / job.rel).exists():

@@ -519,7 +519,7 @@ GOLDEN = {
                "--name", "--no-files", "--rule", "-o/--output!"],
     "validate": ["--data", "--json", "<manifests>"],
     "plan": ["--allow-extra", "--dst-domain-size", "--json", "--same-job", "--src-domain-size", "<dst>", "<src>"],
-    "convert": ["--allow-extra", "--format{safetensors,zarr}", "--json", "--max-shard-size", "--memory-limit",
+    "convert": ["--allow-extra", "--cast{float16,bfloat16,float32,float64}", "--format{safetensors,zarr}", "--json", "--max-shard-size", "--memory-limit",
                 "--out!", "--resume", "<dst>", "<src>"],
     "refit": ["--allow-extra", "--bucket-size", "--dst-domain-size", "--json", "--manifest!", "--rendezvous",
               "--save", "--src-domain-size", "--steps", "--strategy{reshard,broadcast}", "--timeout",
