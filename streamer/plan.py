@@ -145,7 +145,7 @@ def match_arrays(src: Manifest, dst: Manifest, *, allow_extra: bool = False) -> 
     if not allow_extra:
         for fqn in src.arrays:
             if fqn not in dst.arrays:
-                problems.append(f"{fqn}: in source but not in destination (pass allow_extra to drop it)")
+                problems.append(f"{fqn}: in source but not in destination (pass --allow-extra to drop it)")
     return problems
 
 
