@@ -31,7 +31,7 @@ import numpy as np
 from .box import Box, contiguous_slabs
 from .checksum import new_hasher
 from .dtypes import DTYPES, DType
-from .errors import FormatError
+from .errors import FormatError, ShardNotFoundError, ShardstreamError, UsageError
 from .manifest import Chunk, Manifest
 
 __all__ = ["INT64_MAX", "MAX_PER_KIND", "check_file_path", "validate_data", "validate_manifest"]
@@ -861,7 +861,8 @@ def validate_data(m: Manifest, *, where: str = "<manifest>", verify_checksums: b
 
     Assumes ``m`` passed ``validate_manifest``: files whose paths ``check_file_path`` rejects are
     not opened (and not re-reported). Each file is stat'ed once and each safetensors header read
-    once. Directories (zarr groups) are skipped. Checksums are computed from ranged reads with
+    once. A directory is a zarr group (``formats.zarr_io``): its array must exist with sane
+    metadata and the chunk's dtype and shape. Checksums are computed from ranged reads with
     bounded memory.
     """
     dc = _DataChecker(m, _Report(where), verify_checksums)
@@ -896,6 +897,8 @@ class _DataChecker:
         self.headers: dict[str, Any] = {}
         self.reported: set[tuple[Any, ...]] = set()
         self.crc_missing = False
+        self.zarr: Any = None  # formats.zarr_io.ZarrReader, made on the first zarr group
+        self.zarr_bad: dict[tuple[str, str], bool] = {}
 
     def _once(self, *key: Any) -> bool:
         if key in self.reported:
@@ -944,6 +947,73 @@ class _DataChecker:
                              f"chunk {ci}: cannot read the header of {rel!r}{on} ({type(e).__name__}: {e})")
         return self.headers[rel]
 
+    def _check_zarr(self, fqn: str, adt: DType, ci: int, c: Chunk, hr: int, rel: str, full: Path, on: str,
+                    per_rank: bool) -> None:
+        """A chunk stored in a zarr group: the array exists, its metadata is sane, its dtype and
+        shape fit the chunk, and its checksum (when recorded) matches the bytes."""
+        src = c.source
+        assert src is not None
+        tensor = c.tensor(fqn)
+        key = (rel, tensor)
+        if self.zarr_bad.get(key):
+            return  # reported once per array
+        try:
+            from .zarr_io import ZarrReader, region_checksum
+
+            if self.zarr is None:
+                self.zarr = ZarrReader()
+            za = self.zarr.open(full, tensor)
+        except ShardNotFoundError:
+            self.zarr_bad[key] = True
+            self.rep.add(fqn, "missing tensors", f"chunk {ci}: zarr array {tensor!r} not found in {rel!r}{on} "
+                         f"(expected {full / tensor / 'zarr.json'})")
+            return
+        except (FormatError, UsageError) as e:
+            self.zarr_bad[key] = True
+            self.rep.add(fqn, "file problems", f"chunk {ci}: zarr array {tensor!r} in {rel!r}{on} is unusable ({e})")
+            return
+        except Exception as e:  # noqa: BLE001 - never raise on bad input
+            self.zarr_bad[key] = True
+            self.rep.add(fqn, "file problems",
+                         f"chunk {ci}: cannot open zarr array {tensor!r} in {rel!r}{on} ({type(e).__name__}: {e})")
+            return
+        ranks = [hr] if per_rank else list(c.holders)
+        exp = _declared_dtype(self.m, ranks, tensor) or adt
+        info = za.info
+        lbox = c.local_box
+        if info.data_type != exp.name:
+            if self._once("dtype", rel, tensor, exp.name):
+                self.rep.add(fqn, "data_type problems",
+                             f"chunk {ci}: zarr array {tensor!r} in {rel!r}{on} has the wrong data_type "
+                             f"(expected {exp.name}, got {info.data_type})")
+            return
+        if len(info.shape) != lbox.ndim:
+            self.rep.add(fqn, "shape problems", f"chunk {ci}: zarr array {tensor!r} in {rel!r}{on} has "
+                         f"{len(info.shape)} dims (expected {lbox.ndim}, got shape {_dims(info.shape)})")
+            return
+        if not lbox.fits_in(info.shape):
+            self.rep.add(fqn, "shape problems",
+                         f"chunk {ci}: zarr array {tensor!r} in {rel!r}{on} is too small for local box {lbox} "
+                         f"(expected shape >= {_dims(lbox.stops)} in every dim, got {_dims(info.shape)})")
+            return
+        if src.checksum is None or not self.verify:
+            return
+        try:
+            got = region_checksum(za, lbox, src.checksum)
+        except ImportError as e:
+            if not self.crc_missing:
+                self.crc_missing = True
+                self.rep.add(fqn, "checksum problems", f"chunk {ci}: cannot verify checksum {src.checksum} ({e})")
+            return
+        except (ShardstreamError, OSError, ValueError) as e:
+            self.rep.add(fqn, "checksum problems",
+                         f"chunk {ci}: cannot read zarr array {tensor!r} in {rel!r}{on} for its checksum ({e})")
+            return
+        if not _same_checksum(got, src.checksum):
+            self.rep.add(fqn, "checksum mismatches",
+                         f"checksum mismatch for chunk {ci} region {c.region} on rank {hr} in zarr array "
+                         f"{tensor!r} of {rel!r} (expected {src.checksum}, got {got})")
+
     def check(self, fqn: str, adt: DType, ci: int, c: Chunk, hr: int, per_rank: bool) -> None:
         src = c.source
         assert src is not None and src.file is not None
@@ -955,8 +1025,11 @@ class _DataChecker:
         full = (self.base / rel) if self.base is not None else Path(rel)
         on = f" for rank {hr}" if per_rank else ""
         st = self._stat(fqn, ci, rel, full, on)
-        if st is None or stat.S_ISDIR(st.st_mode):
-            return  # missing (reported) or a zarr group (validated by the zarr reader)
+        if st is None:
+            return  # missing (reported)
+        if stat.S_ISDIR(st.st_mode):
+            self._check_zarr(fqn, adt, ci, c, hr, rel, full, on, per_rank)
+            return
         if not stat.S_ISREG(st.st_mode):
             if self._once("special", rel):
                 self.rep.add(fqn, "file problems",

@@ -273,3 +273,100 @@ def bench_refit(work: str, *, senders: int = 4, receivers: int = 4, preset: str 
     out: dict[str, Any] = json.loads(res_path.read_text())
     out.update({"preset": preset, "train_mesh": train_mesh, "serve_mesh": serve_mesh})
     return out
+
+
+def bench_plan(sizes: tuple[int, ...] = (1_200, 4_800, 19_200), *, model: str | None = None,
+               train: str = "pp=16,ep=16", serve: str = "dp=8,tp=32", domain: int = 8) -> dict[str, Any]:
+    """Planner and validator time and peak memory vs the number of chunks.
+
+    The sweep uses synthetic models of ``n/12`` arrays (2-D, bf16; 8 source + 4 destination chunks
+    each) laid out TP8 -> TP4xDP2 with uneven shards; times are taken without allocation tracing,
+    then peak memory in a second, traced pass; the scaling exponent is the least-squares slope of log(time) over log(chunks).
+    With ``model`` (an HF config.json), the full-size trainer -> generator plan is timed as well.
+    """
+    import math
+    import tracemalloc
+
+    from formats.layouts import apply_layout, manifest_from_arrays, parse_mesh, parse_rule
+    from formats.validate import validate_manifest
+
+    from .plan import plan_transfers
+
+    rows = []
+    for n in sizes:
+        arrays = {f"model.layers.{i}.w": ((4099, 1024), "bfloat16") for i in range(max(1, n // 12))}
+        base = manifest_from_arrays(arrays)
+        ms, md = parse_mesh("tp=8"), parse_mesh("dp=2,tp=4")
+        src = apply_layout(base, ms, [parse_rule("*=S(0)", ms)], file_pattern=None)
+        dst = apply_layout(base, md, [parse_rule("*=R,S(1)", md)], file_pattern=None)
+        chunks = sum(len(a.chunks) for a in src.arrays.values()) + sum(len(a.chunks) for a in dst.arrays.values())
+        t0 = time.perf_counter()
+        p1 = validate_manifest(src, check_paths=False) + validate_manifest(dst, check_paths=False)
+        t1 = time.perf_counter()
+        plan = plan_transfers(src, dst, dst_domain_size=domain)
+        t2 = time.perf_counter()
+        del plan
+        tracemalloc.start()
+        plan = plan_transfers(src, dst, dst_domain_size=domain)
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        rows.append({"chunks": chunks, "transfers": len(plan.transfers), "validate_s": t1 - t0, "plan_s": t2 - t1,
+                     "peak_bytes": peak, "problems": len(p1)})
+
+    def slope(key: str) -> float:
+        xs = [math.log(r["chunks"]) for r in rows]
+        ys = [math.log(max(r[key], 1e-9)) for r in rows]
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        den = sum((x - mx) ** 2 for x in xs) or 1.0
+        return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / den
+
+    out: dict[str, Any] = {"sweep": rows, "plan_exponent": slope("plan_s"), "validate_exponent": slope("validate_s")}
+    if model:
+        from formats.layouts import manifest_from_arrays as mfa
+        from formats.layouts.models import arrays_from_model, generic_rules
+
+        t0 = time.perf_counter()
+        arrays = arrays_from_model(model)
+        base = mfa(arrays)
+        ms, md = parse_mesh(train), parse_mesh(serve)
+        src = apply_layout(base, ms, [parse_rule(r, ms) for r in generic_rules(ms.axes)], file_pattern=None)
+        dst = apply_layout(base, md, [parse_rule(r, md) for r in generic_rules(md.axes)], file_pattern=None)
+        t1 = time.perf_counter()
+        plan = plan_transfers(src, dst, src_domain_size=domain, dst_domain_size=domain)
+        t2 = time.perf_counter()
+        st = plan.stats()
+        out["model"] = {"config": model, "train": train, "serve": serve, "arrays": len(arrays),
+                        "src_chunks": sum(len(a.chunks) for a in src.arrays.values()),
+                        "dst_chunks": sum(len(a.chunks) for a in dst.arrays.values()),
+                        "manifests_s": t1 - t0, "plan_s": t2 - t1, "transfers": len(plan.transfers),
+                        "moved_bytes": st["moved_bytes"], "broadcast_moved_bytes": st["broadcast_moved_bytes"]}
+    return out
+
+
+def plot(result: dict[str, Any], kind: str, path: str) -> None:
+    """A PNG of a bench result (matplotlib, optional)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        from formats.errors import UsageError
+
+        raise UsageError("--plot needs matplotlib (pip install matplotlib)") from e
+    fig, ax = plt.subplots(figsize=(6, 4))
+    if kind == "plan":
+        xs = [r["chunks"] for r in result["sweep"]]
+        ax.loglog(xs, [r["plan_s"] for r in result["sweep"]], "o-", label=f"plan (slope {result['plan_exponent']:.2f})")
+        ax.loglog(xs, [r["validate_s"] for r in result["sweep"]], "s-",
+                  label=f"validate (slope {result['validate_exponent']:.2f})")
+        ax.set_xlabel("chunks")
+        ax.set_ylabel("seconds")
+    else:
+        keys = [k for k in ("reshard_s", "broadcast_s", "floor_s", "convert_s") if k in result]
+        ax.bar(keys, [result[k] for k in keys])
+        ax.set_ylabel("seconds")
+    ax.legend() if kind == "plan" else None
+    ax.set_title(f"shardstream bench {kind}")
+    fig.tight_layout()
+    fig.savefig(path)

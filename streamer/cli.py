@@ -108,6 +108,27 @@ def cmd_layout(args: argparse.Namespace) -> int:
 
     mesh = parse_mesh(args.mesh or "tp=1")
     rule_texts = list(args.rule)
+    if getattr(args, "preset", None):  # the framework's own local names and fused layouts
+        from formats.layouts.presets import preset_manifest
+        from formats.validate import validate_manifest
+
+        if not getattr(args, "model", None) or args.like or args.rule or args.fp8 or args.include_mtp:
+            raise UsageError("layout --preset needs --model CFG (an HF config.json) and takes no --like, --rule, "
+                             "--fp8 or --include-mtp")
+        pattern = None if args.no_files else args.file_pattern
+        if args.file_pattern is None and not args.no_files and args.preset != "hf":
+            pattern = "rank-{rank:05d}.safetensors"  # hf: convert names the files (model.safetensors, shards)
+        m = preset_manifest(args.model, args.preset, mesh, file_pattern=pattern, domain_size=args.domain_size,
+                            name=args.name)
+        problems = validate_manifest(m, where=args.output, check_paths=False)
+        if problems:
+            raise ShardstreamError(problems=problems)
+        save_manifest(m, args.output)
+        chunks = sum(len(a.chunks) for a in m.arrays.values())
+        _out(args, {"manifest": args.output, "world_size": m.world_size, "arrays": len(m.arrays), "chunks": chunks,
+                    "preset": args.preset},
+             f"wrote {args.output}: {args.preset}, world_size {m.world_size}, {len(m.arrays)} arrays, {chunks} chunks")
+        return 0
     if getattr(args, "model", None):
         from formats.layouts import manifest_from_arrays
         from formats.layouts.models import arrays_from_model, generic_rules
@@ -226,20 +247,23 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_convert(args: argparse.Namespace) -> int:
     from .convert import ConvertOptions, convert
 
-    if args.format != "safetensors":
-        raise UsageError(f"--format {args.format}: only safetensors output is supported in this version")
+    if args.zarr_compressor is not None and args.format != "zarr":
+        raise UsageError("--zarr-compressor applies to --format zarr only")
+    if args.format == "zarr" and args.max_shard_size:
+        raise UsageError("--max-shard-size splits safetensors files; it does not apply to --format zarr")
     comm = _mpi_comm()
     src, dst = _load(args.src), _load(args.dst)
     opts = ConvertOptions(memory_limit=args.memory_limit, resume=args.resume, max_shard_size=args.max_shard_size,
                           allow_extra=args.allow_extra, progress=None if not args.json else False,
-                          cast=args.cast)
+                          cast=args.cast, format=args.format, zarr_compressor=args.zarr_compressor or "none")
     rep = convert(src, dst, args.out, opts, comm=comm, src_where=_where(args.src), dst_where=_where(args.dst))
     if comm is not None and comm.Get_rank() != 0:
         return 0
     gbps = rep.bytes_written / rep.seconds / 1e9 if rep.seconds else 0.0
     obj = {**rep.to_dict(), "out": args.out, "gb_per_s": round(gbps, 3),
            "moved_bytes": rep.plan_stats.get("moved_bytes")}
-    _out(args, obj, f"converted {args.src} -> {args.out}: {rep.files_written} files written, "
+    what = "zarr arrays" if args.format == "zarr" else "files"
+    _out(args, obj, f"converted {args.src} -> {args.out}: {rep.files_written} {what} written, "
                     f"{rep.files_skipped} reused, {rep.bytes_written / 1e9:.3f} GB written, "
                     f"{rep.bytes_read / 1e9:.3f} GB read in {rep.reads} reads, {rep.seconds:.2f} s "
                     f"({gbps:.2f} GB/s, {rep.workers} worker(s))")
@@ -389,6 +413,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 f"{r['floor_peak_rss_bytes'] / 2**20:7.0f} MiB\n"
                 f"  ratio to floor       {r['ratio_to_floor']:8.2f} x   (target <= 1.3)\n"
                 f"  validate --data      {r['validate_data_s']:8.2f} s")
+    elif args.what == "plan":
+        r = bench.bench_plan(tuple(args.sweep), model=args.model)
+        lines = [f"bench plan: TP8 -> TP4xDP2 (uneven, domain 8), sweep over chunks"]
+        lines += [f"  {x['chunks']:8d} chunks {x['transfers']:8d} transfers  plan {x['plan_s']:7.3f} s  validate "
+                  f"{x['validate_s']:7.3f} s  peak {x['peak_bytes'] / 2**20:7.1f} MiB" for x in r["sweep"]]
+        lines.append(f"  scaling exponent: plan {r['plan_exponent']:.2f}, validate {r['validate_exponent']:.2f} "
+                     "(1.0 = linear)")
+        if "model" in r:
+            mm = r["model"]
+            lines.append(f"  {mm['config']}: {mm['train']} -> {mm['serve']}: {mm['src_chunks']} + {mm['dst_chunks']} "
+                         f"chunks, manifests {mm['manifests_s']:.2f} s, plan {mm['plan_s']:.2f} s (target <= 2 s), "
+                         f"{mm['transfers']} transfers")
+        text = "\n".join(lines)
     elif args.what == "validate":
         r = bench.bench_validate(args.chunks)
         text = (f"bench validate: {r['chunks']} chunks ({r['manifest_bytes'] / 1e6:.1f} MB JSON): parse "
@@ -407,6 +444,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 f"  peak extra / rank    {r['peak_extra_bytes_per_rank'] / 2**20:8.1f} MiB (bucket "
                 f"{r['bucket_bytes'] / 2**20:.0f} MiB, target <= 2 buckets)")
     r["work"] = work
+    if args.plot:
+        bench.plot(r, args.what, args.plot)
+        text += f"\nplot written to {args.plot}"
     _out(args, r, text)
     return 0
 
@@ -449,6 +489,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(without --rule: generic Megatron-like rules)")
     p.add_argument("--fp8", action="store_true", help="--model: block-FP8 linear weights + weight_scale_inv")
     p.add_argument("--include-mtp", action="store_true", help="--model: DeepSeek-V3 MTP layers too")
+    p.add_argument("--preset", choices=("megatron", "vllm", "sglang", "fsdp2", "hf"),
+                   help="--model: the framework's own local tensors (fused qkv / gate_up, padded vocab, stage-local "
+                        "layers); arrays keep HF names")
     p.add_argument("--mesh", metavar="A=N,...", help="device mesh, row-major (default tp=1)")
     p.add_argument("--rule", action="append", default=[], metavar="GLOB=PLACEMENTS",
                    help="e.g. '*.q_proj.weight=S(0)'; one placement per mesh axis; first match wins")
@@ -481,7 +524,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("src", metavar="SRC", help="source manifest, convert output dir, or HF checkpoint")
     p.add_argument("dst", metavar="DST", help="destination manifest (from `layout`)")
     p.add_argument("--out", required=True, metavar="DIR")
-    p.add_argument("--format", choices=["safetensors", "zarr"], default="safetensors")
+    p.add_argument("--format", choices=["safetensors", "zarr"], default="safetensors",
+                   help="zarr: DIR becomes a zarr v3 group, one array per logical array")
+    p.add_argument("--zarr-compressor", choices=["zstd", "none"], default=None,
+                   help="--format zarr: chunk compression (default none)")
     p.add_argument("--memory-limit", type=parse_size, default=1 << 30, metavar="SIZE")
     p.add_argument("--max-shard-size", type=parse_size, metavar="SIZE",
                    help="one-rank (HF) output: split files at this size and write model.safetensors.index.json")
@@ -511,7 +557,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_refit)
 
     p = sub.add_parser("bench", help="benchmarks: ratios measured side by side in one run")
-    p.add_argument("what", choices=["convert", "refit", "validate"])
+    p.add_argument("what", choices=["plan", "convert", "refit", "validate"])
+    p.add_argument("--sweep", type=_positive_int, nargs="+", default=[1200, 4800, 19200],
+                   help="bench plan: chunk counts of the sweep")
+    p.add_argument("--model", metavar="CFG", help="bench plan: also time the full plan of this HF config")
+    p.add_argument("--plot", metavar="PNG", help="also draw the result (needs matplotlib)")
     p.add_argument("--work", metavar="DIR", help="scratch directory (default: a new temp dir)")
     p.add_argument("--preset", choices=["qwen3-tiny", "qwen3-small", "qwen3-2g"])
     p.add_argument("--memory-limit", default="256MiB")

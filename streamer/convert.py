@@ -69,6 +69,10 @@ class ConvertOptions:
     progress: bool | None = None
     #: cast floating-point arrays to this data_type on the way (e.g. fp32 master weights -> bfloat16)
     cast: str | None = None
+    #: output format: "safetensors" (one file per destination file) or "zarr" (DIR is a zarr v3 group)
+    format: str = "safetensors"
+    #: zarr output: chunk compression ("none" or "zstd")
+    zarr_compressor: str = "none"
 
 
 @dataclass
@@ -537,6 +541,10 @@ def convert(src: Manifest, dst: Manifest, out_dir: str | os.PathLike[str], opts:
         missing = sorted({f for f, _, c in src.iter_chunks() if c.source is None or c.source.file is None})
         raise ValidationError(problems=[f"{src_where}: {f}: chunk has no source.file, so there is nothing to read "
                                         "(describe the files with `shardstream import`)" for f in missing[:20]])
+    if opts.format == "zarr":
+        return _convert_zarr(src, dst, out, opts, comm=comm, src_where=src_where, dst_where=dst_where, t0=t0)
+    if opts.format != "safetensors":
+        raise UsageError(f"--format {opts.format}: expected safetensors or zarr")
     try:
         plan = plan_transfers(src, dst, allow_extra=opts.allow_extra)
     except PlanError as e:  # its lines name the array; say which manifests were being matched
@@ -675,3 +683,295 @@ def _write_index(out: Path, m: Manifest, jobs: Sequence[FileJob]) -> None:
     total = sum(ts.nbytes for ts in m.local_tensors(0).values())
     data = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     atomic_write_bytes(out / "model.safetensors.index.json", (json.dumps(data, indent=2) + "\n").encode())
+
+
+# ------------------------------------------------------------------ zarr output (design §7)
+
+@dataclass
+class _ZarrJob:
+    """One output array of a zarr conversion."""
+
+    fqn: str
+    shape: tuple[int, ...]
+    data_type: str  # as stored (after --cast)
+    src_dtype: str  # as the plan moves it
+    regions: list[tuple[int, Box]]  # (destination chunk index, region)
+    layout: Any  # formats.zarr_io.ZarrLayout
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.volume for _, r in self.regions) * by_name(self.data_type).itemsize
+
+    def record_key(self, compressor: str) -> dict[str, Any]:
+        """What a completion record must match for ``--resume`` to reuse the array."""
+        return {"shape": list(self.shape), "data_type": self.data_type, "chunks": list(self.layout.chunks),
+                "shards": list(self.layout.shards) if self.layout.shards is not None else None,
+                "compressor": compressor,
+                "regions": [[list(r.offsets), list(r.sizes)] for _, r in self.regions]}
+
+
+def _logical_manifest(dst: Manifest) -> Manifest:
+    """``dst``'s regions on one rank, each at its own place in its array: for zarr output the
+    destination of every region is the global array, not a local tensor."""
+    arrays = {fqn: ArraySpec(a.shape, a.data_type, tuple(
+        Chunk(c.region, (0,), Source(tensor=fqn, offsets=c.region.offsets)) for c in a.chunks))
+        for fqn, a in dst.arrays.items()}
+    return Manifest(world_size=1, arrays=arrays, name=dst.name, partial=dst.partial)
+
+
+def _zarr_manifest(target: Manifest, checksums: dict[str, str]) -> Manifest:
+    """The output manifest: ``target``'s regions and holders, each in the group (``file: "."``) at
+    its array (``tensor: fqn``) at the region's own offsets."""
+    arrays = {fqn: ArraySpec(a.shape, a.data_type, tuple(
+        Chunk(c.region, c.holders, Source(tensor=fqn, offsets=c.region.offsets, file=".",
+                                          checksum=checksums.get(f"{fqn}|{ci}")))
+        for ci, c in enumerate(a.chunks))) for fqn, a in target.arrays.items()}
+    return replace(target, arrays=arrays, tensors={}, base_dir=None)
+
+
+def _convert_zarr(src: Manifest, dst: Manifest, out: Path, opts: ConvertOptions, *, comm: Any, src_where: str,
+                  dst_where: str, t0: float) -> ConvertReport:
+    """``convert --format zarr``: ``out`` becomes a zarr v3 group, one array per logical array
+    (chunk grid from ``zarr_io.choose_layout``), ``manifest.json`` beside it, written last."""
+    from formats import zarr_io
+
+    rank = comm.Get_rank() if comm is not None else 0
+    size = comm.Get_size() if comm is not None else 1
+    if opts.max_shard_size:
+        raise UsageError("--max-shard-size splits safetensors files; it does not apply to --format zarr")
+    if opts.zarr_compressor not in zarr_io.COMPRESSORS:
+        raise UsageError(f"--zarr-compressor {opts.zarr_compressor}: expected one of "
+                         f"{', '.join(zarr_io.COMPRESSORS)}")
+    bad = [f"{dst_where}: {fqn}: cannot be a zarr array name ({p})" for fqn in dst.arrays
+           if (p := zarr_io.check_array_name(fqn) or ("it contains '/'" if "/" in fqn else None))]
+    if bad:
+        raise ValidationError(problems=bad)
+    logical = _logical_manifest(dst)
+    try:
+        plan = plan_transfers(src, logical, allow_extra=opts.allow_extra)
+    except PlanError as e:
+        raise PlanError(problems=[f"{dst_where}: {ln}; source manifest {src_where}" for ln in e.problems]) from e
+    target = cast_manifest(dst, opts.cast) if opts.cast else dst
+    problems = _preflight(src, logical, plan) if rank == 0 else []
+    if comm is not None:
+        problems = comm.bcast(problems, root=0)
+    if problems:
+        raise FormatError(problems=problems)
+    unit_limit = max(1 << 16, opts.memory_limit // 4)
+    jobs = []
+    for fqn, a in target.arrays.items():
+        regions = [(ci, c.region) for ci, c in enumerate(a.chunks)]
+        layout = zarr_io.choose_layout(a.shape, [r for _, r in regions], by_name(a.data_type).itemsize,
+                                       max_unit_bytes=unit_limit)
+        jobs.append(_ZarrJob(fqn, tuple(a.shape), a.data_type, dst.arrays[fqn].data_type, regions, layout))
+
+    # ---- from here on we write; bad input has been ruled out
+    lock = None
+    if rank == 0:
+        if out.exists() and not out.is_dir():
+            raise UsageError(f"{out}: --out exists and is not a directory")
+        if out.exists() and not opts.resume and any(p.name != STATE_DIR for p in out.iterdir()):
+            raise UsageError(f"{out}: output directory is not empty; pass --resume to continue an "
+                             "interrupted conversion, or choose an empty directory")
+        out.mkdir(parents=True, exist_ok=True)
+        lock = _Lock(out)
+        try:  # from now on the directory is incomplete until we finish
+            (out / "manifest.json").unlink()
+        except FileNotFoundError:
+            pass
+        _remove_stale_temps(out, [])
+        zarr_io.create_group(out)
+    if comm is not None:
+        comm.barrier()
+    try:
+        result = _run_zarr_jobs(src, plan, out, jobs, opts, rank, size, comm, unit_limit)
+        if rank == 0:
+            zarr_io.consolidate(out)
+            save_manifest(_zarr_manifest(target, result.checksums), out / "manifest.json")
+        if comm is not None:
+            comm.barrier()
+    finally:
+        if lock is not None:
+            lock.release()
+    rep = result.report
+    rep.seconds = time.perf_counter() - t0
+    rep.plan_stats = plan.stats()
+    return rep
+
+
+def _assign_zarr(jobs: Sequence[_ZarrJob], workers: int) -> list[list[_ZarrJob]]:
+    loads = [0] * workers
+    share: list[list[_ZarrJob]] = [[] for _ in range(workers)]
+    for j in sorted(jobs, key=lambda j: (-j.nbytes, j.fqn)):
+        w = min(range(workers), key=lambda i: (loads[i], i))
+        loads[w] += j.nbytes
+        share[w].append(j)
+    return share
+
+
+def _run_zarr_jobs(src: Manifest, plan: Plan, out: Path, jobs: list[_ZarrJob], opts: ConvertOptions, rank: int,
+                   size: int, comm: Any, unit_limit: int) -> _RunResult:
+    import hashlib
+
+    mine = _assign_zarr(jobs, size)[rank]
+    rep = ConvertReport(workers=size)
+    checksums: dict[str, str] = {}
+    state = out / STATE_DIR
+    progress = Progress(sum(j.nbytes for j in mine), "convert", enabled=opts.progress if rank == 0 else False)
+    by_fqn: dict[str, list[Transfer]] = defaultdict(list)
+    for t in plan.transfers:
+        by_fqn[t.fqn].append(t)
+    error: str | None = None
+    store = SourceStore(src)
+    store.read_budget = unit_limit
+    filler = _ZarrFiller(src, store)
+    try:
+        for job in mine:
+            rec_path = state / f"zarr-{hashlib.sha256(job.fqn.encode()).hexdigest()[:32]}.done.json"
+            key = job.record_key(opts.zarr_compressor)
+            if opts.resume and rec_path.exists():
+                try:
+                    record = json.loads(rec_path.read_text())
+                except (OSError, ValueError):
+                    record = {}
+                if _zarr_array_intact(out, job, record, key):
+                    checksums.update(record["checksums"])
+                    rep.files_skipped += 1
+                    progress.update(job.nbytes)
+                    continue
+            try:
+                rec_path.unlink()
+            except FileNotFoundError:
+                pass
+            cs = _write_zarr_array(out, job, by_fqn.get(job.fqn, []), filler, opts, unit_limit, progress)
+            checksums.update(cs)
+            atomic_write_bytes(rec_path, json.dumps({"array": job.fqn, "layout": key, "checksums": cs}).encode())
+            rep.files_written += 1
+            rep.bytes_written += job.nbytes
+    except ShardstreamError as e:
+        if comm is None:
+            raise
+        error = "; ".join(e.problems or [str(e)])
+    finally:
+        store.close()
+        progress.close()
+    rep.bytes_read = store.stats.bytes_read
+    rep.reads = store.stats.reads
+    if comm is not None:
+        results = comm.allgather((error, rep.to_dict(), checksums))
+        errs = [f"worker {i}: {e}" for i, (e, _, _) in enumerate(results) if e]
+        if errs:
+            raise FormatError(problems=errs)
+        total = ConvertReport(workers=size)
+        for _, d, cs in results:
+            for k in ("files_written", "files_skipped", "bytes_written", "bytes_read", "reads"):
+                setattr(total, k, getattr(total, k) + d[k])
+            checksums.update(cs)
+        rep = total
+    return _RunResult(rep, checksums)
+
+
+class _ZarrFiller:
+    """Fills one box of a logical array from the plan's transfers (ranged source reads)."""
+
+    def __init__(self, src: Manifest, store: SourceStore) -> None:
+        self.src = src
+        self.store = store
+        self._buf = np.empty(0, dtype=np.uint8)
+        self._scratch = np.empty(0, dtype=np.uint8)
+        self._resolved: dict[tuple[str, int, int], Any] = {}
+
+    def _resolve(self, t: Transfer) -> Any:
+        key = (t.fqn, t.src_chunk, t.src_rank)
+        rt = self._resolved.get(key)
+        if rt is None:
+            rt = self.store.resolve(t.fqn, self.src.arrays[t.fqn].chunks[t.src_chunk], t.src_rank)
+            self._resolved[key] = rt
+        return rt
+
+    def fill(self, box: Box, transfers: Sequence[Transfer], isz: int) -> np.ndarray:
+        n = box.volume * isz
+        if self._buf.size < n:
+            self._buf = np.empty(n, dtype=np.uint8)
+        buf = self._buf[:n]
+        parts = [(t, sub) for t in transfers if (sub := box.intersect(t.dst_box)) is not None and not sub.empty]
+        if sum(sub.volume for _, sub in parts) < box.volume:
+            buf[:] = 0  # a partial destination: what no region covers reads as the fill value
+        view = buf.reshape(box.sizes + (isz,))
+        for t, sub in parts:
+            rt = self._resolve(t)
+            sbox = sub.shift(tuple(so - do for so, do in zip(t.src_offsets, t.dst_offsets)))
+            if sub == box:
+                self.store.read(rt, sbox, buf)
+            else:
+                m = sbox.volume * isz
+                if self._scratch.size < m:
+                    self._scratch = np.empty(m, dtype=np.uint8)
+                tmp = self.store.read(rt, sbox, self._scratch[:m])
+                view[sub.relative_to(box.offsets).slices] = tmp.reshape(sub.sizes + (isz,))
+        return buf
+
+
+def _write_zarr_array(out: Path, job: _ZarrJob, transfers: Sequence[Transfer], filler: _ZarrFiller,
+                      opts: ConvertOptions, unit_limit: int, progress: Progress) -> dict[str, str]:
+    """Create one array and write it unit by unit (a unit: one chunk, or one shard); returns the
+    checksum of every destination region, hashed while writing when the units stream each
+    region in row-major order, else read back from the store."""
+    from formats import zarr_io
+
+    arr = zarr_io.create_array(out, job.fqn, job.shape, job.data_type, job.layout, compressor=opts.zarr_compressor)
+    isz = by_name(job.src_dtype).itemsize
+    unit = job.layout.unit
+    cast = job.src_dtype != job.data_type
+    regions = [r for _, r in job.regions]
+
+    def put(u: Box) -> np.ndarray:
+        data = filler.fill(u, transfers, isz)
+        if cast:
+            data = cast_bytes(data, job.src_dtype, job.data_type)
+        zarr_io._zarr_call(f"{out}: array {job.fqn!r}", f"writing region {u}",
+                           zarr_io.write_box, arr, u, data, job.data_type)
+        progress.update(u.volume * by_name(job.data_type).itemsize)
+        return data
+
+    sums: dict[str, str] = {}
+    if zarr_io.streamable(job.shape, regions, unit):
+        for ci, r in job.regions:
+            h = new_hasher(opts.checksum)
+            for u in zarr_io.iter_units(job.shape, unit, within=r):
+                h.update(put(u))
+            sums[f"{job.fqn}|{ci}"] = h.result()
+        return sums
+    done: set[tuple[int, ...]] = set()
+    for _, r in job.regions:
+        for u in zarr_io.iter_units(job.shape, unit, within=r):
+            if u.offsets not in done:
+                done.add(u.offsets)
+                put(u)
+    reader = zarr_io.ZarrReader()
+    za = reader.open(out, job.fqn)
+    for ci, r in job.regions:
+        sums[f"{job.fqn}|{ci}"] = zarr_io.region_checksum(za, r, opts.checksum, unit_limit)
+    return sums
+
+
+def _zarr_array_intact(out: Path, job: _ZarrJob, record: dict[str, Any], key: dict[str, Any]) -> bool:
+    """A finished array of an earlier run is reused only if its layout matches and every region
+    checksum recomputed from the store matches its completion record."""
+    from formats import zarr_io
+
+    if record.get("layout") != key or not isinstance(record.get("checksums"), dict):
+        return False
+    try:
+        za = zarr_io.ZarrReader().open(out, job.fqn)
+        info = za.info
+        if (list(info.shape) != key["shape"] or info.data_type != job.data_type
+                or list(info.chunk_shape) != list(job.layout.unit)):
+            return False
+        for ci, r in job.regions:
+            want = record["checksums"].get(f"{job.fqn}|{ci}")
+            if not isinstance(want, str) or zarr_io.region_checksum(za, r, want) != want:
+                return False
+        return True
+    except (OSError, ShardstreamError, ValueError):
+        return False

@@ -1,8 +1,8 @@
 """``shardstream import``: describe an existing checkpoint as a manifest.
 
 Understands a single ``*.safetensors`` file, several of them (each tensor a whole array), an HF
-sharded checkpoint (``model.safetensors.index.json``), and a directory written by ``convert``
-(its ``manifest.json``). File paths in the manifest are relative to the manifest's directory,
+sharded checkpoint (``model.safetensors.index.json``), a zarr v3 group (``zarr.json``), and a
+directory written by ``convert`` (its ``manifest.json``). File paths in the manifest are relative to the manifest's directory,
 which must contain the checkpoint (design §3).
 """
 
@@ -50,6 +50,31 @@ def _from_files(files: list[Path], base: Path, name: str | None) -> Manifest:
     return Manifest(world_size=1, arrays=arrays, name=name, base_dir=base)
 
 
+def _from_zarr(group: Path, base: Path, name: str | None) -> Manifest:
+    """A zarr v3 group: one array per zarr array (sub-groups walked; the fqn is the array path
+    with '/' read as '.'), each one chunk covering the whole array, read by zarr slicing
+    (``source.file`` = the group, ``source.tensor`` = the array path)."""
+    from formats.zarr_io import list_arrays
+
+    rel = _rel(group, base)
+    arrays: dict[str, ArraySpec] = {}
+    problems: list[str] = []
+    for path, info in list_arrays(group):
+        fqn = path.replace("/", ".")
+        if fqn in arrays:
+            problems.append(f"{group}: arrays {path!r} and another both map to the name {fqn!r}")
+            continue
+        chunks: tuple[Chunk, ...] = ()
+        if not any(s == 0 for s in info.shape):
+            chunks = (Chunk(Box.whole(info.shape), (0,), Source(tensor=path, file=rel)),)
+        arrays[fqn] = ArraySpec(info.shape, info.data_type, chunks)
+    if problems:
+        raise FormatError(problems=problems)
+    if not arrays:
+        raise FormatError(f"{group}: the zarr group holds no arrays")
+    return Manifest(world_size=1, arrays=arrays, name=name, base_dir=base)
+
+
 def rebase_manifest(m: Manifest, new_base: Path) -> Manifest:
     """The same manifest with ``source.file`` paths made relative to ``new_base``."""
     from dataclasses import replace
@@ -62,7 +87,8 @@ def rebase_manifest(m: Manifest, new_base: Path) -> Manifest:
         chunks = []
         for c in a.chunks:
             if c.source is not None and c.source.file is not None:
-                f = c.source.file if prefix == "." else f"{prefix}/{c.source.file}"
+                f = c.source.file if prefix == "." else (
+                    prefix if c.source.file == "." else f"{prefix}/{c.source.file}")
                 c = Chunk(c.region, c.holders, replace(c.source, file=f))
             chunks.append(c)
         arrays[fqn] = ArraySpec(a.shape, a.data_type, tuple(chunks))
@@ -84,13 +110,27 @@ def import_checkpoint(paths: list[str | os.PathLike[str]], *, manifest_dir: str 
         base = Path(manifest_dir) if manifest_dir else d
         if (d / "manifest.json").exists():
             return rebase_manifest(load_manifest(d / "manifest.json"), base.resolve())
+        from formats.zarr_io import ZARR_JSON, is_zarr_group
+
+        if (d / ZARR_JSON).exists():
+            if not is_zarr_group(d):
+                raise FormatError(f"{d / ZARR_JSON}: not a zarr v3 group (import the group that holds the array)")
+            return _from_zarr(d, base, name or d.name)
         if (d / "model.safetensors.index.json").exists():
             return _from_index(d / "model.safetensors.index.json", base, name)
         if (d / "model.safetensors").exists():
             return _from_files([d / "model.safetensors"], base, name or d.name)
-        if (d / ".metadata").exists():
-            raise UsageError(f"{d}: looks like a torch.distributed.checkpoint (DCP) directory; DCP import is "
-                             "not supported yet")
+        if (d / ".metadata").exists():  # torch.distributed.checkpoint: pickles read restricted, never run
+            import sys
+            from dataclasses import replace
+
+            from formats.dcp_io import read_dcp
+
+            m, skipped = read_dcp(d)
+            if skipped:
+                shown = ", ".join(skipped[:10]) + (", ..." if len(skipped) > 10 else "")
+                print(f"shardstream: note: {d}: skipped {len(skipped)} non-tensor entries: {shown}", file=sys.stderr)
+            return rebase_manifest(replace(m, name=name or m.name), base.resolve())
         sts = sorted(d.glob("*.safetensors"))
         if sts:
             return _from_files(sts, base, name or d.name)

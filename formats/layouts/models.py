@@ -364,14 +364,16 @@ def parallel_from_dict(d: Mapping[str, Any], *, where: str = "<system>") -> dict
     """One side of an NCCL M2N system JSON -> ``{"num_gpus", "tp", "cp", "ep", "pp", "fsdp", "dp",
     "edp", "ranks_per_stage", "dp_derived"}``, checked.
 
-    Sizes default to 1; ``num_gpus`` is required. The world must be
-    ``pp × dp × fsdp × cp × tp == num_gpus``. Expert parallelism nests inside a pipeline stage
-    (Megatron parallel folding, ETP = 1): ``ep`` must divide ``ranks_per_stage = num_gpus / pp``,
-    and experts are replicated ``edp = ranks_per_stage / ep`` times. When ``ep > 1`` and
-    ``dp_size`` is 1 (or missing) but the product is short of ``num_gpus`` -- the shipped DSv3 and
-    Qwen3-235B system files do this -- ``dp`` is derived as ``num_gpus / (pp·fsdp·cp·tp)``,
-    exactly what NCCL M2N's model bench does (its non-expert mesh is ``[ranks_per_stage/(tp·cp), …]``);
-    ``dp_derived`` is then true.
+    Sizes default to 1; ``num_gpus`` is required. Two ways to count the world are accepted:
+
+    * ``pp × dp × fsdp × cp × tp == num_gpus`` (``dp`` is the data parallelism of the dense
+      arrays). Experts, with ``ep > 1``, are replicated ``edp = ranks_per_stage / ep`` times.
+    * ``ep > 1`` and ``pp × dp × ep == num_gpus``: Megatron "parallel folding" with ETP = 1, as NCCL
+      M2N's model bench reads its system files (``dsv3-256gpus-gb200.json``: EP16 × PP8 on 128 GPUs
+      with ``dp_size`` 1). ``dp`` is then the *expert* data parallelism (``edp``), and the dense
+      arrays' ``dp`` is derived: ``ranks_per_stage / (fsdp·cp·tp)`` (``dp_derived`` is true).
+
+    In both, ``ranks_per_stage = num_gpus / pp`` must be a multiple of ``ep`` and of ``fsdp·cp·tp``.
     """
     if not isinstance(d, Mapping):
         raise ModelConfigError(f"{where}: expected an object with num_gpus and *_size keys, got {type(d).__name__}")
@@ -386,17 +388,17 @@ def parallel_from_dict(d: Mapping[str, Any], *, where: str = "<system>") -> dict
     for k in PARALLEL_KEYS:
         out[k] = _int(d, f"{k}_size", where, 1)
     n, tp, cp, ep, pp, fsdp, dp = (out[k] for k in ("num_gpus", *PARALLEL_KEYS))
-    prod_txt = f"pp({pp})*dp({dp})*fsdp({fsdp})*cp({cp})*tp({tp}) = {pp * dp * fsdp * cp * tp}"
+    dense = pp * dp * fsdp * cp * tp
     out["dp_derived"] = False
-    if pp * dp * fsdp * cp * tp != n:
-        inner = pp * fsdp * cp * tp
-        if ep > 1 and dp == 1 and n % inner == 0:
-            out["dp"] = dp = n // inner
+    if dense != n:
+        if ep > 1 and pp * dp * ep == n and (n // pp) % (fsdp * cp * tp) == 0:
+            out["dp"] = (n // pp) // (fsdp * cp * tp)
             out["dp_derived"] = True
         else:
-            hint = (f"; with ep > 1 and dp_size 1, dp is derived only when pp*fsdp*cp*tp ({inner}) divides "
-                    f"num_gpus") if ep > 1 else ""
-            raise ModelConfigError(f"{where}: {prod_txt} != num_gpus({n}){hint}")
+            folded = (f"; nor does pp({pp})*dp({dp})*ep({ep}) = {pp * dp * ep} (dp_size read as expert data "
+                      f"parallelism, Megatron parallel folding)") if ep > 1 else ""
+            raise ModelConfigError(f"{where}: pp({pp})*dp({dp})*fsdp({fsdp})*cp({cp})*tp({tp}) = {dense} "
+                                   f"!= num_gpus({n}){folded}")
     per_stage = n // pp
     if per_stage % ep:
         raise ModelConfigError(f"{where}: ep({ep}) must divide the ranks of one pipeline stage "

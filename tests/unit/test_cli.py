@@ -316,8 +316,8 @@ def test_usage_errors_exit_2(tmp_path: Path, capsys: Any, argv: list[str], monke
     assert not (tmp_path / "o").exists() and not (tmp_path / "x.json").exists()
 
 
-def test_zarr_format_is_a_usage_error(world: World, capsys: Any) -> None:
-    rc, _, err = run(capsys, "convert", world.src, world.dst, "--out", world.out, "--format", "zarr")
+def test_zarr_compressor_without_zarr_format_is_a_usage_error(world: World, capsys: Any) -> None:
+    rc, _, err = run(capsys, "convert", world.src, world.dst, "--out", world.out, "--zarr-compressor", "zstd")
     assert rc == 2 and "zarr" in err and "Traceback" not in err
     assert not (world.root / "out").exists()
 
@@ -520,7 +520,7 @@ GOLDEN = {
     "validate": ["--data", "--json", "<manifests>"],
     "plan": ["--allow-extra", "--dst-domain-size", "--json", "--same-job", "--src-domain-size", "<dst>", "<src>"],
     "convert": ["--allow-extra", "--cast{float16,bfloat16,float32,float64}", "--format{safetensors,zarr}", "--json", "--max-shard-size", "--memory-limit",
-                "--out!", "--resume", "<dst>", "<src>"],
+                "--out!", "--resume", "--zarr-compressor{zstd,none}", "<dst>", "<src>"],
     "refit": ["--allow-extra", "--bucket-size", "--dst-domain-size", "--json", "--manifest!", "--rendezvous",
               "--save", "--src-domain-size", "--steps", "--strategy{reshard,broadcast}", "--timeout",
               "--transport{mpi,gloo,nccl}", "--verify", "<role>{send,recv}"],

@@ -241,6 +241,12 @@ def test_parallel_folding_derives_dp() -> None:
     assert (gen["tp"], gen["dp"], gen["dp_derived"]) == (8, 16, False)
     q, _ = parse_m2n_system(M2N / "qwen235b-TP2CP2PP4EP16-128gpus-gb200.json")
     assert (q["tp"], q["cp"], q["dp"], q["pp"], q["ep"]) == (2, 2, 4, 4, 16)
+    # the README's EP16 x DP2 x PP4 (128 GPUs): dp_size is the expert data parallelism
+    t = parallel_from_dict({"num_gpus": 128, "ep_size": 16, "dp_size": 2, "pp_size": 4})
+    assert (t["dp"], t["edp"], t["ranks_per_stage"]) == (32, 2, 32)
+    # the dense count wins when it matches (EP8 x PP2 with the dense dp given)
+    t = parallel_from_dict({"num_gpus": 16, "ep_size": 8, "dp_size": 8, "pp_size": 2})
+    assert (t["dp"], t["edp"], t["dp_derived"]) == (8, 1, False)
 
 
 @pytest.mark.parametrize(("d", "msg"), [
@@ -248,7 +254,8 @@ def test_parallel_folding_derives_dp() -> None:
      r"pp\(1\)\*dp\(2\)\*fsdp\(1\)\*cp\(1\)\*tp\(2\) = 4 != num_gpus\(10\)"),
     ({"num_gpus": 12, "tp_size": 2, "dp_size": 3, "pp_size": 2, "ep_size": 4},
      r"ep\(4\) must divide the ranks of one pipeline stage num_gpus\(12\) / pp\(2\) = 6"),
-    ({"num_gpus": 10, "tp_size": 4, "ep_size": 2}, r"dp is derived only when pp\*fsdp\*cp\*tp \(4\) divides"),
+    ({"num_gpus": 10, "tp_size": 4, "ep_size": 2}, r"= 4 != num_gpus\(10\); nor does pp\(1\)\*dp\(1\)\*ep\(2\) = 2"),
+    ({"num_gpus": 8, "tp_size": 3, "ep_size": 8}, r"tp\(3\) = 3 != num_gpus\(8\)"),
     ({"tp_size": 2}, "num_gpus is required"),
     ({"num_gpus": 2, "tp_size": 0}, "tp_size must be an integer >= 1, got 0"),
     ({"num_gpus": 2, "etp_size": 2}, r"unknown key\(s\) \['etp_size'\]"),
@@ -335,9 +342,9 @@ def test_manifest_from_parallel_megatron_expert_folding() -> None:
 
 
 def test_manifest_from_parallel_tp_cp_and_edp() -> None:
-    """TP2 × CP2 × EP2 per stage of 8 ranks: dp = 2 (derived), edp = 4; experts replicated over edp."""
+    """TP2 × CP2 with EP2 × EDP4 on 8 ranks: dense dp = 2 (derived); experts replicated over edp."""
     a = arrays_from_config(TINY_MOE)
-    par = parallel_from_dict({"num_gpus": 8, "tp_size": 2, "cp_size": 2, "ep_size": 2})
+    par = parallel_from_dict({"num_gpus": 8, "tp_size": 2, "cp_size": 2, "ep_size": 2, "dp_size": 4})
     assert (par["dp"], par["edp"]) == (2, 4)
     m = manifest_from_parallel(a, par)
     assert validate_manifest(m, check_paths=False) == []

@@ -1,0 +1,759 @@
+"""Read a ``torch.distributed.checkpoint`` (DCP) directory into a manifest, executing no pickle.
+
+A DCP directory (torch 2.x ``FileSystemWriter``, default ``TORCH_SAVE`` serialization) holds
+``.metadata`` -- a pickle of ``Metadata(state_dict_metadata, planner_data, storage_data, ...)``
+-- and ``__R_N.distcp`` files. Each tensor chunk is one item of a ``.distcp`` file at
+``[offset, offset + length)``: a complete ``torch.save`` archive (a zip with ``data.pkl`` and the
+storage bytes in ``data/<key>``, stored uncompressed). ``read_dcp`` resolves every chunk's
+payload once, so the manifest addresses it with ``source.byte_range`` + ``source.stored_shape``
+(design §3) and ``convert`` moves it with ranged reads.
+
+Security: both pickles are read with restricted unpicklers. ``.metadata`` may only name DCP's
+metadata classes (mapped onto plain stand-ins defined here; no torch class is built), torch
+dtypes by name, ``torch.Size``, the layout helper and a few harmless builtins. ``data.pkl`` may
+only name the tensor-rebuild functions and storage classes, whose calls are recorded, not run.
+Anything else is refused with ``FormatError``; so is every malformed file. ``torch`` is never
+imported by this module and ``torch.load`` is never called.
+
+No MPI.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import stat
+import struct
+import zipfile
+from collections import OrderedDict
+from dataclasses import dataclass
+from math import prod
+from pathlib import Path
+from typing import Any
+
+from .box import Box
+from .dtypes import DTYPES, DType
+from .errors import FormatError, ShardNotFoundError
+from .manifest import ArraySpec, Chunk, Manifest, Source
+
+__all__ = ["read_dcp", "is_dcp_dir", "MAX_METADATA_BYTES"]
+
+METADATA_FILE = ".metadata"
+#: refuse to unpickle a ``.metadata`` bigger than this
+MAX_METADATA_BYTES = 1 << 30
+#: refuse a ``data.pkl`` bigger than this (a tensor's is ~150 bytes)
+MAX_DATA_PKL_BYTES = 1 << 20
+#: no single read of a torch.save archive's structure may exceed this (central directory etc.)
+MAX_ZIP_READ = 16 << 20
+INT64_MAX = (1 << 63) - 1
+
+
+def is_dcp_dir(path: str | os.PathLike[str]) -> bool:
+    return (Path(path) / METADATA_FILE).is_file()
+
+
+# ------------------------------------------------------------------ stand-ins for DCP's classes
+
+
+class _Plain:
+    """A record built by NEWOBJ + BUILD(dict): attributes only, no behaviour."""
+
+    def __reduce__(self) -> Any:  # never pickled back
+        raise TypeError("stand-in objects are not picklable")
+
+
+class _Metadata(_Plain):
+    state_dict_metadata: Any = None
+    planner_data: Any = None
+    storage_data: Any = None
+    storage_meta: Any = None
+    version: Any = None
+
+
+class _TensorStorageMetadata(_Plain):
+    properties: Any = None
+    size: Any = None
+    chunks: Any = None
+
+
+class _BytesStorageMetadata(_Plain):
+    pass
+
+
+class _ChunkStorageMetadata(_Plain):
+    offsets: Any = None
+    sizes: Any = None
+
+
+class _TensorProperties(_Plain):
+    dtype: Any = None
+    layout: Any = None
+    requires_grad: Any = False
+    memory_format: Any = None
+    pin_memory: Any = False
+
+    def __setstate__(self, state: Any) -> None:
+        # torch pickles TensorProperties as a 5-tuple (dtype, layout, requires_grad,
+        # memory-format encoding, pin_memory); older versions as a plain __dict__
+        if isinstance(state, tuple) and len(state) == 5:
+            self.dtype, self.layout, self.requires_grad, self.memory_format, self.pin_memory = state
+        elif isinstance(state, dict):
+            for k, v in state.items():
+                if isinstance(k, str):
+                    object.__setattr__(self, k, v)
+        else:
+            raise TypeError(f"unexpected TensorProperties state {type(state).__name__}")
+
+
+class _MetadataIndex(_Plain):
+    fqn: Any = None
+    offset: Any = None
+    index: Any = None
+
+
+class _StorageInfo(_Plain):
+    relative_path: Any = None
+    offset: Any = None
+    length: Any = None
+    transform_descriptors: Any = None
+
+
+class _StorageMeta(_Plain):
+    checkpoint_id: Any = None
+    save_id: Any = None
+    load_id: Any = None
+    modules: Any = None
+
+
+class _StoragePrefix(_Plain):
+    prefix: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class _TorchDType:
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Layout:
+    name: str
+
+
+def _torch_size(seq: Any = ()) -> tuple[int, ...]:
+    t = tuple(seq)
+    for x in t:
+        if type(x) is not int:
+            raise TypeError(f"torch.Size entries must be integers, got {type(x).__name__}")
+    return t
+
+
+def _get_layout(name: Any) -> _Layout:
+    if not isinstance(name, str):
+        raise TypeError("layout name must be a string")
+    return _Layout(name.removeprefix("torch."))
+
+
+def _mem_format_encoding(v: Any) -> int:
+    if type(v) is not int:
+        raise TypeError("memory format encoding must be an integer")
+    return v
+
+
+def _path_as_str(*parts: Any) -> str:
+    if not all(isinstance(p, str) for p in parts):
+        raise TypeError("path parts must be strings")
+    return "/".join(parts)
+
+
+#: every torch dtype name a TensorProperties may carry; only those in DTYPES can be imported
+_TORCH_DTYPE_NAMES = frozenset(DTYPES) | {
+    "complex32", "complex64", "complex128", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
+    "float4_e2m1fn_x2", "qint8", "quint8", "qint32", "quint4x2", "quint2x4", "bits1x8", "bits2x4",
+    "bits4x2", "bits8", "bits16", "uint1", "uint2", "uint3", "uint4", "uint5", "uint6", "uint7",
+    "int1", "int2", "int3", "int4", "int5", "int6", "int7", "half", "float", "double", "long", "int",
+    "short", "cfloat", "cdouble", "chalf",
+}
+_DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed._shard.checkpoint.metadata")
+_FS_MODULES = ("torch.distributed.checkpoint.filesystem", "torch.distributed._shard.checkpoint.filesystem")
+
+_META_ALLOWED: dict[tuple[str, str], Any] = {
+    ("torch", "Size"): _torch_size,
+    ("torch.serialization", "_get_layout"): _get_layout,
+    ("torch", "strided"): _Layout("strided"),
+    ("collections", "OrderedDict"): OrderedDict,
+    ("builtins", "set"): set,
+    ("builtins", "frozenset"): frozenset,
+    ("pathlib", "PosixPath"): _path_as_str,
+    ("pathlib", "PurePosixPath"): _path_as_str,
+    ("pathlib", "WindowsPath"): _path_as_str,
+    ("pathlib", "PureWindowsPath"): _path_as_str,
+}
+for _mod in _DCP_MODULES:
+    _META_ALLOWED.update({
+        (_mod, "Metadata"): _Metadata,
+        (_mod, "TensorStorageMetadata"): _TensorStorageMetadata,
+        (_mod, "BytesStorageMetadata"): _BytesStorageMetadata,
+        (_mod, "ChunkStorageMetadata"): _ChunkStorageMetadata,
+        (_mod, "TensorProperties"): _TensorProperties,
+        (_mod, "MetadataIndex"): _MetadataIndex,
+        (_mod, "StorageMeta"): _StorageMeta,
+        (_mod, "_MEM_FORMAT_ENCODING"): _mem_format_encoding,
+    })
+for _mod in _FS_MODULES:
+    _META_ALLOWED.update({(_mod, "_StorageInfo"): _StorageInfo, (_mod, "_StoragePrefix"): _StoragePrefix})
+for _n in _TORCH_DTYPE_NAMES:
+    _META_ALLOWED[("torch", _n)] = _TorchDType(_n)
+_TORCH_ALIASES = {"half": "float16", "float": "float32", "double": "float64", "long": "int64", "int": "int32",
+                  "short": "int16", "cfloat": "complex64", "cdouble": "complex128", "chalf": "complex32"}
+
+
+class _Refused(Exception):
+    def __init__(self, module: str, name: str) -> None:
+        super().__init__(f"{module}.{name}")
+        self.module, self.name = module, name
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        obj = _META_ALLOWED.get((module, name))
+        if obj is None:
+            raise _Refused(module, name)
+        return obj
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise pickle.UnpicklingError("persistent ids are not allowed in DCP metadata")
+
+
+# ------------------------------------------------------------------ data.pkl (torch.save) stand-ins
+
+#: legacy typed storage classes torch.save names, and their element types
+_LEGACY_STORAGES = {
+    "DoubleStorage": "float64", "FloatStorage": "float32", "HalfStorage": "float16", "LongStorage": "int64",
+    "IntStorage": "int32", "ShortStorage": "int16", "CharStorage": "int8", "ByteStorage": "uint8",
+    "BoolStorage": "bool", "BFloat16Storage": "bfloat16", "ComplexDoubleStorage": "complex128",
+    "ComplexFloatStorage": "complex64", "QInt8Storage": "qint8", "QInt32Storage": "qint32",
+    "QUInt8Storage": "quint8", "QUInt4x2Storage": "quint4x2", "QUInt2x4Storage": "quint2x4",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class _StorageType:
+    dtype: str | None  # None: UntypedStorage (numel counts bytes)
+
+
+@dataclass(frozen=True, slots=True)
+class _StorageRef:
+    dtype: str | None
+    key: str
+    numel: int
+
+
+@dataclass(frozen=True, slots=True)
+class _TensorRef:
+    storage: _StorageRef
+    storage_offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: str | None
+
+
+def _int_tuple(v: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(v, tuple) or not all(type(x) is int for x in v):
+        raise TypeError(f"{what} must be a tuple of integers")
+    return v
+
+
+def _rebuild_v2(storage: Any, storage_offset: Any, size: Any, stride: Any, requires_grad: Any = False,
+                backward_hooks: Any = None, metadata: Any = None) -> _TensorRef:
+    return _tensor_ref(storage, storage_offset, size, stride, backward_hooks, None)
+
+
+def _rebuild_v3(storage: Any, storage_offset: Any, size: Any, stride: Any, requires_grad: Any,
+                backward_hooks: Any, dtype: Any, metadata: Any = None) -> _TensorRef:
+    if not isinstance(dtype, _TorchDType):
+        raise TypeError("_rebuild_tensor_v3 dtype must be a torch dtype")
+    return _tensor_ref(storage, storage_offset, size, stride, backward_hooks, dtype.name)
+
+
+def _tensor_ref(storage: Any, storage_offset: Any, size: Any, stride: Any, hooks: Any,
+                dtype: str | None) -> _TensorRef:
+    if not isinstance(storage, _StorageRef):
+        raise TypeError("tensor storage must be a persistent storage reference")
+    if type(storage_offset) is not int:
+        raise TypeError("storage_offset must be an integer")
+    if hooks:
+        raise TypeError("tensor has backward hooks")
+    return _TensorRef(storage, storage_offset, _int_tuple(size, "size"), _int_tuple(stride, "stride"),
+                      dtype if dtype is not None else storage.dtype)
+
+
+def _rebuild_parameter(data: Any, requires_grad: Any = False, backward_hooks: Any = None) -> Any:
+    if not isinstance(data, _TensorRef):
+        raise TypeError("parameter data must be a tensor")
+    return data
+
+
+_PKL_ALLOWED: dict[tuple[str, str], Any] = {
+    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_v2,
+    ("torch._utils", "_rebuild_tensor_v3"): _rebuild_v3,
+    ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
+    ("collections", "OrderedDict"): OrderedDict,
+    ("torch.storage", "UntypedStorage"): _StorageType(None),
+    ("torch", "UntypedStorage"): _StorageType(None),
+}
+_PKL_ALLOWED.update({("torch", k): _StorageType(v) for k, v in _LEGACY_STORAGES.items()})
+_PKL_ALLOWED.update({("torch", n): _TorchDType(n) for n in _TORCH_DTYPE_NAMES})
+
+
+class _DataPklUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        obj = _PKL_ALLOWED.get((module, name))
+        if obj is None:
+            raise _Refused(module, name)
+        return obj
+
+    def persistent_load(self, pid: Any) -> Any:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+            raise pickle.UnpicklingError(f"unexpected persistent id {pid!r:.80}")
+        _, st, key, location, numel = pid
+        if not isinstance(st, _StorageType):
+            raise pickle.UnpicklingError("persistent id does not name a storage class")
+        if not isinstance(key, str) or not isinstance(location, str) or type(numel) is not int or numel < 0:
+            raise pickle.UnpicklingError(f"malformed storage reference {pid!r:.80}")
+        return _StorageRef(st.dtype, key, numel)
+
+
+# ------------------------------------------------------------------ bounded file window
+
+
+class _Window(io.RawIOBase):
+    """A read-only, seekable view of ``[start, start + length)`` of an open file (pread based)."""
+
+    def __init__(self, fd: int, start: int, length: int) -> None:
+        super().__init__()
+        self._fd, self._start, self._len, self._pos = fd, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        if whence == 0:
+            new = pos
+        elif whence == 1:
+            new = self._pos + pos
+        elif whence == 2:
+            new = self._len + pos
+        else:
+            raise ValueError(f"bad whence {whence}")
+        if new < 0:
+            raise OSError("seek before the start of the item")
+        self._pos = new
+        return new
+
+    def read(self, n: int | None = -1) -> bytes:
+        avail = max(0, self._len - self._pos)
+        if n is None or n < 0:
+            n = avail
+        n = min(n, avail)
+        if n > MAX_ZIP_READ:
+            raise OSError(f"refusing to read {n} bytes of archive structure at once (limit {MAX_ZIP_READ})")
+        data = os.pread(self._fd, n, self._start + self._pos) if n else b""
+        self._pos += len(data)
+        return data
+
+    def readinto(self, b: Any) -> int:
+        data = self.read(len(b))
+        b[: len(data)] = data
+        return len(data)
+
+
+# ------------------------------------------------------------------ reading
+
+
+@dataclass(frozen=True, slots=True)
+class _Item:
+    relative_path: str
+    offset: int
+    length: int
+    transforms: tuple[str, ...]
+
+
+def _load_metadata(path: Path) -> _Metadata:
+    where = str(path)
+    try:
+        st = os.stat(path)
+    except FileNotFoundError as e:
+        raise ShardNotFoundError(f"{where}: no such file") from e
+    except OSError as e:
+        raise FormatError(f"{where}: cannot stat ({e.strerror})") from e
+    if not stat.S_ISREG(st.st_mode):
+        raise FormatError(f"{where}: not a regular file")
+    if st.st_size > MAX_METADATA_BYTES:
+        raise FormatError(f"{where}: .metadata is {st.st_size} bytes, over the {MAX_METADATA_BYTES} byte limit")
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_METADATA_BYTES + 1)
+    except OSError as e:
+        raise FormatError(f"{where}: cannot read ({e.strerror})") from e
+    if len(data) > MAX_METADATA_BYTES:
+        raise FormatError(f"{where}: .metadata is over the {MAX_METADATA_BYTES} byte limit")
+    try:
+        obj = _MetadataUnpickler(io.BytesIO(data)).load()
+    except _Refused as e:
+        raise FormatError(f"{where}: .metadata pickle refers to {e.module}.{e.name}, which is not a DCP metadata "
+                          "class; refusing to load it") from None
+    except MemoryError:
+        raise FormatError(f"{where}: .metadata pickle is too large to load") from None
+    except Exception as e:  # noqa: BLE001 - every unpickling failure is a bad file
+        raise FormatError(f"{where}: .metadata is not a valid DCP metadata pickle ({type(e).__name__}: "
+                          f"{_clip(str(e))})") from None
+    if not isinstance(obj, _Metadata):
+        raise FormatError(f"{where}: .metadata does not hold a DCP Metadata object (got {_kind(obj)})")
+    return obj
+
+
+def _clip(s: str, n: int = 200) -> str:
+    return s if len(s) <= n else s[: n - 3] + "..."
+
+
+def _kind(v: Any) -> str:
+    return type(v).__name__.lstrip("_")
+
+
+def _safe_rel(rel: Any) -> str | None:
+    if not isinstance(rel, str) or not rel or "\x00" in rel:
+        return None
+    if os.path.isabs(rel) or rel.startswith(("\\", "/")) or any(p in ("..", "") for p in rel.split("/")):
+        return None
+    if "{" in rel or "}" in rel:  # would read as a {rank} pattern in a manifest
+        return None
+    return rel
+
+
+def _nonneg_int(v: Any) -> bool:
+    return type(v) is int and 0 <= v <= INT64_MAX
+
+
+def _storage_index(md: _Metadata, where: str) -> dict[tuple[str, tuple[int, ...] | None], _Item | str]:
+    """(fqn, chunk offsets) -> item, or a problem text for a malformed entry."""
+    sd = md.storage_data
+    if not isinstance(sd, dict):
+        raise FormatError(f"{where}: storage_data must be a dict of MetadataIndex -> _StorageInfo (got {_kind(sd)}); "
+                          "only FileSystemWriter checkpoints are supported")
+    out: dict[tuple[str, tuple[int, ...] | None], _Item | str] = {}
+    for k, v in sd.items():
+        if not isinstance(k, _MetadataIndex) or not isinstance(k.fqn, str):
+            raise FormatError(f"{where}: storage_data key is {_kind(k)}, expected MetadataIndex")
+        off = k.offset
+        if off is not None and not (isinstance(off, tuple) and all(_nonneg_int(x) for x in off)):
+            raise FormatError(f"{where}: {k.fqn}: storage_data offset {off!r:.80} is not a list of integers")
+        key = (k.fqn, off)
+        if not isinstance(v, _StorageInfo):
+            out[key] = f"storage_data entry is {_kind(v)}, expected _StorageInfo"
+            continue
+        rel = _safe_rel(v.relative_path)
+        if rel is None:
+            out[key] = (f"relative_path {v.relative_path!r:.80} is not a plain relative path inside the "
+                        "checkpoint directory")
+            continue
+        if not _nonneg_int(v.offset) or not _nonneg_int(v.length) or v.offset + v.length > INT64_MAX:
+            out[key] = f"offset {v.offset!r:.40} / length {v.length!r:.40} are not non-negative integers"
+            continue
+        td = v.transform_descriptors
+        if td is None:
+            tds: tuple[str, ...] = ()
+        elif isinstance(td, (list, tuple)) and all(isinstance(x, str) for x in td):
+            tds = tuple(td)
+        else:
+            out[key] = f"transform_descriptors {td!r:.80} are not a list of strings"
+            continue
+        out[key] = _Item(rel, v.offset, v.length, tds)
+    return out
+
+
+def _dtype_of(props: Any) -> str | None:
+    if not isinstance(props, _TensorProperties) or not isinstance(props.dtype, _TorchDType):
+        return None
+    n = props.dtype.name
+    return _TORCH_ALIASES.get(n, n)
+
+
+class _Files:
+    """Open .distcp files (checked to stay inside the checkpoint directory), by relative path."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.real_root = os.path.realpath(root)
+        self.fds: dict[str, tuple[int, int] | str] = {}
+
+    def get(self, rel: str) -> tuple[int, int]:
+        """(fd, size), or raise FormatError / ShardNotFoundError with the reason."""
+        v = self.fds.get(rel)
+        if v is None:
+            v = self._open(rel)
+            self.fds[rel] = v
+        if isinstance(v, str):
+            raise FormatError(v)
+        return v
+
+    def _open(self, rel: str) -> tuple[int, int] | str:
+        p = self.root / rel
+        real = os.path.realpath(p)
+        if not real.startswith(self.real_root + os.sep):
+            return f"{p}: resolves to {real}, outside the checkpoint directory {self.real_root}"
+        try:
+            st = os.stat(real)
+        except FileNotFoundError:
+            return f"{p}: no such file (named by .metadata)"
+        except OSError as e:
+            return f"{p}: cannot stat ({e.strerror})"
+        if not stat.S_ISREG(st.st_mode):
+            return f"{p}: not a regular file"
+        try:
+            fd = os.open(real, os.O_RDONLY)
+        except OSError as e:
+            return f"{p}: cannot open ({e.strerror})"
+        return fd, st.st_size
+
+    def close(self) -> None:
+        for v in self.fds.values():
+            if isinstance(v, tuple):
+                try:
+                    os.close(v[0])
+                except OSError:
+                    pass
+        self.fds.clear()
+
+
+_LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
+
+
+def _locate_payload(fd: int, item: _Item, sizes: tuple[int, ...], dt: DType) -> tuple[int, int]:
+    """Absolute [start, stop) of the tensor bytes of one torch.save item; raises ValueError."""
+    win = _Window(fd, item.offset, item.length)
+    head = win.read(4)
+    win.seek(0)
+    if head != b"PK\x03\x04":
+        raise ValueError("item is not a torch.save zip archive (only DCP's default TORCH_SAVE serialization "
+                         "is supported)")
+    try:
+        zf = zipfile.ZipFile(win)
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, ValueError, struct.error, OverflowError,
+            EOFError, KeyError, IndexError, UnicodeDecodeError) as e:
+        raise ValueError(f"item is not a readable zip archive ({type(e).__name__}: {_clip(str(e))})") from None
+    infos = {i.filename: i for i in zf.infolist()}
+    pkls = [n for n in infos if n.endswith("/data.pkl") and n.count("/") == 1]
+    if len(pkls) != 1:
+        raise ValueError(f"archive has {len(pkls)} top-level data.pkl entries (expected 1)")
+    prefix = pkls[0][: -len("data.pkl")]
+    pinfo = infos[pkls[0]]
+    if pinfo.compress_type != zipfile.ZIP_STORED:
+        raise ValueError(f"{pinfo.filename} is compressed (method {pinfo.compress_type}); torch.save stores it")
+    if pinfo.file_size > MAX_DATA_PKL_BYTES:
+        raise ValueError(f"{pinfo.filename} is {pinfo.file_size} bytes, over the {MAX_DATA_PKL_BYTES} byte limit")
+    bo = infos.get(prefix + "byteorder")
+    if bo is not None:
+        if bo.file_size > 16:
+            raise ValueError("byteorder entry is too large")
+        order = zf.read(bo).strip()
+        if order != b"little":
+            raise ValueError(f"tensor bytes are {order.decode('ascii', 'replace')!r}-endian (only little-endian "
+                             "is supported)")
+    try:
+        pkl = zf.read(pinfo)
+    except (zipfile.BadZipFile, OSError, ValueError, struct.error, EOFError) as e:
+        raise ValueError(f"cannot read {pinfo.filename} ({type(e).__name__}: {_clip(str(e))})") from None
+    try:
+        t = _DataPklUnpickler(io.BytesIO(pkl)).load()
+    except _Refused as e:
+        raise ValueError(f"data.pkl refers to {e.module}.{e.name}, which is not a tensor rebuild function or "
+                         "storage class; refusing to load it") from None
+    except Exception as e:  # noqa: BLE001 - every unpickling failure is a bad item
+        raise ValueError(f"data.pkl is not a valid torch.save tensor pickle ({type(e).__name__}: "
+                         f"{_clip(str(e))})") from None
+    if not isinstance(t, _TensorRef):
+        raise ValueError(f"data.pkl holds {_kind(t)}, not a tensor")
+    if t.dtype is not None and _TORCH_ALIASES.get(t.dtype, t.dtype) != dt.name:
+        raise ValueError(f"stored tensor is {t.dtype}, .metadata says {dt.name}")
+    if t.size != sizes:
+        raise ValueError(f"stored tensor has shape {list(t.size)}, .metadata says the chunk is {list(sizes)}")
+    if t.storage_offset != 0:
+        raise ValueError(f"stored tensor starts at storage offset {t.storage_offset} (expected 0)")
+    if len(t.stride) != len(sizes):
+        raise ValueError(f"stored tensor has {len(t.stride)} strides for {len(sizes)} dims")
+    need = prod(sizes) * dt.itemsize
+    if need:
+        expect, acc = [], 1
+        for s in reversed(sizes):
+            expect.append(acc)
+            acc *= s
+        expect.reverse()
+        if any(sz > 1 and st != ex for sz, st, ex in zip(sizes, t.stride, expect)):
+            raise ValueError(f"stored tensor is not contiguous row-major (strides {list(t.stride)}, expected "
+                             f"{expect}); save it with .contiguous()")
+    st_bytes = t.storage.numel if t.storage.dtype is None else t.storage.numel * _itemsize(t.storage.dtype)
+    if st_bytes < need:
+        raise ValueError(f"storage holds {st_bytes} bytes, the tensor needs {need}")
+    dinfo = infos.get(f"{prefix}data/{t.storage.key}")
+    if dinfo is None:
+        raise ValueError(f"archive has no entry {prefix}data/{t.storage.key} for the tensor's storage")
+    if dinfo.compress_type != zipfile.ZIP_STORED:
+        raise ValueError(f"storage entry {dinfo.filename} is compressed (method {dinfo.compress_type}); only "
+                         "stored (uncompressed) payloads can be read by byte range")
+    if dinfo.flag_bits & 0x1:
+        raise ValueError(f"storage entry {dinfo.filename} is encrypted")
+    if dinfo.file_size != st_bytes or dinfo.compress_size != dinfo.file_size:
+        raise ValueError(f"storage entry {dinfo.filename} holds {dinfo.file_size} bytes (compressed "
+                         f"{dinfo.compress_size}), expected {st_bytes}")
+    # the payload starts after the *local* header, whose extra field (alignment padding) may differ
+    # from the central directory's
+    win.seek(dinfo.header_offset)
+    raw = win.read(_LOCAL_HEADER.size)
+    if len(raw) != _LOCAL_HEADER.size:
+        raise ValueError(f"local header of {dinfo.filename} is past the end of the item")
+    sig, _v, _flags, method, _t, _d, _crc, _cs, _us, nlen, elen = _LOCAL_HEADER.unpack(raw)
+    if sig != b"PK\x03\x04" or method != zipfile.ZIP_STORED:
+        raise ValueError(f"bad local header for {dinfo.filename}")
+    name = win.read(nlen)
+    if name.decode("utf-8", "replace") != dinfo.filename:
+        raise ValueError(f"local header names {name!r:.60}, central directory {dinfo.filename!r}")
+    rel_start = dinfo.header_offset + _LOCAL_HEADER.size + nlen + elen
+    if rel_start + dinfo.file_size > item.length:
+        raise ValueError(f"storage entry {dinfo.filename} runs past the end of the item ({rel_start} + "
+                         f"{dinfo.file_size} > {item.length} bytes)")
+    start = item.offset + rel_start
+    return start, start + need
+
+
+def _itemsize(name: str) -> int:
+    d = DTYPES.get(_TORCH_ALIASES.get(name, name))
+    if d is not None:
+        return d.itemsize
+    return {"complex64": 8, "complex128": 16, "complex32": 4, "qint8": 1, "quint8": 1, "qint32": 4,
+            "quint4x2": 1, "quint2x4": 1}.get(name, 1)
+
+
+def read_dcp(path: str | os.PathLike[str]) -> tuple[Manifest, list[str]]:
+    """Describe the DCP checkpoint directory ``path``.
+
+    Returns the manifest (``world_size`` 1: one logical reader holds every chunk; one manifest
+    chunk per DCP chunk, addressed by byte range; ``base_dir`` = ``path`` resolved) and the fqns
+    of the non-tensor entries (``BytesStorageMetadata``), which are not described. Raises
+    ``FormatError`` listing every problem found.
+    """
+    root = Path(path).resolve()
+    meta_path = root / METADATA_FILE
+    md = _load_metadata(meta_path)
+    where = str(meta_path)
+    sdm = md.state_dict_metadata
+    if not isinstance(sdm, dict):
+        raise FormatError(f"{where}: state_dict_metadata must be a dict (got {_kind(sdm)})")
+    index = _storage_index(md, where)
+    files = _Files(root)
+    problems: list[str] = []
+    arrays: dict[str, ArraySpec] = {}
+    skipped: list[str] = []
+    try:
+        for fqn, tm in sdm.items():
+            if not isinstance(fqn, str):
+                problems.append(f"{where}: state_dict_metadata key {fqn!r:.60} is not a string")
+                continue
+            if isinstance(tm, _BytesStorageMetadata):
+                skipped.append(fqn)
+                continue
+            if not isinstance(tm, _TensorStorageMetadata):
+                problems.append(f"{where}: {fqn}: entry is {_kind(tm)}, expected TensorStorageMetadata or "
+                                "BytesStorageMetadata")
+                continue
+            spec = _array(fqn, tm, index, files, where, problems)
+            if spec is not None:
+                arrays[fqn] = spec
+    finally:
+        files.close()
+    m = Manifest(world_size=1, arrays=arrays, name=root.name, base_dir=root)
+    if not problems:
+        from .validate import validate_manifest
+
+        problems.extend(validate_manifest(m, where=where, check_paths=True))
+    if problems:
+        raise FormatError(problems=problems)
+    return m, skipped
+
+
+def _array(fqn: str, tm: _TensorStorageMetadata, index: dict[Any, _Item | str], files: _Files, where: str,
+           problems: list[str]) -> ArraySpec | None:
+    size = tm.size
+    if not isinstance(size, tuple) or not all(_nonneg_int(x) for x in size):
+        problems.append(f"{where}: {fqn}: size {size!r:.80} is not a list of non-negative integers")
+        return None
+    dname = _dtype_of(tm.properties)
+    if dname is None:
+        problems.append(f"{where}: {fqn}: properties carry no torch dtype")
+        return None
+    dt = DTYPES.get(dname)
+    if dt is None:
+        problems.append(f"{where}: {fqn}: dtype {dname} has no shardstream data_type (supported: "
+                        f"{', '.join(DTYPES)})")
+        return None
+    lay = getattr(tm.properties, "layout", None)
+    if lay is not None and lay != _Layout("strided"):
+        problems.append(f"{where}: {fqn}: layout {getattr(lay, 'name', lay)!r} is not supported (only strided)")
+        return None
+    if not isinstance(tm.chunks, list):
+        problems.append(f"{where}: {fqn}: chunks must be a list (got {_kind(tm.chunks)})")
+        return None
+    nd = len(size)
+    chunks: list[Chunk] = []
+    for i, cm in enumerate(tm.chunks):
+        if not isinstance(cm, _ChunkStorageMetadata):
+            problems.append(f"{where}: {fqn}: chunk {i} is {_kind(cm)}, expected ChunkStorageMetadata")
+            continue
+        off, sz = cm.offsets, cm.sizes
+        if not (isinstance(off, tuple) and isinstance(sz, tuple) and len(off) == nd and len(sz) == nd
+                and all(_nonneg_int(x) for x in off) and all(_nonneg_int(x) for x in sz)):
+            problems.append(f"{where}: {fqn}: chunk {i} offsets {off!r:.60} / sizes {sz!r:.60} are not {nd} "
+                            "non-negative integers each")
+            continue
+        if any(s == 0 for s in sz):
+            continue  # empty regions are not listed (an uneven torch.chunk shard may be empty)
+        ctx = f"{fqn}: chunk {i} (offsets {list(off)}, sizes {list(sz)})"
+        item = index.get((fqn, off))
+        if item is None:
+            problems.append(f"{where}: {ctx}: no storage_data entry for this chunk")
+            continue
+        if isinstance(item, str):
+            problems.append(f"{where}: {ctx}: {item}")
+            continue
+        fpath = files.root / item.relative_path
+        if item.transforms:
+            problems.append(f"{fpath}: {ctx}: item uses stream transforms {list(item.transforms)} (e.g. "
+                            "compression); only untransformed items can be read by byte range")
+            continue
+        try:
+            fd, fsize = files.get(item.relative_path)
+        except (FormatError, ShardNotFoundError) as e:
+            problems.append(f"{e} [{ctx}]")
+            continue
+        if item.offset + item.length > fsize:
+            problems.append(f"{fpath}: {ctx}: item byte range [{item.offset}, {item.offset + item.length}) is "
+                            f"past the end of the file ({fsize} bytes)")
+            continue
+        try:
+            a, b = _locate_payload(fd, item, sz, dt)
+        except ValueError as e:
+            problems.append(f"{fpath}: {ctx}: {e}")
+            continue
+        except Exception as e:  # noqa: BLE001 - a hostile archive must never escape as a traceback
+            problems.append(f"{fpath}: {ctx}: unreadable item ({type(e).__name__}: {_clip(str(e))})")
+            continue
+        chunks.append(Chunk(Box(off, sz), (0,), Source(tensor=fqn, offsets=(0,) * nd, file=item.relative_path,
+                                                      byte_range=(a, b), stored_shape=sz)))
+    return ArraySpec(size, dt.name, tuple(chunks))
+

@@ -1,0 +1,749 @@
+"""Presets: (HF config, framework, mesh) -> the manifest the framework really holds (design §4).
+
+No I/O beyond reading a config file you name, no MPI, no torch.
+
+Arrays are always the *logical* Hugging Face arrays (``model.layers.3.self_attn.q_proj.weight``);
+each chunk's ``source`` names the framework's own *local* tensor and where the region sits in it.
+Fused tensors (``linear_qkv``, ``qkv_proj``, ``gate_up_proj``, ``w13_weight``) therefore hold
+regions of several arrays, and one array's region on a rank may be split into several chunks at
+different offsets (Megatron's per-group QKV interleave). Vocabulary padding rows exist only in
+the local tensors: they are declared in the manifest's ``tensors`` section and no chunk covers
+them (a receiver leaves them as they are, a converted file has zeros there).
+
+>>> cfg = {"model_type": "qwen3", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+...        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 1000}
+>>> m = preset_manifest(cfg, "vllm", Mesh(("tp",), (2,)))
+>>> sorted(m.local_tensors(0))[:3]
+['lm_head.weight', 'model.embed_tokens.weight', 'model.layers.0.input_layernorm.weight']
+>>> m.local_tensors(1)["model.layers.0.self_attn.qkv_proj.weight"].shape
+(64, 64)
+
+Presets
+-------
+``megatron`` -- Megatron-core with the Transformer Engine layer specs. Mesh axes, in Megatron's
+    rank order (tp fastest): a subsequence of ``pp, dp, ep, cp, tp``.
+
+    * ``embedding.word_embeddings.weight`` / ``output_layer.weight``: vocab-parallel (``S(0)``),
+      the vocab padded to a multiple of ``make_vocab_size_divisible_by`` (128) × tp
+      (``_vocab_size_with_padding``) and split evenly; embedding on the first stage, output layer
+      on the last. Tied embeddings: no ``output_layer`` (pp = 1 only: with pp > 1 Megatron keeps
+      a second copy of the embedding as the last stage's ``output_layer.weight``, which a manifest
+      cannot name next to the first, so it is refused).
+    * ``decoder.layers.{l}.self_attention.linear_qkv.weight`` (and ``.bias``): for each local
+      query group ``[q rows of the group's heads; k rows; v rows]``; groups split evenly over tp
+      (``num_query_groups % tp == 0`` and ``num_attention_heads % tp == 0`` are required, as in
+      Megatron). ``linear_qkv.layer_norm_weight`` = ``input_layernorm``; ``q_layernorm`` /
+      ``k_layernorm`` = ``q_norm`` / ``k_norm`` (replicated).
+    * ``linear_proj.weight`` = ``o_proj`` ``S(1)`` (its bias replicated);
+      ``mlp.linear_fc1.weight`` = ``[gate_shard; up_shard]``, ``mlp.linear_fc2.weight`` = ``down``
+      ``S(1)``; ``mlp.linear_fc1.layer_norm_weight`` = ``post_attention_layernorm`` in dense layers,
+      ``pre_mlp_layernorm.weight`` in MoE layers; ``decoder.final_layernorm.weight``.
+    * pp: ``num_hidden_layers % pp == 0``; layer ``i`` lives on stage ``i // (L/pp)`` as local layer
+      ``i % (L/pp)`` (Megatron numbers the layers of a stage from 0).
+    * MoE (qwen3_moe): ``mlp.router.weight`` (replicated); experts
+      ``mlp.experts.local_experts.{e}.linear_fc1.weight`` / ``linear_fc2.weight`` numbered within
+      the EP rank (``moe_grouped_gemm=True``: TE ``GroupedLinear`` names ``mlp.experts.linear_fc1.weight{e}``);
+      ``num_experts % ep == 0``. Expert tensor parallelism defaults to tp (Megatron's default,
+      experts TP-split like the dense MLP); ``expert_tensor_parallel=1`` spreads whole experts over
+      the flattened ``ep × tp`` ranks (parallel folding, EP = ep·tp), as NeMo RL's refit assumes.
+    * ``dp``, ``cp`` (and ``ep`` for non-expert arrays) replicate.
+
+``vllm`` / ``sglang`` -- vLLM's (and SGLang's) parallel layers. Mesh axes, slowest first: a
+    subsequence of ``dp, ep, pp, tp``; ``dp`` are independent replicas (separate engines),
+    ``ep`` is data-parallel attention with expert parallelism (``--data-parallel-size`` with
+    ``--enable-expert-parallel``). Layer names keep their global index.
+
+    * ``model.embed_tokens.weight`` / ``lm_head.weight``: ``VocabParallelEmbedding`` /
+      ``ParallelLMHead``: the vocab padded to a multiple of 64, then split evenly over tp (vLLM
+      requires the padded vocab to be divisible by tp). Tied embeddings: no ``lm_head``; with
+      pp > 1 the last stage holds ``model.embed_tokens.weight`` too.
+    * ``self_attn.qkv_proj.weight`` (and ``.bias``) = ``[q_shard; k_shard; v_shard]``
+      (``QKVParallelLinear``); with tp >= num_kv_heads the kv heads are replicated: rank ``t``
+      holds kv head ``t * num_kv_heads // tp`` (``tp % num_kv_heads == 0`` required), else
+      ``num_kv_heads % tp == 0``. ``o_proj`` ``S(1)``; ``mlp.gate_up_proj.weight`` =
+      ``[gate_shard; up_shard]`` (``MergedColumnParallelLinear``), ``down_proj`` ``S(1)``; norms
+      replicated.
+    * pp: vLLM's ``get_pp_indices`` (the remainder goes to the stages before the last, from the
+      second-to-last backwards); SGLang's gives it to the last stages.
+    * MoE: router ``mlp.gate.weight`` replicated; ``mlp.experts.w13_weight`` ``[E_local, 2·I_shard,
+      H]`` (``[gate; up]`` per expert) and ``mlp.experts.w2_weight`` ``[E_local, H, I_shard]``,
+      described as their row-major 2-D views ``[E_local·2·I_shard, H]`` and ``[E_local·H, I_shard]``
+      (same bytes; a live refit passes ``w13_weight.view(-1, H)``). Without expert parallelism all
+      experts are on every rank, TP-split on dim 1 of w13 / dim 2 of w2. With an ``ep`` axis (or
+      ``expert_parallel=True``) experts are whole and spread over the flattened ``ep × tp`` ranks
+      of a stage (EP rank ``ep·tp_size + tp``), vLLM's "linear" placement: the first
+      ``E % EP`` ranks get one more expert.
+
+``fsdp2`` -- HF names; every array ``S(0)`` over ``fsdp`` (uneven, torch.chunk), optionally × ``tp``
+    with the generic tensor-parallel rules (:func:`~.models.generic_rules`; FSDP2 then shards the
+    TP-local tensor, the ``_StridedShard`` order); ``dp`` replicates (HSDP), ``pp`` pins by stage.
+
+``hf`` -- one rank, HF names (``convert`` names the files and writes the index).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from itertools import product
+from pathlib import Path
+from typing import Any
+
+from ..box import Box
+from ..dtypes import by_name
+from ..manifest import ArraySpec, Chunk, Manifest, Source, TensorSpec
+from .mesh import LayoutError, Mesh, Placement, Shard
+from .rules import check_file_pattern, parse_rule, pp_stage
+
+__all__ = [
+    "MEGATRON_VOCAB_DIVISOR",
+    "PRESETS",
+    "VLLM_VOCAB_PADDING",
+    "ModelInfo",
+    "megatron_padded_vocab",
+    "model_info",
+    "pp_partition",
+    "preset_manifest",
+    "vllm_expert_range",
+    "vllm_padded_vocab",
+]
+
+PRESETS = ("megatron", "vllm", "sglang", "fsdp2", "hf")
+
+#: Megatron's ``make_vocab_size_divisible_by`` default
+MEGATRON_VOCAB_DIVISOR = 128
+#: vLLM's ``DEFAULT_VOCAB_PADDING_SIZE`` (SGLang uses the same)
+VLLM_VOCAB_PADDING = 64
+
+_MEGATRON_AXES = ("pp", "dp", "ep", "cp", "tp")
+_VLLM_AXES = ("dp", "ep", "pp", "tp")
+_FSDP_AXES = ("pp", "dp", "fsdp", "cp", "tp")
+_DENSE_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+
+Arrays = dict[str, tuple[tuple[int, ...], str]]
+
+
+class _PresetError(LayoutError):
+    pass
+
+
+# ---------------------------------------------------------------- model description
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a preset needs to know about the model, and its HF arrays."""
+
+    model_type: str
+    hidden: int
+    layers: int
+    vocab: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    tie: bool
+    arrays: Arrays
+
+    def is_moe_layer(self, i: int) -> bool:
+        return f"model.layers.{i}.mlp.gate.weight" in self.arrays
+
+    def num_experts(self, i: int) -> int:
+        return self.arrays[f"model.layers.{i}.mlp.gate.weight"][0][0]
+
+
+def _load_cfg(cfg: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str, Any]:
+    if isinstance(cfg, Mapping):
+        return dict(cfg)
+    p = Path(cfg)
+    if p.is_dir():
+        p = p / "config.json"
+    try:
+        obj = json.loads(p.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise LayoutError(f"{p}: no such config.json") from None
+    except json.JSONDecodeError as e:
+        raise LayoutError(f"{p}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(obj, dict):
+        raise LayoutError(f"{p}: expected a JSON object at top level")
+    return obj
+
+
+def _arrays_from_config(c: Mapping[str, Any]) -> Arrays:
+    from .models import arrays_from_config
+
+    return arrays_from_config(c)
+
+
+def model_info(cfg: Mapping[str, Any] | str | os.PathLike[str], *, dtype: str | None = "bfloat16") -> ModelInfo:
+    """The HF arrays of ``cfg`` (``dtype`` replaces ``torch_dtype`` unless None) and the
+    attention geometry the fused layouts need."""
+    c = _load_cfg(cfg)
+    if dtype is not None:
+        by_name(dtype)
+        c["torch_dtype"] = dtype
+    arrays = _arrays_from_config(c)
+
+    def num(key: str, default: int | None = None) -> int:
+        v = c.get(key, default)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise LayoutError(f"config.json: {key} must be an integer >= 1, got {v!r}")
+        return v
+
+    mt = str(c.get("model_type"))
+    h = num("hidden_size")
+    nh = num("num_attention_heads")
+    nkv = num("num_key_value_heads", nh)
+    hd = c.get("head_dim") or h // nh
+    return ModelInfo(mt, h, num("num_hidden_layers"), num("vocab_size"), nh, nkv, int(hd),
+                     bool(c.get("tie_word_embeddings", False)), arrays)
+
+
+# ---------------------------------------------------------------- geometry helpers
+
+
+def _ceil_to(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def megatron_padded_vocab(vocab: int, tp: int, divisor: int = MEGATRON_VOCAB_DIVISOR) -> int:
+    """Megatron's ``_vocab_size_with_padding``: a multiple of ``divisor × tp``.
+
+    >>> megatron_padded_vocab(1000, 3)
+    1152
+    """
+    return _ceil_to(vocab, divisor * tp)
+
+
+def vllm_padded_vocab(vocab: int, padding: int = VLLM_VOCAB_PADDING) -> int:
+    """vLLM's ``pad_vocab_size``: a multiple of 64.
+
+    >>> vllm_padded_vocab(1000)
+    1024
+    """
+    return _ceil_to(vocab, padding)
+
+
+def pp_partition(num_layers: int, pp: int, style: str) -> list[int]:
+    """Layers per pipeline stage. ``megatron``: even (``num_layers % pp == 0``); ``vllm``:
+    ``get_pp_indices`` (remainder to the stages before the last, from the second-to-last
+    backwards); ``sglang``: remainder to the last stages.
+
+    >>> pp_partition(6, 4, "vllm"), pp_partition(6, 4, "sglang")
+    ([1, 2, 2, 1], [1, 1, 2, 2])
+    """
+    if num_layers < pp:
+        raise _PresetError(f"{num_layers} layers cannot fill {pp} pipeline stages (every stage needs a layer)")
+    base, rem = divmod(num_layers, pp)
+    parts = [base] * pp
+    if style == "megatron":
+        if rem:
+            raise _PresetError(f"megatron: num_hidden_layers ({num_layers}) must be divisible by pp ({pp}) "
+                               f"(Megatron's even pipeline split)")
+    elif style == "vllm":
+        for i in range(2, rem + 2):
+            parts[-i] += 1
+    elif style == "sglang":
+        for i in range(pp - rem, pp):
+            parts[i] += 1
+    else:
+        raise ValueError(style)
+    return parts
+
+
+def vllm_expert_range(num_experts: int, ep_size: int, ep_rank: int) -> tuple[int, int]:
+    """``[start, stop)`` of the experts of one EP rank in vLLM's "linear" placement
+    (``determine_expert_map``): the first ``E % ep`` ranks get one expert more.
+
+    >>> [vllm_expert_range(10, 4, r) for r in range(4)]
+    [(0, 3), (3, 6), (6, 8), (8, 10)]
+    """
+    base, rem = divmod(num_experts, ep_size)
+    n = base + 1 if ep_rank < rem else base
+    start = ep_rank * base + min(ep_rank, rem)
+    return start, start + n
+
+
+def _piece(n: int, k: int, i: int) -> tuple[int, int]:
+    c = -(-n // k)
+    return min(i * c, n), min((i + 1) * c, n)
+
+
+def _divide(n: int, k: int, what: str) -> int:
+    if n % k:
+        raise _PresetError(f"{what}")
+    return n // k
+
+
+# ---------------------------------------------------------------- manifest builder
+
+
+class _Builder:
+    """Collects chunks ``(array, region, local tensor, local offsets) -> holders`` and declared
+    local tensors, over the ranks of ``mesh`` selected by fixed coordinates."""
+
+    def __init__(self, mesh: Mesh, arrays: Arrays, file_pattern: str | None) -> None:
+        self.mesh = mesh
+        self.arrays = arrays
+        self.file = file_pattern
+        self.strides = dict(zip(mesh.axes, mesh.strides))
+        self.sizes = dict(zip(mesh.axes, mesh.shape))
+        self.chunks: dict[str, dict[tuple[Any, ...], set[int]]] = {n: {} for n in arrays}
+        self.tensors: dict[int, dict[str, TensorSpec]] = {}
+        self._rank_cache: dict[tuple[tuple[str, int], ...], tuple[int, ...]] = {}
+        # local tensor (rank, name) -> shape declared / dtype, to catch preset bugs early
+        self._sources: dict[str, Source] = {}
+
+    def size(self, axis: str) -> int:
+        return self.sizes.get(axis, 1)
+
+    def ranks(self, **fixed: int) -> tuple[int, ...]:
+        """Sorted ranks whose coordinates equal ``fixed`` (absent axes must be 0)."""
+        key = tuple(sorted(fixed.items()))
+        got = self._rank_cache.get(key)
+        if got is not None:
+            return got
+        base = 0
+        for a, c in fixed.items():
+            if a not in self.sizes:
+                if c != 0:
+                    raise AssertionError(f"coordinate {c} on absent axis {a}")
+                continue
+            base += c * self.strides[a]
+        offs = [0]
+        for a in self.mesh.axes:
+            if a in fixed:
+                continue
+            offs = [o + c * self.strides[a] for o in offs for c in range(self.sizes[a])]
+        out = tuple(sorted(base + o for o in offs))
+        self._rank_cache[key] = out
+        return out
+
+    def put(self, fqn: str, offsets: Sequence[int], sizes: Sequence[int], tensor: str,
+            local: Sequence[int], holders: Iterable[int]) -> None:
+        if any(s == 0 for s in sizes):
+            return
+        key = (tuple(offsets), tuple(sizes), tensor, tuple(local))
+        self.chunks[fqn].setdefault(key, set()).update(holders)
+
+    def rows(self, fqn: str, r0: int, n: int, tensor: str, l0: int, holders: Iterable[int]) -> None:
+        """Rows ``[r0, r0+n)`` (all of the other dims) at row ``l0`` of ``tensor``."""
+        shape = self.arrays[fqn][0]
+        z = (0,) * (len(shape) - 1)
+        self.put(fqn, (r0, *z), (n, *shape[1:]), tensor, (l0, *z), holders)
+
+    def cols(self, fqn: str, c0: int, n: int, tensor: str, l0: int, holders: Iterable[int]) -> None:
+        """Columns ``[c0, c0+n)`` of a 2-D array at ``(l0, 0)`` of ``tensor``."""
+        shape = self.arrays[fqn][0]
+        self.put(fqn, (0, c0), (shape[0], n), tensor, (l0, 0), holders)
+
+    def whole(self, fqn: str, tensor: str, holders: Iterable[int]) -> None:
+        shape = self.arrays[fqn][0]
+        z = (0,) * len(shape)
+        self.put(fqn, z, shape, tensor, z, holders)
+
+    def declare(self, holders: Iterable[int], tensor: str, shape: Sequence[int], data_type: str) -> None:
+        for r in holders:
+            self.tensors.setdefault(r, {})[tensor] = TensorSpec(tuple(shape), data_type)
+
+    def build(self, *, name: str | None, domain_size: int | None) -> Manifest:
+        if domain_size is not None and (not isinstance(domain_size, int) or domain_size < 1):
+            raise LayoutError(f"domain_size must be an integer >= 1, got {domain_size!r}")
+        out: dict[str, ArraySpec] = {}
+        for fqn, (shape, dt) in self.arrays.items():
+            chunks = []
+            for (offs, sizes, tensor, local), hs in self.chunks[fqn].items():
+                offsets = tuple(local) if any(local) else None
+                src = None
+                if tensor != fqn or offsets is not None or self.file is not None:
+                    src = Source(tensor=tensor if tensor != fqn else None, offsets=offsets, file=self.file)
+                chunks.append(Chunk(Box(offs, sizes), tuple(sorted(hs)), src))
+            chunks.sort(key=lambda c: (c.region.offsets, c.holders))
+            out[fqn] = ArraySpec(tuple(shape), dt, tuple(chunks))
+        return Manifest(world_size=self.mesh.size, arrays=out, name=name, mesh=self.mesh.to_dict(),
+                        topology={"domain_size": domain_size} if domain_size is not None else None,
+                        tensors={r: dict(sorted(ts.items())) for r, ts in sorted(self.tensors.items())})
+
+
+def _check_axes(mesh: Mesh, allowed: Sequence[str], preset: str, *, ordered: bool) -> None:
+    bad = [a for a in mesh.axes if a not in allowed]
+    if bad:
+        raise _PresetError(f"preset {preset}: mesh axis {bad[0]!r} is not one of {', '.join(allowed)}")
+    if ordered:
+        idx = [allowed.index(a) for a in mesh.axes]
+        if idx != sorted(idx):
+            want = ",".join(f"{a}={mesh.size_of(a)}" for a in allowed if a in mesh.axes)
+            raise _PresetError(f"preset {preset}: mesh axes {','.join(mesh.axes)} are not in the framework's rank "
+                               f"order (slowest first: {', '.join(allowed)}); write the mesh as {want}")
+
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)\Z")
+_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight\Z")
+
+
+def _unmapped(preset: str, info: ModelInfo, names: list[str]) -> _PresetError:
+    more = f" ... ({len(names)} in all)" if len(names) > 8 else ""
+    hint = (" (MLA attention: use fsdp2 / hf, or a rule-based layout)"
+            if info.model_type.startswith("deepseek") else "")
+    return _PresetError(f"preset {preset}: model_type {info.model_type!r}: no mapping for array(s) "
+                        f"{', '.join(names[:8])}{more}{hint}")
+
+
+def _dense_checks(preset: str, info: ModelInfo, tp: int) -> None:
+    if info.model_type not in _DENSE_TYPES:
+        raise _PresetError(f"preset {preset}: model_type {info.model_type!r} is not supported (supported: "
+                           f"{', '.join(_DENSE_TYPES)}; MLA models such as deepseek_v3 only with fsdp2 / hf)")
+    if info.heads % info.kv_heads:
+        raise _PresetError(f"preset {preset}: num_attention_heads ({info.heads}) must be a multiple of "
+                           f"num_key_value_heads ({info.kv_heads})")
+    if info.heads % tp:
+        raise _PresetError(f"preset {preset}: num_attention_heads ({info.heads}) must be divisible by tp ({tp})")
+
+
+# ---------------------------------------------------------------- megatron
+
+
+def _megatron(b: _Builder, info: ModelInfo, *, etp: int | None, grouped_gemm: bool) -> None:
+    T, P, EP, CP = b.size("tp"), b.size("pp"), b.size("ep"), b.size("cp")
+    _dense_checks("megatron", info, T)
+    if info.kv_heads % T:
+        raise _PresetError(f"megatron: num_query_groups (num_key_value_heads = {info.kv_heads}) must be divisible "
+                           f"by tp ({T}); Megatron-core splits whole query groups over tensor-parallel ranks "
+                           f"(use tp <= {info.kv_heads} dividing it, or the vllm preset, which replicates kv heads)")
+    if info.tie and P > 1:
+        raise _PresetError("megatron: tie_word_embeddings with pp > 1 is not supported: Megatron keeps a copy of "
+                           "the embedding as output_layer.weight on the last stage, a second local tensor for "
+                           "the same array, which a manifest cannot describe; use pp = 1")
+    etp = T if etp is None else etp
+    if etp not in (1, T):
+        raise _PresetError(f"megatron: expert_tensor_parallel must be 1 or tp ({T}), got {etp}")
+    lps = pp_partition(info.layers, P, "megatron")[0]
+    H, V, nh, nkv, hd = info.hidden, info.vocab, info.heads, info.kv_heads, info.head_dim
+    hpg = nh // nkv
+    G = nkv // T  # local query groups
+    blk = (hpg + 2) * hd
+    vpad = megatron_padded_vocab(V, T)
+    vper = vpad // T
+    unmapped: list[str] = []
+
+    def vocab_parallel(fqn: str, tensor: str, stage: int) -> None:
+        dt = info.arrays[fqn][1]
+        for t in range(T):
+            hs = b.ranks(pp=stage, tp=t)
+            lo, hi = t * vper, min((t + 1) * vper, V)
+            if hi > lo:
+                b.rows(fqn, lo, hi - lo, tensor, 0, hs)
+            b.declare(hs, tensor, (vper, H), dt)
+
+    for fqn, (shape, dt) in info.arrays.items():
+        if fqn == "model.embed_tokens.weight":
+            vocab_parallel(fqn, "embedding.word_embeddings.weight", 0)
+            continue
+        if fqn == "lm_head.weight":
+            vocab_parallel(fqn, "output_layer.weight", P - 1)
+            continue
+        if fqn == "model.norm.weight":
+            b.whole(fqn, "decoder.final_layernorm.weight", b.ranks(pp=P - 1))
+            continue
+        m = _LAYER.match(fqn)
+        if not m:
+            unmapped.append(fqn)
+            continue
+        i, rest = int(m.group(1)), m.group(2)
+        stage, li = divmod(i, lps)
+        p = f"decoder.layers.{li}."
+        rep = b.ranks(pp=stage)
+        kind = rest.rsplit(".", 1)[-1]  # weight / bias
+        if rest == "input_layernorm.weight":
+            b.whole(fqn, p + "self_attention.linear_qkv.layer_norm_weight", rep)
+        elif rest == "post_attention_layernorm.weight":
+            b.whole(fqn, p + ("pre_mlp_layernorm.weight" if info.is_moe_layer(i)
+                              else "mlp.linear_fc1.layer_norm_weight"), rep)
+        elif rest in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):
+            b.whole(fqn, p + f"self_attention.{rest[10]}_layernorm.weight", rep)
+        elif rest in ("self_attn.q_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.weight",
+                      "self_attn.k_proj.bias", "self_attn.v_proj.weight", "self_attn.v_proj.bias"):
+            which = rest[10]
+            tensor = p + "self_attention.linear_qkv." + kind
+            for t in range(T):
+                hs = b.ranks(pp=stage, tp=t)
+                for j in range(G):
+                    g = t * G + j
+                    base = j * blk
+                    if which == "q":
+                        b.rows(fqn, g * hpg * hd, hpg * hd, tensor, base, hs)
+                    elif which == "k":
+                        b.rows(fqn, g * hd, hd, tensor, base + hpg * hd, hs)
+                    else:
+                        b.rows(fqn, g * hd, hd, tensor, base + (hpg + 1) * hd, hs)
+        elif rest == "self_attn.o_proj.weight":
+            n = _divide(shape[1], T, f"megatron: o_proj input dim {shape[1]} must be divisible by tp ({T})")
+            for t in range(T):
+                b.cols(fqn, t * n, n, p + "self_attention.linear_proj.weight", 0, b.ranks(pp=stage, tp=t))
+        elif rest == "self_attn.o_proj.bias":
+            b.whole(fqn, p + "self_attention.linear_proj.bias", rep)
+        elif rest in ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.gate_proj.bias", "mlp.up_proj.bias"):
+            n = _divide(shape[0], T, f"megatron: intermediate_size ({shape[0]}) must be divisible by tp ({T})")
+            for t in range(T):
+                b.rows(fqn, t * n, n, p + "mlp.linear_fc1." + kind, 0 if "gate" in rest else n,
+                       b.ranks(pp=stage, tp=t))
+        elif rest == "mlp.down_proj.weight":
+            n = _divide(shape[1], T, f"megatron: intermediate_size ({shape[1]}) must be divisible by tp ({T})")
+            for t in range(T):
+                b.cols(fqn, t * n, n, p + "mlp.linear_fc2.weight", 0, b.ranks(pp=stage, tp=t))
+        elif rest == "mlp.down_proj.bias":
+            b.whole(fqn, p + "mlp.linear_fc2.bias", rep)
+        elif rest == "mlp.gate.weight":
+            b.whole(fqn, p + "mlp.router.weight", rep)
+        elif (em := _EXPERT.match(rest)) is not None:
+            e, proj = int(em.group(1)), em.group(2)
+            E = info.num_experts(i)
+            group = EP * (T if etp == 1 else 1)  # expert-parallel ranks
+            if CP > 1 and group > 1:
+                raise _PresetError("megatron: expert parallelism with cp > 1 is not supported (Megatron folds the "
+                                   "expert-parallel group over context-parallel ranks)")
+            nloc = _divide(E, group, f"megatron: num_experts ({E}) must be divisible by the expert-parallel size "
+                                     f"({group})")
+            r, le = divmod(e, nloc)
+            fc = "linear_fc2" if proj == "down_proj" else "linear_fc1"
+            tensor = (p + f"mlp.experts.{fc}.weight{le}" if grouped_gemm
+                      else p + f"mlp.experts.local_experts.{le}.{fc}.weight")
+            if etp == 1:
+                ep_c, t0 = divmod(r, T)
+                hs = b.ranks(pp=stage, ep=ep_c, tp=t0)
+                if proj == "down_proj":
+                    b.whole(fqn, tensor, hs)
+                else:
+                    b.rows(fqn, 0, shape[0], tensor, 0 if proj == "gate_proj" else shape[0], hs)
+                continue
+            dim = 1 if proj == "down_proj" else 0
+            n = _divide(shape[dim], T, f"megatron: moe_intermediate_size ({shape[dim]}) must be divisible by the "
+                                       f"expert tensor-parallel size ({T})")
+            for t in range(T):
+                hs = b.ranks(pp=stage, ep=r, tp=t)
+                if proj == "down_proj":
+                    b.cols(fqn, t * n, n, tensor, 0, hs)
+                else:
+                    b.rows(fqn, t * n, n, tensor, 0 if proj == "gate_proj" else n, hs)
+        else:
+            unmapped.append(fqn)
+    if unmapped:
+        raise _unmapped("megatron", info, unmapped)
+
+
+# ---------------------------------------------------------------- vllm / sglang
+
+
+def _vllm(b: _Builder, info: ModelInfo, preset: str, *, expert_parallel: bool | None) -> None:
+    T, P, EPX = b.size("tp"), b.size("pp"), b.size("ep")
+    _dense_checks(preset, info, T)
+    H, V, nh, nkv, hd = info.hidden, info.vocab, info.heads, info.kv_heads, info.head_dim
+    if T >= nkv:
+        replicas = _divide(T, nkv, f"{preset}: tp ({T}) must be a multiple of num_key_value_heads ({nkv}) when "
+                                   f"tp >= num_key_value_heads (kv heads are replicated tp/num_kv_heads times)")
+        kv_loc = hd
+    else:
+        replicas = 1
+        kv_loc = _divide(nkv, T, f"{preset}: num_key_value_heads ({nkv}) must be divisible by tp ({T})") * hd
+    q_loc = nh // T * hd
+    vpad = vllm_padded_vocab(V)
+    vper = _divide(vpad, T, f"{preset}: the padded vocab ({V} -> {vpad}, a multiple of {VLLM_VOCAB_PADDING}) must be "
+                            f"divisible by tp ({T}), as VocabParallelEmbedding requires")
+    ep_on = ("ep" in b.sizes) if expert_parallel is None else expert_parallel
+    if not ep_on and "ep" in b.sizes:
+        raise _PresetError(f"{preset}: an 'ep' mesh axis means expert parallelism; drop it or use "
+                           f"expert_parallel=None/True")
+    ep_size = EPX * T
+    parts = pp_partition(info.layers, P, "sglang" if preset == "sglang" else "vllm")
+    stage_of = [s for s, n in enumerate(parts) for _ in range(n)]
+    unmapped: list[str] = []
+
+    def vocab_parallel(fqn: str, stages: Sequence[int]) -> None:
+        dt = info.arrays[fqn][1]
+        for t in range(T):
+            hs = sorted({r for s in stages for r in b.ranks(pp=s, tp=t)})
+            lo, hi = t * vper, min((t + 1) * vper, V)
+            if hi > lo:
+                b.rows(fqn, lo, hi - lo, fqn, 0, hs)
+            b.declare(hs, fqn, (vper, H), dt)
+
+    moe_layers: dict[int, int] = {}
+    for fqn, (shape, dt) in info.arrays.items():
+        if fqn == "model.embed_tokens.weight":
+            vocab_parallel(fqn, sorted({0, P - 1}) if info.tie else [0])
+            continue
+        if fqn == "lm_head.weight":
+            vocab_parallel(fqn, [P - 1])
+            continue
+        if fqn == "model.norm.weight":
+            b.whole(fqn, fqn, b.ranks(pp=P - 1))
+            continue
+        m = _LAYER.match(fqn)
+        if not m:
+            unmapped.append(fqn)
+            continue
+        i, rest = int(m.group(1)), m.group(2)
+        stage = stage_of[i]
+        p = f"model.layers.{i}."
+        rep = b.ranks(pp=stage)
+        kind = rest.rsplit(".", 1)[-1]
+        if rest in ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_norm.weight",
+                    "self_attn.k_norm.weight", "self_attn.o_proj.bias", "mlp.down_proj.bias", "mlp.gate.weight"):
+            b.whole(fqn, fqn, rep)  # replicated, same name (o_proj / down_proj biases are full on every rank)
+        elif rest in ("self_attn.q_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.weight",
+                      "self_attn.k_proj.bias", "self_attn.v_proj.weight", "self_attn.v_proj.bias"):
+            which = rest[10]
+            tensor = p + "self_attn.qkv_proj." + kind
+            for t in range(T):
+                hs = b.ranks(pp=stage, tp=t)
+                if which == "q":
+                    b.rows(fqn, t * q_loc, q_loc, tensor, 0, hs)
+                else:
+                    shard = t // replicas  # vLLM's shard_id for k / v
+                    b.rows(fqn, shard * kv_loc, kv_loc, tensor, q_loc + (0 if which == "k" else kv_loc), hs)
+        elif rest == "self_attn.o_proj.weight":
+            for t in range(T):
+                b.cols(fqn, t * q_loc, q_loc, fqn, 0, b.ranks(pp=stage, tp=t))
+        elif rest in ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.gate_proj.bias", "mlp.up_proj.bias"):
+            n = _divide(shape[0], T, f"{preset}: intermediate_size ({shape[0]}) must be divisible by tp ({T})")
+            for t in range(T):
+                b.rows(fqn, t * n, n, p + "mlp.gate_up_proj." + kind, 0 if "gate" in rest else n,
+                       b.ranks(pp=stage, tp=t))
+        elif rest == "mlp.down_proj.weight":
+            n = _divide(shape[1], T, f"{preset}: intermediate_size ({shape[1]}) must be divisible by tp ({T})")
+            for t in range(T):
+                b.cols(fqn, t * n, n, fqn, 0, b.ranks(pp=stage, tp=t))
+        elif (em := _EXPERT.match(rest)) is not None:
+            e, proj = int(em.group(1)), em.group(2)
+            E = info.num_experts(i)
+            moe_layers[i] = E
+            w13, w2 = p + "mlp.experts.w13_weight", p + "mlp.experts.w2_weight"
+            inter = shape[1] if proj == "down_proj" else shape[0]
+            if ep_on:
+                r = next(r for r in range(ep_size) if vllm_expert_range(E, ep_size, r)[0] <= e
+                         < vllm_expert_range(E, ep_size, r)[1])
+                le = e - vllm_expert_range(E, ep_size, r)[0]
+                ep_c, t = divmod(r, T)
+                hs = b.ranks(pp=stage, ep=ep_c, tp=t)
+                if proj == "down_proj":
+                    b.rows(fqn, 0, H, w2, le * H, hs)
+                else:
+                    b.rows(fqn, 0, inter, w13, le * 2 * inter + (0 if proj == "gate_proj" else inter), hs)
+                continue
+            n = _divide(inter, T, f"{preset}: moe_intermediate_size ({inter}) must be divisible by tp ({T}) "
+                                  f"(or enable expert parallelism)")
+            for t in range(T):
+                hs = b.ranks(pp=stage, tp=t)
+                if proj == "down_proj":
+                    b.cols(fqn, t * n, n, w2, e * H, hs)
+                else:
+                    b.rows(fqn, t * n, n, w13, e * 2 * n + (0 if proj == "gate_proj" else n), hs)
+        else:
+            unmapped.append(fqn)
+    if unmapped:
+        raise _unmapped(preset, info, unmapped)
+    # ranks with no expert (EP group larger than the experts) still hold empty w13 / w2
+    for i, E in moe_layers.items():
+        if not ep_on:
+            continue
+        p = f"model.layers.{i}."
+        inter = info.arrays[p + "mlp.experts.0.down_proj.weight"][0][1]
+        dt = info.arrays[p + "mlp.experts.0.down_proj.weight"][1]
+        for r in range(ep_size):
+            lo, hi = vllm_expert_range(E, ep_size, r)
+            ep_c, t = divmod(r, T)
+            hs = b.ranks(pp=stage_of[i], ep=ep_c, tp=t)
+            b.declare(hs, p + "mlp.experts.w13_weight", ((hi - lo) * 2 * inter, H), dt)
+            b.declare(hs, p + "mlp.experts.w2_weight", ((hi - lo) * H, inter), dt)
+
+
+# ---------------------------------------------------------------- fsdp2 / hf
+
+
+def _tp_placements(info: ModelInfo) -> dict[str, Placement]:
+    from .models import generic_rules
+
+    one = Mesh(("tp",), (1,))
+    rules = [parse_rule(r, one) for r in generic_rules(("tp",))]
+    out: dict[str, Placement] = {}
+    for fqn in info.arrays:
+        for r in rules:
+            if fnmatchcase(fqn, r.pattern):
+                out[fqn] = r.placements[0]
+                break
+    return out
+
+
+def _fsdp2(b: _Builder, info: ModelInfo) -> None:
+    T, P, F = b.size("tp"), b.size("pp"), b.size("fsdp")
+    tp_pl = _tp_placements(info) if T > 1 else {}
+    for fqn, (shape, _dt) in info.arrays.items():
+        stage = pp_stage(fqn, num_layers=info.layers, pp=P) if P > 1 else 0
+        # TP first, then FSDP2 chunks dim 0 of the TP-local tensor (the _StridedShard order)
+        splits: list[tuple[str, int, int]] = []
+        pl = tp_pl.get(fqn)
+        if isinstance(pl, Shard) and pl.dim < len(shape):
+            splits.append(("tp", pl.dim, T))
+        if len(shape) >= 1:
+            splits.append(("fsdp", 0, F))
+        for coords in product(*(range(n) for _, _, n in splits)):
+            offs = [0] * len(shape)
+            sizes = list(shape)
+            for (_axis, d, n), c in zip(splits, coords):
+                lo, hi = _piece(sizes[d], n, c)
+                offs[d] += lo
+                sizes[d] = hi - lo
+            fixed = {axis: c for (axis, _, _), c in zip(splits, coords)}
+            b.put(fqn, offs, sizes, fqn, (0,) * len(shape), b.ranks(pp=stage, **fixed))
+
+
+def _hf(b: _Builder, info: ModelInfo) -> None:
+    if b.mesh.size != 1:
+        raise _PresetError(f"preset hf: one rank, got mesh {b.mesh} ({b.mesh.size} ranks); use fsdp2 or a rule "
+                           f"layout for several ranks")
+    for fqn in info.arrays:
+        b.whole(fqn, fqn, (0,))
+
+
+# ---------------------------------------------------------------- entry point
+
+
+def preset_manifest(cfg: Mapping[str, Any] | str | os.PathLike[str], preset: str, mesh: Mesh, *,
+                    file_pattern: str | None = None, domain_size: int | None = None, name: str | None = None,
+                    dtype: str | None = "bfloat16", expert_parallel: bool | None = None,
+                    expert_tensor_parallel: int | None = None, moe_grouped_gemm: bool = False) -> Manifest:
+    """The manifest a ``preset`` framework holds for the HF model ``cfg`` on ``mesh`` (see the
+    module docstring for each preset's names, layouts and mesh axes).
+
+    ``cfg``: a parsed ``config.json``, its path, or a directory holding it (llama, qwen2, qwen3,
+    qwen3_moe; any model :func:`~.models.arrays_from_config` knows for ``fsdp2`` / ``hf``).
+    ``file_pattern``: ``source.file`` of every chunk (``{rank}`` for per-rank files); None gives a
+    live, in-memory manifest (and for ``hf`` leaves file naming to ``convert``). ``dtype``
+    replaces the config's ``torch_dtype`` (None keeps it). ``expert_parallel`` (vllm / sglang):
+    experts whole over the EP ranks (default: when the mesh has an ``ep`` axis);
+    ``expert_tensor_parallel`` (megatron): 1 or tp (default tp); ``moe_grouped_gemm`` (megatron):
+    TE grouped-GEMM expert names.
+    """
+    if preset not in PRESETS:
+        raise LayoutError(f"unknown preset {preset!r} (expected one of {', '.join(PRESETS)})")
+    if file_pattern is not None:
+        check_file_pattern(file_pattern)
+    info = model_info(cfg, dtype=dtype)
+    b = _Builder(mesh, info.arrays, file_pattern)
+    if preset == "megatron":
+        _check_axes(mesh, _MEGATRON_AXES, preset, ordered=True)
+        _megatron(b, info, etp=expert_tensor_parallel, grouped_gemm=moe_grouped_gemm)
+    elif preset in ("vllm", "sglang"):
+        _check_axes(mesh, _VLLM_AXES, preset, ordered=True)
+        _vllm(b, info, preset, expert_parallel=expert_parallel)
+    elif preset == "fsdp2":
+        _check_axes(mesh, _FSDP_AXES, preset, ordered=False)
+        _fsdp2(b, info)
+    else:
+        _hf(b, info)
+    if name is None:
+        name = f"{info.model_type}-{preset}-{str(mesh).replace(',', '-').replace('=', '')}"
+    return b.build(name=name, domain_size=domain_size)

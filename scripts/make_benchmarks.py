@@ -1,0 +1,510 @@
+#!/usr/bin/env python3
+"""Generate BENCHMARKS.md: simulated refit times on DGX H100 / GB200 NVL72 next to the published
+figures (design §9-§10), scale tables, and the simulator's own runtimes.
+
+    .venv/bin/python scripts/make_benchmarks.py                 # ~2-3 minutes on 2 cores
+    .venv/bin/python scripts/make_benchmarks.py --full-plan     # + one whole-model DSv3 plan (~3 more min, ~6 GB)
+
+Every figure comes from ``streamer.simulate`` in this run (constants: ``streamer.simulate.CLUSTERS``,
+from ../shared/workloads/README.md, never tuned to the published numbers). Never imported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import platform
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from formats.layouts.models import (  # noqa: E402
+    arrays_from_model,
+    manifest_from_parallel,
+    parallel_from_dict,
+    parse_m2n_system,
+)
+from formats.manifest import dumps_manifest  # noqa: E402
+from streamer.plan import plan_transfers  # noqa: E402
+from streamer.simulate import CLUSTERS, broadcast_cost, pair_bytes, reshard_cost, simulate, with_overrides  # noqa: E402
+
+WORKLOADS = ROOT.parent / "shared" / "workloads"
+MODELS = WORKLOADS / "models"
+M2N = WORKLOADS / "nccl-m2n"
+GB = 1e9
+
+_ARRAYS: dict[tuple[str, bool], dict[str, Any]] = {}
+
+
+def arrays(model: str, fp8: bool = False) -> dict[str, Any]:
+    key = (model, fp8)
+    if key not in _ARRAYS:
+        _ARRAYS[key] = arrays_from_model(WORKLOADS / model, fp8=fp8)
+    return _ARRAYS[key]
+
+
+def side(**sizes: int) -> dict[str, Any]:
+    return parallel_from_dict({k if k == "num_gpus" else f"{k}_size": v for k, v in sizes.items()})
+
+
+def mesh_label(p: dict[str, Any]) -> str:
+    parts = [f"{k.upper()}{p[k]}" for k in ("tp", "cp", "ep", "pp") if p[k] > 1]
+    if p["dp"] > 1 and p["ep"] <= 1:
+        parts.append(f"DP{p['dp']}")
+    elif p["ep"] > 1 and p["edp"] > 1:
+        parts.append(f"EDP{p['edp']}")
+    return "×".join(parts or ["1"]) + f" ({p['num_gpus']})"
+
+
+@dataclass
+class Row:
+    key: str
+    system: str
+    model_label: str
+    model: str
+    fp8: bool
+    cluster: str
+    train: dict[str, Any]
+    gen: dict[str, Any]
+    layout_source: str
+    published: dict[str, Any] = field(default_factory=dict)
+    direct: bool = False
+    result: dict[str, Any] = field(default_factory=dict)
+    wall_s: float = 0.0
+
+
+def run(row: Row) -> Row:
+    t0 = time.perf_counter()
+    row.result = simulate(arrays(row.model, row.fp8), row.train, row.gen, row.cluster, direct=row.direct)
+    row.wall_s = time.perf_counter() - t0
+    print(f"  {row.key:28s} reshard {row.result['reshard_s']:7.3f} s  baseline {row.result['broadcast_s']:7.3f} s"
+          + (f"  direct {row.result['direct_s']:7.3f} s" if row.direct else "") + f"  ({row.wall_s:.1f} s)",
+          file=sys.stderr, flush=True)
+    return row
+
+
+def rings8(row: Row) -> float:
+    """The same baseline with the ring spread over 8 NICs (NCCL multi-rail), capped by NVLink."""
+    r = row.result
+    b = r["broadcast"]
+    c = with_overrides(CLUSTERS[row.cluster], broadcast_rings=8)
+    return broadcast_cost(gather_local_bytes=b["gather_local_bytes"], gather_network_bytes=b["gather_network_bytes"],
+                          gather_chunks=b["gather_chunks"], total_bytes=r["model_bytes"],
+                          ring_ranks=r["generation_gpus"], cluster=c)["seconds"]
+
+
+def fmt_s(x: float | None) -> str:
+    if x is None:
+        return "—"
+    return f"{x:.2f} s" if x >= 0.1 else f"{x * 1000:.0f} ms"
+
+
+def off(sim: float, pub: float | tuple[float, float] | None) -> tuple[str, bool]:
+    """``sim/pub`` as text, and whether it is more than 30% away (ranges: from the nearest end)."""
+    if pub is None:
+        return "", False
+    lo, hi = (pub, pub) if isinstance(pub, (int, float)) else pub
+    ref = lo if sim < lo else hi if sim > hi else sim
+    ratio = sim / ref
+    return f"{ratio:.2f}×", not 0.7 <= ratio <= 1.3
+
+
+def _lo(p: float | tuple[float, float] | None) -> float:
+    if p is None:
+        return float("nan")
+    return p[0] if isinstance(p, tuple) else p
+
+
+def pub_s(p: float | tuple[float, float] | None) -> str:
+    if p is None:
+        return "—"
+    if isinstance(p, tuple):
+        return f"{p[0]:.2f}–{p[1]:.2f} s"
+    return fmt_s(p)
+
+
+# ---------------------------------------------------------------- rows
+
+def seed_rows() -> list[Row]:
+    dsv3, q235, q30 = "models/deepseek-v3.config.json", "models/qwen3-235b-a22b.config.json", "models/qwen3-30b-a3b.config.json"
+    nemo_dsv3 = "NeMo RL design doc: DSV3 PP16×EP16 → TP32×DP8"
+    rows = [
+        Row("h100-qwen3-235b", "DGX H100", "Qwen3-235B-A22B (BF16)", q235, False, "dgx-h100",
+            side(num_gpus=128, tp=4, pp=8, ep=16), side(num_gpus=128, tp=8, dp=16),
+            "NeMo RL PR #2413: 235B TP4×PP8×EP16 → TP8×DP16 (the published figure names no layout)",
+            {"baseline": 6.4, "reshard": 1.9, "speedup": 3.3}),
+        Row("h100-dsv3-bf16", "DGX H100", "DeepSeek-V3 (BF16)", dsv3, False, "dgx-h100",
+            side(num_gpus=256, pp=16, ep=16), side(num_gpus=256, tp=32, dp=8), nemo_dsv3,
+            {"baseline": 14.9, "reshard": 2.6, "speedup": 5.7, "nemo": (2.39, 2.83)}),
+        Row("h100-dsv3-fp8", "DGX H100", "DeepSeek-V3 (FP8 blocks)", dsv3, True, "dgx-h100",
+            side(num_gpus=256, pp=16, ep=16), side(num_gpus=256, tp=32, dp=8), nemo_dsv3,
+            {"baseline": 14.9, "reshard": 2.6, "speedup": 5.7, "nemo": (2.39, 2.83)}),
+        Row("gb200-dsv3-bf16", "GB200 NVL72", "DeepSeek-V3 (BF16)", dsv3, False, "gb200-nvl72",
+            side(num_gpus=256, pp=16, ep=16), side(num_gpus=256, tp=32, dp=8), nemo_dsv3,
+            {"baseline": 6.1, "reshard": 2.3, "speedup": 2.7, "nemo": (1.93, 2.59)}),
+        Row("gb200-dsv3-fp8", "GB200 NVL72", "DeepSeek-V3 (FP8 blocks)", dsv3, True, "gb200-nvl72",
+            side(num_gpus=256, pp=16, ep=16), side(num_gpus=256, tp=32, dp=8), nemo_dsv3,
+            {"baseline": 6.1, "reshard": 2.3, "speedup": 2.7, "nemo": (1.93, 2.59)}),
+        Row("h100-qwen3-30b", "DGX H100", "Qwen3-30B-A3B (BF16)", q30, False, "dgx-h100",
+            side(num_gpus=16, pp=2, ep=8), side(num_gpus=16, tp=8, dp=2),
+            "NeMo RL design doc: Qwen3-30B EP8×PP2 → TP8×DP2", {"nemo": (0.74, 1.0)}),
+    ]
+    return rows
+
+
+def m2n_rows() -> list[Row]:
+    t256, g256 = parse_m2n_system(M2N / "dsv3-256gpus-gb200.json")
+    tq, gq = parse_m2n_system(M2N / "qwen235b-TP2CP2PP4EP16-128gpus-gb200.json")
+    return [
+        Row("m2n-dsv3-256-published", "GB200 NVL72", "DeepSeek-V3 (FP8, as dsv3-toy)", "models/deepseek-v3.config.json",
+            True, "gb200-nvl72", side(num_gpus=128, ep=16, dp=2, pp=4), g256,
+            "NCCL M2N README: EP16×DP2×PP4 → TP8×DP16 (256 GPUs)", {"hier": 1.44744, "direct": 3.83774}, direct=True),
+        Row("m2n-dsv3-256-shipped", "GB200 NVL72", "DeepSeek-V3 (FP8, as dsv3-toy)", "models/deepseek-v3.config.json",
+            True, "gb200-nvl72", t256, g256, "shipped dsv3-256gpus-gb200.json: EP16×PP8 (dp 16 derived) → TP8×DP16",
+            {"hier": 1.44744, "direct": 3.83774}, direct=True),
+        Row("m2n-qwen3-235b-128", "GB200 NVL72", "Qwen3-235B-A22B (BF16)", "models/qwen3-235b-a22b.config.json",
+            False, "gb200-nvl72", tq, gq, "shipped qwen235b-TP2CP2PP4EP16-128gpus-gb200.json → TP8×DP8",
+            {"hier": 0.98875, "direct": 2.17516}, direct=True),
+    ]
+
+
+def shipped_rows() -> list[Row]:
+    """Every NCCL M2N system config with the model it is named after."""
+    out = []
+    for p in sorted(M2N.glob("*.json")):
+        if p.name.endswith(".model.json"):
+            continue
+        if p.name.startswith("dsv3"):
+            model, fp8, label = "nccl-m2n/dsv3-toy.model.json", False, "dsv3-toy (1 MoE layer, FP8)"
+        elif p.name.startswith("qwen235b"):
+            model, fp8, label = "models/qwen3-235b-a22b.config.json", False, "Qwen3-235B (BF16)"
+        else:
+            model, fp8, label = "nccl-m2n/qwen3-32b.model.json", False, "qwen3-32b.model.json (BF16)"
+        t, g = parse_m2n_system(p)
+        cl = "gb200-nvl72" if "gb200" in p.name else "dgx-h100"
+        out.append(Row(p.name, cl, label, model, fp8, cl, t, g, p.name))
+    return out
+
+
+def model_scale_rows() -> list[Row]:
+    """Same cluster, GPUs and layout shape; the model grows."""
+    out = []
+    for name, path, dense in (("Qwen3-32B", "models/qwen3-32b.config.json", True),
+                              ("Qwen3-235B-A22B", "models/qwen3-235b-a22b.config.json", False),
+                              ("DeepSeek-V3 671B", "models/deepseek-v3.config.json", False)):
+        train = side(num_gpus=128, pp=8, tp=8, dp=2) if dense else side(num_gpus=128, pp=8, ep=16)
+        out.append(Row(f"scale-model-{name}", "DGX H100", f"{name} (BF16)", path, False, "dgx-h100",
+                       train, side(num_gpus=128, tp=32, dp=4), "scale"))
+    return out
+
+
+def gpu_scale_rows() -> list[Row]:
+    """DeepSeek-V3 BF16 on DGX H100, trainer PP×EP16 (×EDP), generator TP32×DP; GPUs grow."""
+    out = []
+    for total, pp, edp in ((64, 2, 1), (128, 4, 1), (256, 8, 1), (512, 16, 1), (1024, 16, 2)):
+        half = total // 2
+        out.append(Row(f"scale-gpus-{total}", "DGX H100", "DeepSeek-V3 (BF16)", "models/deepseek-v3.config.json", False,
+                       "dgx-h100", side(num_gpus=half, pp=pp, ep=16, dp=16 * edp),
+                       side(num_gpus=half, tp=32, dp=half // 32), "scale"))
+    return out
+
+
+# ---------------------------------------------------------------- runtimes
+
+def runtimes(full_plan: bool) -> dict[str, Any]:
+    """Full-size manifests of DSv3 PP16×EP16 → TP32×DP8 (no tensors), and optionally one whole plan."""
+    a = arrays("models/deepseek-v3.config.json")
+    tr, ge = side(num_gpus=256, pp=16, ep=16), side(num_gpus=256, tp=32, dp=8)
+    out: dict[str, Any] = {}
+    gc.disable()
+    try:
+        t0 = time.perf_counter()
+        src = manifest_from_parallel(a, tr)
+        out["src_manifest_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        dst = manifest_from_parallel(a, ge)
+        out["dst_manifest_s"] = time.perf_counter() - t0
+        out["src_chunks"] = sum(len(x.chunks) for x in src.arrays.values())
+        out["dst_chunks"] = sum(len(x.chunks) for x in dst.arrays.values())
+        out["arrays"] = len(a)
+        t0 = time.perf_counter()
+        text = dumps_manifest(dst)
+        out["dst_json_s"] = time.perf_counter() - t0
+        out["dst_json_bytes"] = len(text)
+        out["src_json_bytes"] = len(dumps_manifest(src))
+        del text
+        if full_plan:
+            t0 = time.perf_counter()
+            plan = plan_transfers(src, dst, src_domain_size=8, dst_domain_size=8)
+            out["plan_s"] = time.perf_counter() - t0
+            out["plan_transfers"] = len(plan.transfers)
+            out["plan_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GB
+            st = plan.stats()
+            out["plan_stats"] = {k: st[k] for k in ("moved_bytes", "network_bytes", "local_bytes", "max_send_bytes",
+                                                   "max_recv_bytes", "ideal_max_send_bytes", "min_network_bytes")}
+            cost = reshard_cost(pair_bytes(plan), S=256, cluster=CLUSTERS["dgx-h100"])
+            out["plan_reshard_s"] = cost["seconds"]
+            del plan
+    finally:
+        gc.enable()
+    return out
+
+
+# ---------------------------------------------------------------- report
+
+REASONS = {
+    "reshard_low": (
+        "**Simulated reshard below the published figure (every row).** The model counts wire time only: each "
+        "byte at the full line rate of one 400 Gb/s NIC per GPU (phase 1) or of per-GPU NVLink (phase 2), plus "
+        "10 µs per 256 MiB message, with perfect overlap of everything else. It leaves out: (a) achieved "
+        "bandwidth: NCCL point-to-point over InfiniBand runs below line rate, more so with hundreds of peers per "
+        "GPU; (b) the GPU copies around the wire: M2N's PACK path copies every byte into staging and out again "
+        "(`cudaMemcpy3D`), and NeMo RL `torch.stack`s local experts and splits `gate_up`/`w13` every refit; "
+        "(c) serialisation in the published runs: NeMo RL sends one pipeline stage at a time (2 streams) and "
+        "issues one reshard call per tensor (hundreds to thousands of calls, each with launch, barrier and grant "
+        "round trips; the simulator charges nothing per tensor), M2N's bench adds per-tensor latencies; (d) the "
+        "2.5–7 % of bytes NeMo RL sends by gather-broadcast and vLLM's `load_weights` / FP8 post-processing; "
+        "(e) control-plane time (Ray, plan metadata). The small Qwen3-30B row, with 18 867 arrays and only 7.6 GB "
+        "per NIC, shows (c) most. The simulated reshard is a link-bound lower bound, not a prediction of an "
+        "implementation; the \"rate implied\" columns say how far below line rate the published runs ran."),
+    "reshard_high": (
+        "**Simulated reshard above the published figure.** The published run moved fewer bytes than this "
+        "layout needs (FP8 weights, or only the FFN/expert weights through reshard)."),
+    "baseline_high": (
+        "**Simulated gather-broadcast above the published figure.** The baseline model (the formula the task "
+        "prescribes) gathers through the root's single NIC and broadcasts over one ring at one NIC's speed. With "
+        "pipeline parallelism across nodes the gather alone is ~(pp-1)/pp of the model through one NIC. NCCL "
+        "spreads a broadcast over several channels and NICs (the \"8 rings\" column bounds that), and NeMo RL's "
+        "export broadcasts each tensor from its own PP stage over NVLink inside a 72-GPU NVL72 domain, which the "
+        "root-gather model does not credit; the BF16 rows also move twice the bytes of the probably-FP8 published "
+        "runs. We do not know the exact layouts behind the published baselines: the NVIDIA figures name none."),
+    "baseline_low": (
+        "**Simulated gather-broadcast below the published figure.** The baseline model has no Megatron-Bridge "
+        "export (per-tensor PP broadcast, TP all-gather, HF conversion on the trainer), no packing into "
+        "0.02 × GPU-memory buffers with a sync per buffer, and no vLLM `load_weights`."),
+    "m2n": (
+        "**NCCL M2N rows.** M2N's model bench times one representative tensor per `layers.T{t}G{g}` pattern "
+        "and reports the *cumulative* maximum latency over tensors: each tensor is its own reshard call with a "
+        "barrier/grant round trip and pack/unpack kernels, tensors never overlap, and its hierarchical RING "
+        "forwards 256 KB chunks leader to leader between domains. The simulator pipelines the whole model's "
+        "bytes per rank pair, so both of its figures are far lower, and its hierarchical/direct ratio (the "
+        "network bytes saved by landing each byte once per 72-GPU domain, ~8× here) is far larger than the "
+        "measured 2.2–2.65×: in M2N's runs per-call costs, not NIC bytes, bound the hierarchical time. The "
+        "direct figure (no domains: every generator GPU fed over its own NIC, like M2N's DIRECT) is the closer "
+        "one. The README's DSv3 layout is EP16×DP2×PP4; the shipped system file says EP16×PP8 — both are shown."),
+}
+
+
+def md_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def render(seed: list[Row], m2n: list[Row], shipped: list[Row], mscale: list[Row], gscale: list[Row],
+           rt: dict[str, Any], wall: float, full_plan: bool) -> str:
+    used_reasons: set[str] = set()
+    h, g = CLUSTERS["dgx-h100"], CLUSTERS["gb200-nvl72"]
+    out = [
+        "# Benchmarks: simulated refit on DGX H100 and GB200 NVL72",
+        "",
+        "Generated by `scripts/make_benchmarks.py` (do not edit by hand; rerun it). Every simulated figure comes "
+        "from `shardstream simulate` (`streamer/simulate.py`) in that run: the real planner on full-size "
+        "manifests of each model, laid out as the row says, and the cost model documented in "
+        "`streamer/simulate.py`. Constants come from `../shared/workloads/README.md` and are never fitted to the "
+        "published figures:",
+        "",
+        md_table(["cluster", "GPUs / NVLink domain", "NVLink per GPU, one way", "NIC per GPU", "latency / message",
+                  "bucket (message)"],
+                 [[c.name, str(c.domain_size), f"{c.nvlink_bytes_per_s / GB:g} GB/s", f"{c.nic_bytes_per_s / GB:g} GB/s",
+                   f"{c.latency_s * 1e6:g} µs (assumed)", f"{c.bucket_bytes >> 20} MiB"] for c in (h, g)]),
+        "",
+        "Reshard = shardstream's plan (phase 1 network into each destination NVLink domain once, phase 2 NVLink "
+        "fan-out, pipelined by bucket). Baseline = gather to trainer rank 0, then a pipelined ring broadcast to "
+        "every generator GPU (one ring at one NIC's speed; \"8 rings\" = the same over 8 NICs). Both move "
+        "**all** arrays (NeMo RL's reshard path moves only the ~93–98 % of bytes in FFN/expert weights).",
+        "",
+        "**Approximation.** A whole DeepSeek-V3 plan has 14 million transfers, too slow to make for every row in "
+        "Python, so each row plans one representative layer of each kind (plus the non-layer arrays) with the "
+        "real planner and multiplies it over the identical layers, shifting source ranks by pipeline stage. "
+        "That is exactly the union of independent per-layer plans; `tests/unit/test_simulate.py` checks the "
+        "scaled figures against planning every layer (exactly equal) and against one whole-model plan (bytes "
+        "per link class exactly equal, seconds within 10 %)"
+        + (", and the \"Runtimes\" section below compares it with the whole DSv3 plan at full size." if full_plan
+           else "; run with `--full-plan` to also compare with the whole DSv3 plan at full size."),
+        "",
+        "## Seed table: simulated vs published (NVIDIA Reshard / NeMo RL `nccl_reshard`)",
+        "",
+    ]
+    trs = []
+    notes: list[str] = []
+    for r in seed:
+        res = r.result
+        p = r.published
+        bc = res["broadcast"]
+        b_ratio, b_off = off(res["broadcast_s"], p.get("baseline"))
+        s_ratio, s_off = off(res["reshard_s"], p.get("reshard"))
+        n_ratio, n_off = off(res["reshard_s"], p.get("nemo"))
+        if b_off:
+            used_reasons.add("baseline_high" if res["broadcast_s"] > p["baseline"] else "baseline_low")
+        if s_off or n_off:
+            used_reasons.add("reshard_low" if res["reshard_s"] < _lo(p.get("reshard") or p.get("nemo")) else "reshard_high")
+        pub_speed = f"{p['speedup']:.1f}×" if "speedup" in p else "—"
+        pub_reshard = [x for x in (pub_s(p.get("reshard")) if "reshard" in p else "",
+                                   pub_s(p["nemo"]) + " (NeMo doc)" if "nemo" in p else "") if x]
+        ratios = ", ".join(x + (" ✗" if o else "") for x, o in ((s_ratio, s_off), (n_ratio, n_off)) if x)
+        busiest = res["busiest"]["bytes"]
+        implied = ", ".join(f"{busiest / _lo(v) / GB:.0f}" + (f"–{busiest / v[0] / GB:.0f}" if isinstance(v, tuple) else "")
+                            for v in (p.get("reshard"), p.get("nemo")) if v is not None)
+        trs.append([r.system, r.model_label, f"{mesh_label(r.train)} → {mesh_label(r.gen)}",
+                    pub_s(p.get("baseline")),
+                    fmt_s(res["broadcast_s"]) + (f" ({b_ratio}{' ✗' if b_off else ''})" if b_ratio else "")
+                    + f"; gather {fmt_s(bc['gather_s'])}, ring {fmt_s(bc['broadcast_s'])}",
+                    fmt_s(rings8(r)), " / ".join(pub_reshard), f"{fmt_s(res['reshard_s'])} ({ratios})",
+                    f"{busiest / GB:.1f} GB; {implied} GB/s", pub_speed, f"{res['speedup']:.1f}×"])
+        notes.append(f"- {r.system}, {r.model_label}: {r.layout_source}.")
+    out.append(md_table(["system", "model", "layout assumed (trainer → generator, GPUs)", "published baseline",
+                         "sim. baseline (sim/pub)", "sim. baseline, 8 rings", "published reshard",
+                         "sim. reshard (sim/pub)", "busiest link's bytes; rate the published reshard implies",
+                         "published speedup", "sim. speedup"], trs))
+    fp8 = next(r for r in seed if r.key == "h100-dsv3-fp8")
+    bf16 = next(r for r in seed if r.key == "h100-dsv3-bf16")
+    out += ["", "✗ = a simulated time more than 30 % away from the published one (see *Why they differ*); ranges are "
+            "compared with their nearest end. The \"rate implied\" column divides the busiest link's bytes in the "
+            "simulated plan by the published reshard time: the per-GPU link rate a run moving these bytes would "
+            f"have needed (line rate: {CLUSTERS['dgx-h100'].nic_bytes_per_s / GB:g} GB/s per NIC). For DeepSeek-V3 "
+            f"on DGX H100 the FP8 baseline ({fmt_s(fp8.result['broadcast_s'])}) is within "
+            f"{abs(fp8.result['broadcast_s'] / 14.9 - 1) * 100:.0f} % of the published 14.9 s, the BF16 one "
+            f"({fmt_s(bf16.result['broadcast_s'])}) is not: the published runs probably moved FP8 weights "
+            "(the model's native format), and the FP8 rows are the ones to compare. Layout sources:", "", *notes, ""]
+
+    out += ["## NCCL M2N model bench (GB200 NVL72): hierarchical vs direct", ""]
+    mrs = []
+    for r in m2n:
+        res, p = r.result, r.published
+        h_ratio, _ = off(res["reshard_s"], p["hier"])
+        d_ratio, _ = off(res["direct_s"], p["direct"])
+        mrs.append([r.model_label, r.layout_source, fmt_s(p["hier"]), f"{fmt_s(res['reshard_s'])} ({h_ratio} ✗)",
+                    fmt_s(p["direct"]), f"{fmt_s(res['direct_s'])} ({d_ratio} ✗)",
+                    f"{p['direct'] / p['hier']:.2f}×", f"{res['direct_s'] / res['reshard_s']:.2f}×",
+                    f"{res['busiest']['bytes'] / p['hier'] / GB:.0f} / "
+                    f"{res['direct_max_recv_bytes'] / p['direct'] / GB:.0f} GB/s"])
+    used_reasons.add("m2n")
+    out.append(md_table(["model", "layout", "published hierarchical", "sim. reshard (sim/pub)", "published direct",
+                         "sim. direct (sim/pub)", "published direct/hier.", "sim. direct/reshard",
+                         "rate implied per busiest GPU (hier. / direct)"], mrs))
+
+    out += ["", "## Why they differ", ""]
+    for k in ("reshard_low", "reshard_high", "baseline_high", "baseline_low", "m2n"):
+        if k in used_reasons:
+            out += [REASONS[k], ""]
+    out += ["What the simulation does get right is the *structure*: which bytes cross the network and how many "
+            "times, how evenly they spread over NICs, and what a layout change does to it. The speedups it "
+            "reports are ratios of two link-bound models and should be read as upper bounds.", ""]
+
+    def scale_table(rows: list[Row], first: str) -> str:
+        body = []
+        for r in rows:
+            res = r.result
+            body.append([first and (r.model_label if first == "model" else str(r.train["num_gpus"] + r.gen["num_gpus"])),
+                         f"{mesh_label(r.train)} → {mesh_label(r.gen)}", f"{res['model_bytes'] / GB:.0f} GB",
+                         fmt_s(res["reshard_s"]), fmt_s(res["broadcast_s"]), f"{res['speedup']:.1f}×",
+                         f"{res['max_send_bytes'] / GB:.2f} GB", f"{res['max_recv_bytes'] / GB:.2f} GB",
+                         f"{res['bytes_per_generator_gpu'] / GB:.2f} GB",
+                         f"{res['network_bytes'] / GB:.0f} / {res['local_bytes'] / GB:.0f} GB"])
+        return md_table([first, "layout", "model bytes", "reshard", "baseline", "speedup", "max send / trainer GPU",
+                         "max recv / generator GPU", "lands / generator GPU", "network / NVLink bytes"], body)
+
+    out += ["## Scale: the model grows (DGX H100, 128 + 128 GPUs)", "",
+            "Trainer PP8 with 16 GPUs per stage (dense: TP8×DP2; MoE: EP16, ETP 1), generator TP32×DP4 (a TP "
+            "that fits DeepSeek-V3 BF16 in 80 GB). TP32 splits Qwen3-32B's 8 KV heads into row blocks, where vLLM "
+            "would replicate KV heads: the geometry is exact, the 32B bytes per GPU a little low.", "",
+            scale_table(mscale, "model"), "",
+            "## Scale: the GPUs grow (DeepSeek-V3 BF16, DGX H100)", "",
+            "Half the GPUs train (PP2…16 × EP16, then EDP2), half generate (TP32 × DP 1…16). Reshard time is set "
+            "by the bytes per NIC: each generator domain needs its quarter of the model once, spread over its 8 "
+            "NICs, and the trainers' NICs send it; both stay flat as DP grows. The baseline is set by one NIC at "
+            "the root (gather) and one ring (broadcast): flat in GPUs but ~30× slower; its ring fill grows with "
+            "the number of generator GPUs.", "",
+            scale_table(gscale, "GPUs"), ""]
+
+    out += ["## Every shipped NCCL M2N system config", "",
+            md_table(["system config", "model", "trainer → generator", "reshard", "baseline", "speedup",
+                      "network / NVLink bytes", "plans", "simulate wall"],
+                     [[r.key, r.model_label, f"{mesh_label(r.train)} → {mesh_label(r.gen)}",
+                       fmt_s(r.result["reshard_s"]), fmt_s(r.result["broadcast_s"]), f"{r.result['speedup']:.1f}×",
+                       f"{r.result['network_bytes'] / GB:.1f} / {r.result['local_bytes'] / GB:.1f} GB",
+                       str(r.result["plans"]), f"{r.wall_s:.1f} s"] for r in shipped]), ""]
+
+    d = next(r for r in seed if r.key == "h100-dsv3-bf16").result
+    out += ["## Runtimes (this machine: " + f"{platform.processor() or platform.machine()}, Python "
+            f"{platform.python_version()})", "",
+            "DeepSeek-V3 BF16, trainer PP16×EP16 (256 GPUs) → generator TP32×DP8 (256 GPUs):", "",
+            md_table(["what", "figure"], [
+                ["arrays (HF names, no MTP)", f"{rt['arrays']}"],
+                ["trainer manifest: chunks / build time / JSON",
+                 f"{rt['src_chunks']} / {rt['src_manifest_s']:.1f} s / {rt['src_json_bytes'] / 1e6:.1f} MB"],
+                ["generator manifest: chunks / build time / JSON (dump time)",
+                 f"{rt['dst_chunks']} / {rt['dst_manifest_s']:.1f} s / {rt['dst_json_bytes'] / 1e6:.1f} MB "
+                 f"({rt['dst_json_s']:.1f} s)"],
+                ["simulate (scaled): plans / planning time / manifests for them",
+                 f"{d['plans']} / {d['plan_seconds']:.1f} s / {d['manifest_seconds']:.2f} s"],
+                ["transfers of the plan (scaled total; largest single plan)",
+                 f"{d['transfers']} ({d['largest_plan_transfers']})"],
+                *([["whole-model plan (`plan_transfers`, GC paused): time / transfers / peak RSS",
+                    f"{rt['plan_s']:.0f} s / {rt['plan_transfers']} / {rt['plan_rss_gb']:.1f} GB"],
+                   ["whole plan vs scaled: network bytes", f"{rt['plan_stats']['network_bytes'] / GB:.1f} GB vs "
+                    f"{d['network_bytes'] / GB:.1f} GB"],
+                   ["whole plan vs scaled: max send / max recv per GPU",
+                    f"{rt['plan_stats']['max_send_bytes'] / GB:.2f} / {rt['plan_stats']['max_recv_bytes'] / GB:.2f} GB"
+                    f" vs {d['max_send_bytes'] / GB:.2f} / {d['max_recv_bytes'] / GB:.2f} GB"],
+                   ["whole plan vs scaled: simulated reshard", f"{fmt_s(rt['plan_reshard_s'])} vs "
+                    f"{fmt_s(d['reshard_s'])}"]] if "plan_s" in rt else
+                  [["whole-model plan", "not run (pass `--full-plan`; it needs several minutes and ~6 GB)"]]),
+            ]), "",
+            ("Design §9's planner target (full DSv3 plan ≤ 2 s) is not met by the pure-Python planner: the "
+             f"whole plan took {rt['plan_s']:.0f} s here, which is why `simulate` scales layer kinds."
+             if "plan_s" in rt else
+             "Design §9's planner target (full DSv3 plan ≤ 2 s) is not met by the pure-Python planner (run with "
+             "`--full-plan` to time it), which is why `simulate` scales layer kinds."), "",
+            f"This file took {wall:.0f} s to generate" + (" (with `--full-plan`)." if full_plan else "."), ""]
+    return "\n".join(out)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"))
+    ap.add_argument("--full-plan", action="store_true", help="also time one whole-model DSv3 plan (~2.5 min, ~6 GB)")
+    args = ap.parse_args()
+    if not MODELS.is_dir():
+        print(f"make_benchmarks: {WORKLOADS} not found", file=sys.stderr)
+        return 1
+    t0 = time.perf_counter()
+    print("runtimes", file=sys.stderr)
+    rt = runtimes(args.full_plan)
+    for k, v in rt.items():
+        print(f"  {k}: {v}", file=sys.stderr)
+    print("seed rows", file=sys.stderr)
+    seed = [run(r) for r in seed_rows()]
+    print("NCCL M2N rows", file=sys.stderr)
+    m2n = [run(r) for r in m2n_rows()]
+    print("shipped system configs", file=sys.stderr)
+    shipped = [run(r) for r in shipped_rows()]
+    print("scale rows", file=sys.stderr)
+    mscale = [run(r) for r in model_scale_rows()]
+    gscale = [run(r) for r in gpu_scale_rows()]
+    wall = time.perf_counter() - t0
+    text = render(seed, m2n, shipped, mscale, gscale, rt, wall, args.full_plan)
+    Path(args.out).write_text(text, encoding="utf-8")
+    print(f"wrote {args.out} in {wall:.0f} s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
