@@ -37,7 +37,7 @@ from .dtypes import DTYPES, DType
 from .errors import FormatError, ShardNotFoundError
 from .manifest import ArraySpec, Chunk, Manifest, Source
 
-__all__ = ["read_dcp", "is_dcp_dir", "MAX_METADATA_BYTES"]
+__all__ = ["MAX_METADATA_BYTES", "is_dcp_dir", "read_dcp"]
 
 METADATA_FILE = ".metadata"
 #: refuse to unpickle a ``.metadata`` bigger than this
@@ -324,15 +324,151 @@ class _DataPklUnpickler(pickle.Unpickler):
         return _StorageRef(st.dtype, key, numel)
 
 
+# ------------------------------------------------------------------ opcode pre-scan
+
+
+def _opcode_table() -> tuple[tuple[int | None, ...], dict[int, str]]:
+    """Per opcode byte: the argument's size (>= 0), -1/-2 for one/two newline-terminated lines,
+    -11/-14/-18 for a 1/4/8-byte little-endian length prefix, None for unknown opcodes."""
+    import pickletools
+
+    kinds: list[int | None] = [None] * 256
+    names: dict[int, str] = {}
+    prefixed = {pickletools.TAKEN_FROM_ARGUMENT1: -11, pickletools.TAKEN_FROM_ARGUMENT4: -14,
+                pickletools.TAKEN_FROM_ARGUMENT4U: -14, pickletools.TAKEN_FROM_ARGUMENT8U: -18}
+    for op in pickletools.opcodes:
+        c = ord(op.code)
+        names[c] = op.name
+        a = op.arg
+        if a is None:
+            kinds[c] = 0
+        elif op.name in ("GLOBAL", "INST"):
+            kinds[c] = -2
+        elif a.n >= 0:
+            kinds[c] = a.n
+        elif a.n == pickletools.UP_TO_NEWLINE:
+            kinds[c] = -1
+        else:
+            kinds[c] = prefixed[a.n]
+    return tuple(kinds), names
+
+
+_OP_KINDS, _OP_NAMES = _opcode_table()
+#: opcodes neither DCP pickle needs: extension registry, out-of-band buffers, INST/OBJ instantiation
+_OP_REFUSED = frozenset(ord(c) for c in "\x82\x83\x84\x97\x98io")
+_OP_PUT, _OP_BINPUT, _OP_LONG_BINPUT, _OP_MEMOIZE = ord("p"), ord("q"), ord("r"), 0x94
+_OP_PERSID, _OP_BINPERSID, _OP_STOP = ord("P"), ord("Q"), ord(".")
+
+
+class _ScanError(ValueError):
+    """The pickle is malformed (truncated, unknown opcode)."""
+
+
+class _ScanRefused(_ScanError):
+    """The pickle is well formed but does something DCP's writers never do."""
+
+
+def _scan_pickle(data: bytes, *, allow_persistent: bool) -> None:
+    """Walk the opcodes of ``data`` without building anything; raise _ScanError for unknown or
+    refused opcodes, arguments past the end, and memo indices an honest pickler never writes
+    (the C unpickler sizes its memo table by the largest index: 5 bytes could claim 64 GiB)."""
+    kinds, refused = _OP_KINDS, _OP_REFUSED
+    fb = int.from_bytes
+    n = len(data)
+    i = 0
+    puts = 0
+    while i < n:
+        op = data[i]
+        k = kinds[op]
+        i += 1
+        if k == 0:
+            if op == _OP_MEMOIZE:
+                puts += 1
+            elif op == _OP_STOP:
+                return
+            elif op in refused or (op == _OP_BINPERSID and not allow_persistent):
+                raise _ScanRefused(f"opcode {_OP_NAMES[op]} is not allowed")
+            continue
+        if k is None:
+            raise _ScanError(f"unknown opcode 0x{op:02x} at byte {i - 1}")
+        if k > 0:
+            if i + k > n:
+                raise _ScanError(f"{_OP_NAMES[op]} argument at byte {i} runs past the end")
+            if op == _OP_BINPUT or op == _OP_LONG_BINPUT:
+                if fb(data[i:i + k], "little") > puts:
+                    raise _ScanRefused(f"{_OP_NAMES[op]} at byte {i - 1} stores memo index "
+                                     f"{fb(data[i:i + k], 'little')} after {puts} entries")
+                puts += 1
+            elif op in refused:
+                raise _ScanRefused(f"opcode {_OP_NAMES[op]} is not allowed")
+            i += k
+            continue
+        if k == -11:
+            if i >= n:
+                raise _ScanError("pickle data was truncated")
+            i += 1 + data[i]
+        elif k == -14:
+            i += 4 + fb(data[i:i + 4], "little")
+        elif k == -18:
+            i += 8 + fb(data[i:i + 8], "little")
+        else:
+            if op in refused or (op == _OP_PERSID and not allow_persistent):
+                raise _ScanRefused(f"opcode {_OP_NAMES[op]} is not allowed")
+            start = i
+            for _ in range(-k):
+                j = data.find(b"\n", i)
+                if j < 0:
+                    raise _ScanError(f"{_OP_NAMES[op]} argument at byte {i} has no end of line")
+                i = j + 1
+            if op == _OP_PUT:
+                try:
+                    idx = int(data[start:i - 1])
+                except ValueError:
+                    raise _ScanError(f"PUT at byte {start - 1} has a malformed index") from None
+                if idx < 0 or idx > puts:
+                    raise _ScanRefused(f"PUT at byte {start - 1} stores memo index {idx} after {puts} entries")
+                puts += 1
+        if i > n:
+            raise _ScanError(f"{_OP_NAMES[op]} argument runs past the end of the pickle")
+    raise _ScanError("pickle data was truncated (no STOP opcode)")
+
+
+def _restricted_load(unpickler: type[pickle.Unpickler], data: bytes, *, allow_persistent: bool) -> Any:
+    import gc
+
+    _scan_pickle(data, allow_persistent=allow_persistent)
+    was = gc.isenabled()
+    gc.disable()  # millions of small objects: the collector would otherwise run thousands of times
+    try:
+        return unpickler(io.BytesIO(data)).load()
+    finally:
+        if was:
+            gc.enable()
+
+
 # ------------------------------------------------------------------ bounded file window
 
 
 class _Window(io.RawIOBase):
-    """A read-only, seekable view of ``[start, start + length)`` of an open file (pread based)."""
+    """A read-only, seekable view of ``[start, start + length)`` of an open file (pread based).
+
+    The first and last ``_EDGE`` bytes are read once: a torch.save archive keeps everything but
+    the tensor payload there (data.pkl and small entries first, the central directory last), so
+    parsing an item costs two ``pread`` calls and never touches the payload.
+    """
+
+    _EDGE = 8192
 
     def __init__(self, fd: int, start: int, length: int) -> None:
         super().__init__()
         self._fd, self._start, self._len, self._pos = fd, start, length, 0
+        e = self._EDGE
+        if length <= 2 * e:
+            self._head, self._tail_at, self._tail = os.pread(fd, length, start), length, b""
+        else:
+            self._head = os.pread(fd, e, start)
+            self._tail_at = length - e
+            self._tail = os.pread(fd, e, start + self._tail_at)
 
     def readable(self) -> bool:
         return True
@@ -364,7 +500,13 @@ class _Window(io.RawIOBase):
         n = min(n, avail)
         if n > MAX_ZIP_READ:
             raise OSError(f"refusing to read {n} bytes of archive structure at once (limit {MAX_ZIP_READ})")
-        data = os.pread(self._fd, n, self._start + self._pos) if n else b""
+        p = self._pos
+        if p + n <= len(self._head):
+            data = self._head[p:p + n]
+        elif p >= self._tail_at and p + n <= self._tail_at + len(self._tail):
+            data = self._tail[p - self._tail_at:p - self._tail_at + n]
+        else:
+            data = os.pread(self._fd, n, self._start + p) if n else b""
         self._pos += len(data)
         return data
 
@@ -405,10 +547,12 @@ def _load_metadata(path: Path) -> _Metadata:
     if len(data) > MAX_METADATA_BYTES:
         raise FormatError(f"{where}: .metadata is over the {MAX_METADATA_BYTES} byte limit")
     try:
-        obj = _MetadataUnpickler(io.BytesIO(data)).load()
+        obj = _restricted_load(_MetadataUnpickler, data, allow_persistent=False)
     except _Refused as e:
         raise FormatError(f"{where}: .metadata pickle refers to {e.module}.{e.name}, which is not a DCP metadata "
                           "class; refusing to load it") from None
+    except _ScanRefused as e:
+        raise FormatError(f"{where}: .metadata pickle is not one DCP writes ({e}); refusing to load it") from None
     except MemoryError:
         raise FormatError(f"{where}: .metadata pickle is too large to load") from None
     except Exception as e:  # noqa: BLE001 - every unpickling failure is a bad file
@@ -486,19 +630,31 @@ def _dtype_of(props: Any) -> str | None:
 
 
 class _Files:
-    """Open .distcp files (checked to stay inside the checkpoint directory), by relative path."""
+    """Open .distcp files (checked to stay inside the checkpoint directory), by relative path.
+
+    At most ``MAX_OPEN`` stay open (least recently used closed first): a 1024-rank checkpoint
+    has 1024 files and its items interleave them.
+    """
+
+    MAX_OPEN = 64
 
     def __init__(self, root: Path) -> None:
         self.root = root
         self.real_root = os.path.realpath(root)
-        self.fds: dict[str, tuple[int, int] | str] = {}
+        self.fds: OrderedDict[str, tuple[int, int] | str] = OrderedDict()
 
     def get(self, rel: str) -> tuple[int, int]:
-        """(fd, size), or raise FormatError / ShardNotFoundError with the reason."""
+        """(fd, size), or raise FormatError with the reason."""
         v = self.fds.get(rel)
         if v is None:
             v = self._open(rel)
             self.fds[rel] = v
+            if len(self.fds) > self.MAX_OPEN:
+                _, old = self.fds.popitem(last=False)
+                if isinstance(old, tuple):
+                    os.close(old[0])
+        else:
+            self.fds.move_to_end(rel)
         if isinstance(v, str):
             raise FormatError(v)
         return v
@@ -571,15 +727,17 @@ def _locate_payload(fd: int, item: _Item, sizes: tuple[int, ...], dt: DType) -> 
     except (zipfile.BadZipFile, OSError, ValueError, struct.error, EOFError) as e:
         raise ValueError(f"cannot read {pinfo.filename} ({type(e).__name__}: {_clip(str(e))})") from None
     try:
-        t = _DataPklUnpickler(io.BytesIO(pkl)).load()
+        t = _restricted_load(_DataPklUnpickler, pkl, allow_persistent=True)
     except _Refused as e:
         raise ValueError(f"data.pkl refers to {e.module}.{e.name}, which is not a tensor rebuild function or "
                          "storage class; refusing to load it") from None
+    except _ScanRefused as e:
+        raise ValueError(f"data.pkl is not one torch.save writes ({e}); refusing to load it") from None
     except Exception as e:  # noqa: BLE001 - every unpickling failure is a bad item
         raise ValueError(f"data.pkl is not a valid torch.save tensor pickle ({type(e).__name__}: "
                          f"{_clip(str(e))})") from None
     if not isinstance(t, _TensorRef):
-        raise ValueError(f"data.pkl holds {_kind(t)}, not a tensor")
+        raise ValueError(f"data.pkl holds {_kind(t)}, not a tensor")  # noqa: TRY004 - reported as a bad item
     if t.dtype is not None and _TORCH_ALIASES.get(t.dtype, t.dtype) != dt.name:
         raise ValueError(f"stored tensor is {t.dtype}, .metadata says {dt.name}")
     if t.size != sizes:
@@ -738,7 +896,7 @@ def _array(fqn: str, tm: _TensorStorageMetadata, index: dict[Any, _Item | str], 
             continue
         try:
             fd, fsize = files.get(item.relative_path)
-        except (FormatError, ShardNotFoundError) as e:
+        except FormatError as e:
             problems.append(f"{e} [{ctx}]")
             continue
         if item.offset + item.length > fsize:

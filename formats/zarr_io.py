@@ -19,6 +19,7 @@ be. zarr is imported lazily, so ``formats`` works without it.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -35,30 +36,30 @@ from .dtypes import DTYPES, DType, by_name, np_storage
 from .errors import FormatError, ShardNotFoundError, UsageError
 
 __all__ = [
-    "ZARR_JSON",
-    "MAX_METADATA_BYTES",
-    "MAX_CHUNK_BYTES",
-    "MAX_CHUNKS",
     "COMPRESSORS",
+    "MAX_CHUNKS",
+    "MAX_CHUNK_BYTES",
+    "MAX_METADATA_BYTES",
+    "ZARR_JSON",
+    "ZarrArray",
     "ZarrArrayInfo",
     "ZarrLayout",
-    "ZarrArray",
     "ZarrReader",
-    "parse_array_metadata",
-    "read_array_info",
-    "is_zarr_group",
-    "list_arrays",
     "check_array_name",
     "choose_layout",
-    "iter_units",
-    "streamable",
-    "storage_dtype",
-    "create_group",
-    "create_array",
     "consolidate",
+    "create_array",
+    "create_group",
+    "is_zarr_group",
+    "iter_units",
+    "list_arrays",
+    "parse_array_metadata",
+    "read_array_info",
     "read_box",
-    "write_box",
     "region_checksum",
+    "storage_dtype",
+    "streamable",
+    "write_box",
 ]
 
 ZARR_JSON = "zarr.json"
@@ -253,6 +254,12 @@ def parse_array_metadata(obj: object, *, where: str) -> ZarrArrayInfo:
                           '{"name": "regular", "configuration": {"chunk_shape": [...]}})')
     chunk = _ints(grid["configuration"].get("chunk_shape"), where, "chunk_grid chunk_shape", minimum=1,
                   ndim=len(shape))
+    cke = obj.get("chunk_key_encoding", {"name": "default"})
+    conf = cke.get("configuration", {}) if isinstance(cke, dict) else None
+    if (not isinstance(cke, dict) or cke.get("name") not in ("default", "v2") or not isinstance(conf, dict)
+            or conf.get("separator", "/") not in ("/", ".")):
+        raise FormatError(f"{where}: chunk_key_encoding {_short(cke)} is not supported (expected 'default' or 'v2' "
+                          "with separator '/' or '.')")
     names, inner = _check_codecs(obj.get("codecs"), where, chunk, itemsize)
     if inner is None:
         _check_grid(where, "chunk_grid chunk_shape", shape, chunk, itemsize)
@@ -350,9 +357,9 @@ def list_arrays(group: str | os.PathLike[str], *, max_nodes: int = 1 << 20, max_
     while stack:
         prefix, d, depth = stack.pop()
         try:
-            entries = sorted(os.scandir(d), key=lambda e: e.name)
-        except OSError as e:
-            raise FormatError(f"{d}: cannot list the zarr group ({e.strerror or e})") from e
+            entries = sorted(os.scandir(d), key=lambda x: x.name)
+        except OSError as err:
+            raise FormatError(f"{d}: cannot list the zarr group ({err.strerror or err})") from err
         for e in entries:
             if e.name == _STATE_DIR or not e.is_dir():
                 continue
@@ -390,7 +397,7 @@ def _guarded_store_class() -> Any:
     than the array's stored objects can be (a symlink to /dev/zero would otherwise be read whole)."""
     from zarr.storage import LocalStore
 
-    class GuardedStore(LocalStore):  # type: ignore[misc]
+    class GuardedStore(LocalStore):
         max_object_bytes: int = MAX_CHUNK_BYTES
 
         def with_read_only(self, read_only: bool = False) -> Any:
@@ -400,16 +407,14 @@ def _guarded_store_class() -> Any:
 
         def _guard(self, key: str) -> None:
             p = os.path.join(self.root, key)
+            root = os.path.realpath(self.root)
+            real = os.path.realpath(p)
+            if os.path.commonpath([root, real]) != root:
+                raise FormatError(f"{p}: resolves to {real}, outside the zarr group {root}")
             try:
-                st = os.lstat(p)
+                st = os.stat(real)
             except (FileNotFoundError, NotADirectoryError):
                 return  # a missing chunk reads as the fill value
-            if stat.S_ISLNK(st.st_mode):
-                root = os.path.realpath(self.root)
-                real = os.path.realpath(p)
-                if os.path.commonpath([root, real]) != root:
-                    raise FormatError(f"{p}: symlink to {real}, outside the zarr group {root}")
-                st = os.stat(real)
             if stat.S_ISDIR(st.st_mode):
                 return
             if not stat.S_ISREG(st.st_mode):
@@ -458,7 +463,7 @@ def _zarr_call(where: str, what: str, fn: Any, *args: Any) -> Any:
         raise
     except MemoryError as e:
         raise FormatError(f"{where}: out of memory while {what} (hostile or corrupt chunk?)") from e
-    except Exception as e:  # noqa: BLE001 - zarr raises many kinds; all mean a bad store here
+    except Exception as e:
         raise FormatError(f"{where}: zarr failed while {what} ({type(e).__name__}: {str(e)[:200]})") from e
 
 
@@ -545,7 +550,7 @@ class ZarrLayout:
 
 
 def _regular_step(bounds: list[int]) -> int | None:
-    widths = [b - a for a, b in zip(bounds, bounds[1:])]
+    widths = [b - a for a, b in itertools.pairwise(bounds)]
     if not widths:
         return None
     c = widths[0]
@@ -659,8 +664,6 @@ def choose_layout(shape: Sequence[int], regions: Sequence[Box], itemsize: int, *
 
 def iter_units(shape: Sequence[int], unit: Sequence[int], within: Box | None = None) -> Iterator[Box]:
     """The grid cells of ``unit`` (clipped to ``shape``) that meet ``within``, in row-major order."""
-    import itertools
-
     nd = len(shape)
     if nd == 0:
         yield Box((), ())

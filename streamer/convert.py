@@ -10,6 +10,11 @@ Output is atomic: files are written to temp names, fsynced and renamed; a comple
 file (``DIR/.shardstream/``) makes ``resume`` skip finished files after re-verifying their
 checksums; ``DIR/manifest.json`` is written last, so a directory with a manifest is complete.
 Under ``mpiexec -n K`` the destination files are split across K workers.
+
+``--format zarr`` (``_convert_zarr``): ``DIR`` becomes a zarr v3 group with one array per logical
+array; the plan runs against the destination regions placed in their global arrays, each zarr
+chunk (or shard) is filled from ranged source reads and written whole, and ``manifest.json``
+(regions and holders of the destination, ``file: "."``) is still written last.
 """
 
 from __future__ import annotations
@@ -188,7 +193,20 @@ def plan_files(dst: Manifest, *, max_shard_size: int | None = None) -> tuple[Man
                 continue
             seen.add((rel, t))
             jobs.setdefault(rel, FileJob(rel)).tensors.append((t, local[h][t], h))
-    # padded local tensors that no chunk names are still part of the rank's file
+    # local tensors declared in `tensors` that no chunk names (a rank holding only vocab padding,
+    # a vLLM EP rank with no experts) are still part of that rank's file, zero-filled
+    named_tensors = {(h, c.tensor(fqn)) for fqn, _, c in filled.iter_chunks() for h in c.holders}
+    for r, ts in sorted(filled.tensors.items()):
+        files = {c.file_for(r) for _, _, c in filled.iter_chunks() if r in c.holders}
+        pattern = next((c.source.file for _, _, c in filled.iter_chunks() if c.source and c.source.file), None)
+        rel = (sorted(f for f in files if f)[0] if files else
+               (pattern.format(rank=r) if pattern and "{" in pattern else
+                pattern or ("model.safetensors" if filled.world_size == 1 else DEFAULT_PATTERN.format(rank=r))))
+        for name, spec in ts.items():
+            if (r, name) in named_tensors or (rel, name) in seen:
+                continue
+            seen.add((rel, name))
+            jobs.setdefault(rel, FileJob(rel)).tensors.append((name, spec, r))
     return filled, sorted(jobs.values(), key=lambda j: j.rel)
 
 

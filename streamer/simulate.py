@@ -81,8 +81,18 @@ from formats.manifest import Manifest
 
 from .plan import Plan, plan_transfers
 
-__all__ = ["CLUSTERS", "Cluster", "PLANNING_MODES", "broadcast_cost", "describe_manifest", "group_layers",
-           "pair_bytes", "reshard_cost", "simulate", "with_overrides"]
+__all__ = [
+    "CLUSTERS",
+    "PLANNING_MODES",
+    "Cluster",
+    "broadcast_cost",
+    "describe_manifest",
+    "group_layers",
+    "pair_bytes",
+    "reshard_cost",
+    "simulate",
+    "with_overrides",
+]
 
 GB = 1e9
 
@@ -323,13 +333,13 @@ def simulate(arrays: Mapping[str, tuple[Sequence[int], str]], train: Mapping[str
         idx = [li for li in (layer_index(n) for n in arrays) if li is not None]
         num_layers = max(idx) + 1 if idx else 1
     misc, kinds = group_layers(arrays)
-    layers_of = defaultdict(list)
+    layers_of: dict[int, list[str]] = defaultdict(list)
     for fqn in arrays:
         li = layer_index(fqn)
         if li is not None:
             layers_of[li].append(fqn)
 
-    # groups: (array names of the representative, {source shift: layer count}, representative's stage)
+    # groups: (array names of the representative, {source-rank shift: number of layers})
     groups: list[tuple[list[str], dict[int, int]]] = []
     if planning == "whole":
         groups.append((list(arrays), {0: 1}))
@@ -346,10 +356,10 @@ def simulate(arrays: Mapping[str, tuple[Sequence[int], str]], train: Mapping[str
                     continue
                 rep = members[0]
                 s0 = _stage(rep, num_layers, train["pp"])
-                shifts: Counter[int] = Counter()
+                by_shift: Counter[int] = Counter()
                 for li in members:
-                    shifts[(_stage(li, num_layers, train["pp"]) - s0) * train["ranks_per_stage"]] += 1
-                groups.append((layers_of[rep], dict(shifts)))
+                    by_shift[(_stage(li, num_layers, train["pp"]) - s0) * train["ranks_per_stage"]] += 1
+                groups.append((layers_of[rep], dict(by_shift)))
 
     acc = _Accum(defaultdict(int), Counter())
     acc_direct = _Accum(defaultdict(int), Counter())
@@ -398,7 +408,7 @@ def simulate(arrays: Mapping[str, tuple[Sequence[int], str]], train: Mapping[str
         "generation_gpus": D,
         "reshard_s": cost["seconds"],
         "broadcast_s": bc["seconds"],
-        "speedup": bc["seconds"] / cost["seconds"] if cost["seconds"] else math.inf,
+        "speedup": bc["seconds"] / cost["seconds"] if cost["seconds"] else None,  # None: nothing to move
         "network_bytes": cost["network_bytes"],
         "local_bytes": cost["local_bytes"],
         "phase1_s": cost["phase1_s"],
@@ -542,29 +552,29 @@ def format_report(r: Mapping[str, Any]) -> str:
     b = r["busiest"] or {}
     bc = r["broadcast"]
     lines = [
-        f"simulate {r.get('model', '')} on {r['cluster']} (domain {c['domain_size']} GPUs, NVLink "
+        (f"simulate {r.get('model', '')} on {r['cluster']} (domain {c['domain_size']} GPUs, NVLink "
         f"{c['nvlink_gb_per_s']:g} GB/s, NIC {c['nic_gb_per_s']:g} GB/s per GPU, latency {c['latency_us']:g} us, "
-        f"bucket {c['bucket_bytes'] / 2**20:g} MiB)",
+        f"bucket {c['bucket_bytes'] / 2**20:g} MiB)"),
         f"  trainer     {r['train_gpus']:5d} GPUs  {r['train_mesh']}",
         f"  generator   {r['generation_gpus']:5d} GPUs  {r['generation_mesh']}",
         f"  model       {r['model_bytes'] / GB:10.1f} GB",
-        f"  reshard     {r['reshard_s']:10.3f} s   (phase 1 network {r['phase1_s']:.3f} s, phase 2 NVLink "
-        f"{r['phase2_s']:.3f} s, pipelined)",
-        f"  broadcast   {r['broadcast_s']:10.3f} s   (gather {bc['gather_s']:.3f} s, ring broadcast "
-        f"{bc['broadcast_s']:.3f} s at {bc['ring_gb_per_s']:g} GB/s, double-buffered)",
-        f"  speedup     {r['speedup']:10.2f} x",
+        (f"  reshard     {r['reshard_s']:10.3f} s   (phase 1 network {r['phase1_s']:.3f} s, phase 2 NVLink "
+        f"{r['phase2_s']:.3f} s, pipelined)"),
+        (f"  broadcast   {r['broadcast_s']:10.3f} s   (gather {bc['gather_s']:.3f} s, ring broadcast "
+        f"{bc['broadcast_s']:.3f} s at {bc['ring_gb_per_s']:g} GB/s, double-buffered)"),
+        f"  speedup     {r['speedup']:10.2f} x" if r["speedup"] is not None else "  speedup     (nothing moves)",
     ]
     if "direct_s" in r:
         lines.append(f"  direct      {r['direct_s']:10.3f} s   (no domains: every generator rank fed over the network)")
     lines += [
-        f"  bytes       network {r['network_bytes'] / GB:.1f} GB (minimum {r['min_network_bytes'] / GB:.1f}), "
+        (f"  bytes       network {r['network_bytes'] / GB:.1f} GB (minimum {r['min_network_bytes'] / GB:.1f}), "
         f"NVLink {r['local_bytes'] / GB:.1f} GB; per generator GPU {r['bytes_per_generator_gpu'] / GB:.2f} GB; "
-        f"max send {r['max_send_bytes'] / GB:.2f} GB, max recv {r['max_recv_bytes'] / GB:.2f} GB",
-        f"  busiest     {b.get('job', '-')} rank {b.get('job_rank', '-')} {b.get('direction', '')} over "
+        f"max send {r['max_send_bytes'] / GB:.2f} GB, max recv {r['max_recv_bytes'] / GB:.2f} GB"),
+        (f"  busiest     {b.get('job', '-')} rank {b.get('job_rank', '-')} {b.get('direction', '')} over "
         f"{b.get('link', '-')} in phase {b.get('phase', '-')}: {b.get('bytes', 0) / GB:.2f} GB, "
-        f"{b.get('seconds', 0.0):.3f} s",
-        f"  planning    {r['planning']}: {r['plans']} plan(s), {r['transfers']} transfers, "
-        f"{r['plan_seconds']:.2f} s planning + {r['manifest_seconds']:.2f} s manifests",
+        f"{b.get('seconds', 0.0):.3f} s"),
+        (f"  planning    {r['planning']}: {r['plans']} plan(s), {r['transfers']} transfers, "
+        f"{r['plan_seconds']:.2f} s planning + {r['manifest_seconds']:.2f} s manifests"),
     ]
     if "approximation" in r:
         lines.append(f"  note        {r['approximation']}")

@@ -46,16 +46,18 @@ from .rules import EP_AXIS, PP_AXIS, build_manifest, expert_index, layer_index, 
 
 __all__ = [
     "FP8_BLOCK",
-    "ModelConfigError",
     "PARALLEL_KEYS",
+    "ModelConfigError",
     "arrays_from_config",
     "arrays_from_m2n_model",
     "arrays_from_model",
     "count_parameters",
     "generic_rules",
+    "is_hf_config",
     "manifest_from_parallel",
-    "parse_m2n_system",
     "parallel_from_dict",
+    "parallel_meshes",
+    "parse_m2n_system",
 ]
 
 Arrays = dict[str, tuple[tuple[int, ...], str]]

@@ -72,7 +72,7 @@ Presets
       experts are on every rank, TP-split on dim 1 of w13 / dim 2 of w2. With an ``ep`` axis (or
       ``expert_parallel=True``) experts are whole and spread over the flattened ``ep × tp`` ranks
       of a stage (EP rank ``ep·tp_size + tp``), vLLM's "linear" placement: the first
-      ``E % EP`` ranks get one more expert.
+      ``E % EP`` ranks get one more expert (SGLang requires ``E % EP == 0``).
 
 ``fsdp2`` -- HF names; every array ``S(0)`` over ``fsdp`` (uneven, torch.chunk), optionally × ``tp``
     with the generic tensor-parallel rules (:func:`~.models.generic_rules`; FSDP2 then shards the
@@ -294,15 +294,13 @@ class _Builder:
         self.chunks: dict[str, dict[tuple[Any, ...], set[int]]] = {n: {} for n in arrays}
         self.tensors: dict[int, dict[str, TensorSpec]] = {}
         self._rank_cache: dict[tuple[tuple[str, int], ...], tuple[int, ...]] = {}
-        # local tensor (rank, name) -> shape declared / dtype, to catch preset bugs early
-        self._sources: dict[str, Source] = {}
 
     def size(self, axis: str) -> int:
         return self.sizes.get(axis, 1)
 
     def ranks(self, **fixed: int) -> tuple[int, ...]:
         """Sorted ranks whose coordinates equal ``fixed`` (absent axes must be 0)."""
-        key = tuple(sorted(fixed.items()))
+        key = tuple(fixed.items())  # call sites pass the same axes in the same order
         got = self._rank_cache.get(key)
         if got is not None:
             return got
@@ -571,6 +569,7 @@ def _vllm(b: _Builder, info: ModelInfo, preset: str, *, expert_parallel: bool | 
             b.declare(hs, fqn, (vper, H), dt)
 
     moe_layers: dict[int, int] = {}
+    owner: dict[int, list[tuple[int, int]]] = {}  # experts -> (EP rank, its first expert) per expert
     for fqn, (shape, dt) in info.arrays.items():
         if fqn == "model.embed_tokens.weight":
             vocab_parallel(fqn, sorted({0, P - 1}) if info.tie else [0])
@@ -623,9 +622,15 @@ def _vllm(b: _Builder, info: ModelInfo, preset: str, *, expert_parallel: bool | 
             w13, w2 = p + "mlp.experts.w13_weight", p + "mlp.experts.w2_weight"
             inter = shape[1] if proj == "down_proj" else shape[0]
             if ep_on:
-                r = next(r for r in range(ep_size) if vllm_expert_range(E, ep_size, r)[0] <= e
-                         < vllm_expert_range(E, ep_size, r)[1])
-                le = e - vllm_expert_range(E, ep_size, r)[0]
+                if preset == "sglang" and E % ep_size:
+                    raise _PresetError(f"sglang: num_experts ({E}) must be divisible by the expert-parallel size "
+                                       f"({ep_size}) (SGLang's FusedMoE splits experts evenly)")
+                if E not in owner:
+                    owner[E] = [(r, e0) for r in range(ep_size)
+                                for e0 in [vllm_expert_range(E, ep_size, r)[0]]
+                                for _ in range(*vllm_expert_range(E, ep_size, r))]
+                r, start = owner[E][e]
+                le = e - start
                 ep_c, t = divmod(r, T)
                 hs = b.ranks(pp=stage, ep=ep_c, tp=t)
                 if proj == "down_proj":

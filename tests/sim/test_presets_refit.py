@@ -59,9 +59,9 @@ def _same(got: Mapping[int, Mapping[str, torch.Tensor]], want: Mapping[int, Mapp
         g = {n: x for n, x in got.get(r, {}).items() if x.numel()}
         w = {n: x for n, x in want.get(r, {}).items() if x.numel()}
         assert set(g) == set(w), f"rank {r}: tensors differ: {sorted(set(g) ^ set(w))[:5]}"
-        for n in w:
-            assert g[n].dtype == w[n].dtype and g[n].shape == w[n].shape, (r, n)
-            assert torch.equal(P._bits(g[n]), P._bits(w[n])), f"rank {r}: {n} differs"
+        for n, x in w.items():
+            assert g[n].dtype == x.dtype and g[n].shape == x.shape, (r, n)
+            assert torch.equal(P._bits(g[n]), P._bits(x)), f"rank {r}: {n} differs"
 
 
 # ------------------------------------------------------------------ live refit (loopback)

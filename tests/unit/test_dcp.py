@@ -33,12 +33,12 @@ import pytest
 torch = pytest.importorskip("torch")
 dcp = pytest.importorskip("torch.distributed.checkpoint")
 
-from formats.dcp_io import read_dcp  # noqa: E402
-from formats.errors import FormatError, ShardstreamError  # noqa: E402
-from formats.manifest import load_manifest  # noqa: E402
-from formats.safetensors_io import SafetensorsReader  # noqa: E402
-from formats.store import SourceStore  # noqa: E402
-from streamer.cli import main  # noqa: E402
+from formats.dcp_io import read_dcp
+from formats.errors import FormatError, ShardstreamError
+from formats.manifest import load_manifest
+from formats.safetensors_io import SafetensorsReader
+from formats.store import SourceStore
+from streamer.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -153,7 +153,7 @@ def rewrite_item(d: Path, fqn: str, edit: Callable[[dict[str, bytes]], dict[str,
                  compress: Callable[[str], int] = lambda name: zipfile.ZIP_STORED) -> None:
     """Replace ``fqn``'s first item by a re-zipped, edited copy in a new file ``evil.distcp``."""
     md = _trusted_metadata(d)
-    key, info = _item(md, fqn)
+    _, info = _item(md, fqn)
     zin = zipfile.ZipFile(io.BytesIO(_item_bytes(d, info)))
     members = edit({n: zin.read(n) for n in zin.namelist()})
     buf = io.BytesIO()
@@ -397,7 +397,7 @@ def test_reader_needs_no_torch(plain_ckpt: tuple[Path, dict[str, Any]]) -> None:
             "from formats.dcp_io import read_dcp\n"
             f"m, skipped = read_dcp({str(d)!r})\n"
             "print(len(m.arrays), sorted(skipped))\n")
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+    r = subprocess.run([sys.executable, "-c", code], check=False, cwd=ROOT, capture_output=True, text=True, timeout=60,
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0, r.stderr
     assert r.stdout.split(maxsplit=1)[0] == str(len(full))
@@ -439,6 +439,37 @@ def test_metadata_calling_builtins_eval_is_refused(tmp_path: Path, capsys: pytes
     (d / ".metadata").write_bytes(b"\x80\x04cbuiltins\ngetattr\n.")
     expect_refused(capsys, d, "builtins.getattr")
     assert not pwned.exists()
+
+
+def test_pickle_opcode_tricks_are_refused_before_unpickling(plain_ckpt: tuple[Path, dict[str, Any]],
+                                                             tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 5-byte LONG_BINPUT would make the C unpickler allocate and zero a 32 GiB memo table; protocol 0
+    INST and the extension registry would instantiate without STACK_GLOBAL. All refused by the pre-scan."""
+    d, _ = plain_ckpt
+    good_md = (d / ".metadata").read_bytes()
+    pwned = tmp_path / "PWNED"
+    monkeypatch.chdir(tmp_path)
+    for bad, needle in [
+        (b"\x80\x04Nr\xff\xff\xff\x7f.", "stores memo index 2147483647"),
+        (b"\x80\x02Np99999999\n.", "stores memo index 99999999"),
+        (b"(S'touch " + str(pwned).encode() + b"'\nios\nsystem\n.", "opcode INST is not allowed"),
+        (b"\x80\x02\x82\x01.", "opcode EXT1 is not allowed"),
+        (b"\x80\x02(X\x01\x00\x00\x00xQ.", "opcode BINPERSID is not allowed"),
+    ]:
+        (d / ".metadata").write_bytes(bad)
+        expect_refused(capsys, d, needle, "refusing to load it")
+    assert not pwned.exists()
+
+    (d / ".metadata").write_bytes(good_md)
+
+    def bomb(members: dict[str, bytes]) -> dict[str, bytes]:
+        pkl = next(n for n in members if n.endswith("/data.pkl"))
+        members[pkl] = b"\x80\x02Nr\xff\xff\xff\x7f."
+        return members
+
+    rewrite_item(d, "vec.i64", bomb)
+    expect_refused(capsys, d, "vec.i64: chunk 0", "data.pkl is not one torch.save writes", "memo index")
 
 
 def test_truncated_and_mutated_metadata_fail_cleanly(plain_ckpt: tuple[Path, dict[str, Any]],

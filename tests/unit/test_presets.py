@@ -133,7 +133,7 @@ def _experts_of(cfg: Mapping[str, Any], i: int) -> int | None:
 def megatron_tensors(cfg: Mapping[str, Any], W: Mapping[str, torch.Tensor], mesh: Mesh, *,
                      etp: int | None = None, grouped: bool = False) -> dict[int, dict[str, torch.Tensor]]:
     """Every rank's Megatron-core (TE spec) state dict, built from the HF weights."""
-    H, V, L, nh, nkv, hd = _geom(cfg)
+    _, V, L, nh, nkv, hd = _geom(cfg)
     T, P, EP = _size(mesh, "tp"), _size(mesh, "pp"), _size(mesh, "ep")
     etp = T if etp is None else etp
     hpg = nh // nkv
@@ -577,6 +577,8 @@ def test_fsdp2_nests_fsdp_inside_tp() -> None:
     (QWEN3, "vllm", "tp=2,dp=2", {}, r"rank order"),
     (MOE, "vllm", "ep=2,tp=2", {"expert_parallel": False}, r"'ep' mesh axis means expert parallelism"),
     (QWEN3, "hf", "tp=2", {}, r"preset hf: one rank"),
+    (MOE, "sglang", "tp=4", {"expert_parallel": True}, r"sglang: num_experts \(6\) must be divisible by the "
+     r"expert-parallel size \(4\)"),
     (QWEN3, "fsdp2", "ep=2", {}, r"mesh axis 'ep' is not one of"),
     (QWEN3, "tpu", "tp=1", {}, r"unknown preset 'tpu'"),
 ])

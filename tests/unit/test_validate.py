@@ -676,7 +676,8 @@ def test_data_bad_files_never_raise(ckpt: tuple[Path, np.ndarray[Any, Any]]) -> 
     no_internal(p)
     assert_has(p, "chunk 0: 'garbage.safetensors' is not a valid safetensors file")
     assert_has(p, "chunk 1: 'short.safetensors' is not a valid safetensors file")
-    assert len(p) == 2, p  # the zarr directory is skipped
+    assert_has(p, f"chunk 2: zarr array {FQN!r} not found in 'store.zarr'")  # a directory is a zarr group
+    assert len(p) == 3, p
 
 
 def test_data_skips_unsafe_paths(ckpt: tuple[Path, np.ndarray[Any, Any]], tmp_path_factory: pytest.TempPathFactory) -> None:

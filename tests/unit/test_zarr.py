@@ -21,13 +21,13 @@ from hypothesis import strategies as st
 
 zarr = pytest.importorskip("zarr")
 
-from formats.box import Box  # noqa: E402
-from formats.errors import FormatError  # noqa: E402
-from formats.layouts import Mesh, Rule, Shard, apply_layout  # noqa: E402
-from formats.manifest import ArraySpec, Chunk, Manifest, Source, load_manifest, save_manifest  # noqa: E402
-from formats.store import SourceStore  # noqa: E402
-from formats.validate import validate_data, validate_manifest  # noqa: E402
-from formats.zarr_io import (  # noqa: E402
+from formats.box import Box
+from formats.errors import FormatError
+from formats.layouts import Mesh, Rule, Shard, apply_layout
+from formats.manifest import ArraySpec, Chunk, Manifest, load_manifest, save_manifest
+from formats.store import SourceStore
+from formats.validate import validate_data, validate_manifest
+from formats.zarr_io import (
     MAX_CHUNKS,
     ZarrReader,
     choose_layout,
@@ -37,10 +37,10 @@ from formats.zarr_io import (  # noqa: E402
     read_box,
     streamable,
 )
-from streamer.cli import main  # noqa: E402
-from streamer.convert import ConvertOptions, cast_bytes, convert  # noqa: E402
-from streamer.importer import import_checkpoint  # noqa: E402
-from streamer.synth import PRESETS, QWEN3_TP_RULES, qwen3_arrays, tensor_data, write_checkpoint  # noqa: E402
+from streamer.cli import main
+from streamer.convert import ConvertOptions, cast_bytes, convert
+from streamer.importer import import_checkpoint
+from streamer.synth import PRESETS, QWEN3_TP_RULES, qwen3_arrays, tensor_data, write_checkpoint
 
 TINY = qwen3_arrays(PRESETS["qwen3-tiny"])  # vocab 1000: TP3 splits it unevenly
 MIXED = {
@@ -264,7 +264,7 @@ def test_zarr_output_is_a_source_byte_identical(tp2_zarr: Path, tiny: Path, tmp_
 def test_import_a_zarr_group_without_manifest(tp2_zarr: Path, tiny: Path, tmp_path: Path, capsys: Any) -> None:
     z = copy_tree(tp2_zarr, tmp_path / "store.zarr")
     (z / "manifest.json").unlink()
-    rc, out, err = run(capsys, "import", z, "-o", tmp_path / "m.json")
+    rc, _, err = run(capsys, "import", z, "-o", tmp_path / "m.json")
     assert rc == 0, err
     m = load_manifest(tmp_path / "m.json")
     assert sorted(m.arrays) == sorted(TINY) and m.world_size == 1
@@ -306,14 +306,14 @@ def test_import_a_foreign_zarr_group(tmp_path: Path) -> None:
 
 def test_validate_detects_a_corrupted_chunk(tp2_zarr: Path, tmp_path: Path, capsys: Any) -> None:
     z = copy_tree(tp2_zarr, tmp_path / "z")
-    rc, out, err = run(capsys, "validate", z / "manifest.json", "--data")
+    rc, _, err = run(capsys, "validate", z / "manifest.json", "--data")
     assert rc == 0, err
     fqn = "model.layers.1.mlp.down_proj.weight"  # S(1): chunk c/0/1 is rank 1's region
     chunk = z / fqn / "c" / "0" / "1"
     b = bytearray(chunk.read_bytes())
     b[17] ^= 0x40
     chunk.write_bytes(bytes(b))
-    rc, out, err = run(capsys, "validate", z / "manifest.json", "--data")
+    rc, _, err = run(capsys, "validate", z / "manifest.json", "--data")
     assert rc == 1 and "Traceback" not in err
     bad = [ln for ln in err.splitlines() if ln.strip()]
     assert len(bad) == 1, bad
@@ -373,13 +373,15 @@ HOSTILE = [
     (_meta([4, 8], [2, 8], data_type="bfloat16", attributes={}), "unsupported data_type \"bfloat16\""),
     (_meta([4, 8], [2, 8], codecs=[{"name": "evil_pickle"}]), "unsupported codec 'evil_pickle'"),
     (_meta([4, 8], [2, 8], attributes={"shardstream": {"data_type": "float32"}}),
-     "attributes.shardstream.data_type 'float32' does not match the stored data_type (expected 'float32', got "
-     "'uint16')"),
+     ("attributes.shardstream.data_type 'float32' does not match the stored data_type (expected 'float32', got "
+      "'uint16')")),
     (_meta([4, 8], [4, 8], codecs=[{"name": "sharding_indexed", "configuration": {
         "chunk_shape": [3, 8], "codecs": [{"name": "bytes"}]}}]), "does not divide the shard shape [4, 8] in dim 0"),
     (_meta([4, 8], [4, 8], codecs=[{"name": "sharding_indexed", "configuration": {
         "chunk_shape": [0, 8], "codecs": [{"name": "bytes"}]}}]), "sharding_indexed chunk_shape [0, 8]: entry 0 is 0"),
     (_meta([4, 8], [2, 8], zarr_format=2), "zarr_format is 2 (expected 3"),
+    (_meta([4, 8], [2, 8], chunk_key_encoding={"name": "default", "configuration": {"separator": "/../"}}),
+     "chunk_key_encoding {\"name\": \"default\", \"configuration\": {\"separator\": \"/../\"}} is not supported"),
 ]
 
 
@@ -390,7 +392,7 @@ def test_hostile_zarr_json_is_refused_by_import(tmp_path: Path, capsys: Any, met
     (g / "w").mkdir(parents=True)
     (g / "zarr.json").write_text(json.dumps({"zarr_format": 3, "node_type": "group", "attributes": {}}))
     (g / "w" / "zarr.json").write_text(json.dumps(meta))
-    rc, out, err = run(capsys, "import", g, "-o", tmp_path / "m.json")
+    rc, _, err = run(capsys, "import", g, "-o", tmp_path / "m.json")
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert rc == 1 and "Traceback" not in err and len(lines) == 1, err
     assert lines[0].startswith(f"{g / 'w' / 'zarr.json'}: ") and expect in lines[0], lines[0]
