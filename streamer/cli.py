@@ -614,6 +614,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("shardstream: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `shardstream inspect ... | head`: the reader left, nothing to report
+        try:
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - silence the interpreter's flush at exit
+        except OSError:
+            pass
+        return 0
     except OSError as e:
         if debug:
             raise
