@@ -27,7 +27,7 @@ import stat
 import struct
 import zipfile
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from math import prod
 from pathlib import Path
 from typing import Any
@@ -214,12 +214,18 @@ class _Refused(Exception):
         self.module, self.name = module, name
 
 
+def _fresh(obj: Any) -> Any:
+    """Value stand-ins are handed out as copies: a pickle may BUILD onto what it is given, and
+    must not be able to change the allow-list's own objects for later loads."""
+    return replace(obj) if isinstance(obj, (_TorchDType, _Layout, _StorageType)) else obj
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         obj = _META_ALLOWED.get((module, name))
         if obj is None:
             raise _Refused(module, name)
-        return obj
+        return _fresh(obj)
 
     def persistent_load(self, pid: Any) -> Any:
         raise pickle.UnpicklingError("persistent ids are not allowed in DCP metadata")
@@ -311,7 +317,7 @@ class _DataPklUnpickler(pickle.Unpickler):
         obj = _PKL_ALLOWED.get((module, name))
         if obj is None:
             raise _Refused(module, name)
-        return obj
+        return _fresh(obj)
 
     def persistent_load(self, pid: Any) -> Any:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):

@@ -476,6 +476,18 @@ def test_pickle_opcode_tricks_are_refused_before_unpickling(plain_ckpt: tuple[Pa
     expect_refused(capsys, d, "vec.i64: chunk 0", "data.pkl is not one torch.save writes", "memo index")
 
 
+def test_pickle_cannot_alter_the_allow_list(plain_ckpt: tuple[Path, dict[str, Any]],
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """BUILD onto an allowed global (torch.float32 -> 'bool') must not leak into later loads."""
+    d, _ = plain_ckpt
+    good_md = (d / ".metadata").read_bytes()
+    (d / ".metadata").write_bytes(b"\x80\x02ctorch\nfloat32\nX\x04\x00\x00\x00bool\x85b.")
+    expect_refused(capsys, d, "does not hold a DCP Metadata object")
+    (d / ".metadata").write_bytes(good_md)
+    m, _ = read_dcp(d)
+    assert m.arrays["cube.f32"].data_type == "float32"
+
+
 def test_truncated_and_mutated_metadata_fail_cleanly(plain_ckpt: tuple[Path, dict[str, Any]],
                                                       capsys: pytest.CaptureFixture[str]) -> None:
     d, _ = plain_ckpt
