@@ -678,18 +678,24 @@ def _run_jobs(src: Manifest, filled: Manifest, plan: Plan, out: Path, jobs: list
         progress.close()
     rep.bytes_read = store.stats.bytes_read
     rep.reads = store.stats.reads
-    if comm is not None:
-        results = comm.allgather((error, rep.to_dict(), checksums))
-        errs = [f"worker {i}: {e}" for i, (e, _, _) in enumerate(results) if e]
-        if errs:
-            raise FormatError(problems=errs)
-        total_rep = ConvertReport(workers=size)
-        for _, d, cs in results:
-            for k in ("files_written", "files_skipped", "bytes_written", "bytes_read", "reads"):
-                setattr(total_rep, k, getattr(total_rep, k) + d[k])
-            checksums.update(cs)
-        rep = total_rep
-    return _RunResult(rep, checksums)
+    return _gather_results(comm, error, rep, checksums, size)
+
+
+def _gather_results(comm: Any, error: str | None, rep: ConvertReport, checksums: dict[str, str],
+                    size: int) -> _RunResult:
+    """Under mpiexec: every worker learns every failure, and the reports and checksums add up."""
+    if comm is None:
+        return _RunResult(rep, checksums)
+    results = comm.allgather((error, rep.to_dict(), checksums))
+    errs = [f"worker {i}: {e}" for i, (e, _, _) in enumerate(results) if e]
+    if errs:
+        raise FormatError(problems=errs)
+    total = ConvertReport(workers=size)
+    for _, d, cs in results:
+        for k in ("files_written", "files_skipped", "bytes_written", "bytes_read", "reads"):
+            setattr(total, k, getattr(total, k) + d[k])
+        checksums.update(cs)
+    return _RunResult(total, checksums)
 
 
 def _write_index(out: Path, m: Manifest, jobs: Sequence[FileJob]) -> None:
@@ -875,18 +881,7 @@ def _run_zarr_jobs(src: Manifest, plan: Plan, out: Path, jobs: list[_ZarrJob], o
         progress.close()
     rep.bytes_read = store.stats.bytes_read
     rep.reads = store.stats.reads
-    if comm is not None:
-        results = comm.allgather((error, rep.to_dict(), checksums))
-        errs = [f"worker {i}: {e}" for i, (e, _, _) in enumerate(results) if e]
-        if errs:
-            raise FormatError(problems=errs)
-        total = ConvertReport(workers=size)
-        for _, d, cs in results:
-            for k in ("files_written", "files_skipped", "bytes_written", "bytes_read", "reads"):
-                setattr(total, k, getattr(total, k) + d[k])
-            checksums.update(cs)
-        rep = total
-    return _RunResult(rep, checksums)
+    return _gather_results(comm, error, rep, checksums, size)
 
 
 class _ZarrFiller:
