@@ -415,7 +415,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 f"  validate --data      {r['validate_data_s']:8.2f} s")
     elif args.what == "plan":
         r = bench.bench_plan(tuple(args.sweep), model=args.model)
-        lines = [f"bench plan: TP8 -> TP4xDP2 (uneven, domain 8), sweep over chunks"]
+        lines = ["bench plan: TP8 -> TP4xDP2 (uneven, domain 8), sweep over chunks"]
         lines += [f"  {x['chunks']:8d} chunks {x['transfers']:8d} transfers  plan {x['plan_s']:7.3f} s  validate "
                   f"{x['validate_s']:7.3f} s  peak {x['peak_bytes'] / 2**20:7.1f} MiB" for x in r["sweep"]]
         lines.append(f"  scaling exponent: plan {r['plan_exponent']:.2f}, validate {r['validate_exponent']:.2f} "
