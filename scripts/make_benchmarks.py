@@ -34,7 +34,7 @@ from formats.manifest import dumps_manifest
 from streamer.plan import plan_transfers
 from streamer.simulate import CLUSTERS, broadcast_cost, pair_bytes, reshard_cost, simulate, with_overrides
 
-WORKLOADS = ROOT.parent / "shared" / "workloads"
+WORKLOADS = ROOT / "workloads"
 MODELS = WORKLOADS / "models"
 M2N = WORKLOADS / "nccl-m2n"
 GB = 1e9
