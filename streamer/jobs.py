@@ -110,6 +110,7 @@ def connect(role: str, *, rendezvous: str | None = None, timeout: float = 300.0)
     if role not in ROLES:
         raise UsageError(f"role must be send or recv, got {role!r}")
     world = MPI.COMM_WORLD
+    world.Set_errhandler(MPI.ERRORS_RETURN)  # failures become exceptions -> exit 3, not MPI aborts
     mine = ROLES.index(role)
     if rendezvous is None:
         roles = _iallgather_int(world, mine, timeout, "role exchange")
@@ -142,6 +143,7 @@ def connect(role: str, *, rendezvous: str | None = None, timeout: float = 300.0)
         cleanup()
         if port is not None:
             MPI.Close_port(port)
+        inter.Set_errhandler(MPI.ERRORS_RETURN)
         merged = inter.Merge(high=True)
     else:
         port_s = ""
@@ -167,6 +169,9 @@ def connect(role: str, *, rendezvous: str | None = None, timeout: float = 300.0)
                                    f"the rendezvous file {path}")
         with Watchdog(timeout, f"connecting to the receiver job at the port in {path}"):
             inter = role_comm.Connect(port_s, root=0)
+        inter.Set_errhandler(MPI.ERRORS_RETURN)
         merged = inter.Merge(high=False)
+    merged.Set_errhandler(MPI.ERRORS_RETURN)
+    role_comm.Set_errhandler(MPI.ERRORS_RETURN)
     n_recv_send = _iallgather_int(merged, mine, timeout, "role exchange")
     return Group(merged, role_comm, role, n_recv_send.count(0), n_recv_send.count(1), rendezvous)

@@ -20,13 +20,27 @@ class _Req:
         self.req, self.kind, self.peer, self.keep = req, kind, peer, keep
 
     def test(self) -> bool:
-        return bool(self.req.Test())
+        try:
+            return bool(self.req.Test())
+        except Exception as e:  # an MPI error (the peer's connection broke): name the peer
+            from formats.errors import TransportError
+
+            who = f"rank {self.peer}" if self.peer >= 0 else "a peer"
+            raise TransportError(f"{self.kind} with {who} failed: the peer died or its connection broke "
+                                 f"({str(e).splitlines()[0][:200]})") from e
 
     def cancel(self) -> None:
         try:
             self.req.Cancel()
         except Exception:  # noqa: BLE001 - cancelling a completed request is harmless
             pass
+
+
+def _broken(kind: str, peer: int, e: BaseException) -> Exception:
+    from formats.errors import TransportError
+
+    return TransportError(f"{kind} with rank {peer} failed: the peer died or its connection broke "
+                          f"({str(e).splitlines()[0][:200]})")
 
 
 def _bytes_view(buf: Any) -> Any:
@@ -43,16 +57,28 @@ class MPITransport:
 
         self.MPI = MPI
         self.comm = comm
+        # errors come back as exceptions we turn into TransportError (exit 3, naming the peer),
+        # not as an abort with MPI's error stack
+        try:
+            comm.Set_errhandler(MPI.ERRORS_RETURN)
+        except Exception:  # noqa: BLE001 - a communicator that refuses keeps its handler
+            pass
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
 
     def isend(self, buf: Any, dst: int, tag: int) -> _Req:
         v = _bytes_view(buf)
-        return _Req(self.comm.Isend([v, self.MPI.BYTE], dest=dst, tag=tag), "send", dst, v)
+        try:
+            return _Req(self.comm.Isend([v, self.MPI.BYTE], dest=dst, tag=tag), "send", dst, v)
+        except self.MPI.Exception as e:
+            raise _broken("send", dst, e) from e
 
     def irecv(self, buf: Any, src: int, tag: int) -> _Req:
         v = _bytes_view(buf)
-        return _Req(self.comm.Irecv([v, self.MPI.BYTE], source=src, tag=tag), "recv", src, v)
+        try:
+            return _Req(self.comm.Irecv([v, self.MPI.BYTE], source=src, tag=tag), "recv", src, v)
+        except self.MPI.Exception as e:
+            raise _broken("recv", src, e) from e
 
     def _wait(self, req: Any, timeout: float, what: str) -> None:
         # a collective has no single peer; name the whole group

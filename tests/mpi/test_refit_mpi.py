@@ -152,7 +152,7 @@ TIMEOUT_KILL = 5
 
 
 @pytest.mark.parametrize("victim", ["send", "recv"])
-def test_killed_peer(ckpt: Ckpt, tmp_path: Path, victim: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_killed_peer(ckpt: Ckpt, tmp_path: Path, victim: str) -> None:
     """Two jobs stepping for a long time; SIGKILL one rank of one job. The other job's ranks time
     out and abort with 3; the victim's launcher reports the kill (hydra: 9); nothing is left
     running; --save leaves no manifest.json.
@@ -203,14 +203,16 @@ def test_killed_peer(ckpt: Ckpt, tmp_path: Path, victim: str, monkeypatch: pytes
                f"{t_other:.1f} s\nsend stderr:\n{send.stderr[-2000:]}\nrecv stderr:\n{recv.stderr[-2000:]}")
         assert rc_other is not None and rc_victim is not None, "still running after --timeout + 10 s: " + msg
         # shardstream's own path: the survivors time out, name the lost rank and abort with 3.
-        # MPICH's UCX layer may get there first: a peer vanishing in the middle of a
-        # single-copy (CMA) transfer kills the reader from inside UCX (launcher rc 11 or 15),
-        # before any error reaches Python. Either way the survivor must not hang or exit 0.
+        # MPICH may get there first: with UCX a peer vanishing in the middle of a single-copy
+        # (CMA) transfer kills the reader inside UCX (launcher rc 11 or 15); with OFI, MPICH's
+        # internal connection communicator aborts with its error stack (rc 9). Either way the
+        # survivor must not hang or exit 0.
         assert rc_other != 0, msg
         if rc_other == 3:
-            assert "timed out" in other_job.stderr and re.search(r"rank \d", other_job.stderr), msg
+            assert ("timed out" in other_job.stderr or "peer died" in other_job.stderr), msg
+            assert re.search(r"rank \d", other_job.stderr), msg
         else:
-            assert rc_other in (11, 15), msg
+            assert rc_other in (9, 11, 15), msg
         assert rc_victim != 0, msg  # hydra reports the SIGKILLed rank's job as 9
         # no rank of either job survives its launcher
         time.sleep(0.2)
