@@ -52,8 +52,13 @@ class Group:
 
 def abort(message: str, code: int = 3) -> None:
     """Print ``message`` and abort every rank with ``code`` (mpiexec then exits with it)."""
-    sys.stderr.write(message.rstrip() + "\n")
-    sys.stderr.flush()
+    try:
+        os.write(2, (message.rstrip() + "\n").encode())
+    except OSError:
+        pass
+    # hydra forwards output asynchronously and drops what is in flight when it tears the job down:
+    # give it a moment so the reason reaches the user
+    time.sleep(0.5)
     try:
         from mpi4py import MPI
 
