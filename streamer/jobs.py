@@ -9,7 +9,6 @@ message naming what never arrived.
 from __future__ import annotations
 
 import os
-import sys
 import threading
 import time
 from dataclasses import dataclass
