@@ -26,17 +26,25 @@ __all__ = ["bench_convert", "bench_refit", "refit_worker"]
 
 
 def _sh(cmd: list[str]) -> tuple[float, int, str]:
-    """Run ``cmd``; return (wall seconds, peak RSS bytes of the child, stdout)."""
-    t0 = time.perf_counter()
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _, status, ru = os.wait4(p.pid, 0)
-    dt = time.perf_counter() - t0
-    out = p.stdout.read() if p.stdout else ""
-    err = p.stderr.read() if p.stderr else ""
-    p.returncode = os.waitstatus_to_exitcode(status)
+    """Run ``cmd``; return (wall seconds, peak RSS bytes of the child, stdout).
+
+    Output goes to temp files, not pipes: ``os.wait4`` (which gives the child's own peak RSS)
+    must not wait on a child blocked writing into a full pipe.
+    """
+    import tempfile
+
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        t0 = time.perf_counter()
+        p = subprocess.Popen(cmd, stdout=out, stderr=err, text=True)
+        _, status, ru = os.wait4(p.pid, 0)
+        dt = time.perf_counter() - t0
+        p.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        text, etext = out.read(), err.read()
     if p.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({p.returncode}): {err.strip()[-2000:]}")
-    return dt, ru.ru_maxrss * 1024, out
+        raise RuntimeError(f"{' '.join(cmd)} failed ({p.returncode}): {etext.strip()[-2000:]}")
+    return dt, ru.ru_maxrss * 1024, text
 
 
 def _copy_floor(src_dir: str, out_dir: str, chunk: int = 64 << 20) -> None:
