@@ -527,15 +527,48 @@ def _preflight(src: Manifest, dst: Manifest, plan: Plan) -> list[str]:
     return problems
 
 
-def _assign(jobs: Sequence[FileJob], workers: int) -> list[list[FileJob]]:
-    """Largest file first onto the least loaded worker (deterministic)."""
+def _assign(jobs: Sequence[Any], workers: int, name: Any = lambda j: j.rel) -> list[list[Any]]:
+    """Largest job first onto the least loaded worker (deterministic: ties broken by ``name``)."""
     loads = [0] * workers
-    share: list[list[FileJob]] = [[] for _ in range(workers)]
-    for j in sorted(jobs, key=lambda j: (-j.nbytes, j.rel)):
+    share: list[list[Any]] = [[] for _ in range(workers)]
+    for j in sorted(jobs, key=lambda j: (-j.nbytes, name(j))):
         w = min(range(workers), key=lambda i: (loads[i], i))
         loads[w] += j.nbytes
         share[w].append(j)
     return share
+
+
+def _checked_plan(src: Manifest, dst: Manifest, opts: ConvertOptions, rank: int, comm: Any, src_where: str,
+                  dst_where: str) -> Plan:
+    """The plan, after every source tensor it reads has been opened (rank 0; the verdict is shared)."""
+    try:
+        plan = plan_transfers(src, dst, allow_extra=opts.allow_extra)
+    except PlanError as e:  # its lines name the array; say which manifests were being matched
+        raise PlanError(problems=[f"{dst_where}: {ln}; source manifest {src_where}" for ln in e.problems]) from e
+    problems = _preflight(src, dst, plan) if rank == 0 else []
+    if comm is not None:
+        problems = comm.bcast(problems, root=0)
+    if problems:
+        raise FormatError(problems=problems)
+    return plan
+
+
+def _open_output(out: Path, opts: ConvertOptions, jobs: Sequence[FileJob]) -> _Lock:
+    """Rank 0, once bad input is ruled out: make ``out``, take its lock, and remove the manifest
+    and stale temp files, so the directory reads as incomplete until the new manifest lands."""
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"{out}: --out exists and is not a directory")
+    if out.exists() and not opts.resume and any(p.name != STATE_DIR for p in out.iterdir()):
+        raise UsageError(f"{out}: output directory is not empty; pass --resume to continue an "
+                         "interrupted conversion, or choose an empty directory")
+    out.mkdir(parents=True, exist_ok=True)
+    lock = _Lock(out)
+    try:
+        (out / "manifest.json").unlink()
+    except FileNotFoundError:
+        pass
+    _remove_stale_temps(out, jobs)
+    return lock
 
 
 def convert(src: Manifest, dst: Manifest, out_dir: str | os.PathLike[str], opts: ConvertOptions | None = None,
@@ -563,35 +596,13 @@ def convert(src: Manifest, dst: Manifest, out_dir: str | os.PathLike[str], opts:
         return _convert_zarr(src, dst, out, opts, comm=comm, src_where=src_where, dst_where=dst_where, t0=t0)
     if opts.format != "safetensors":
         raise UsageError(f"--format {opts.format}: expected safetensors or zarr")
-    try:
-        plan = plan_transfers(src, dst, allow_extra=opts.allow_extra)
-    except PlanError as e:  # its lines name the array; say which manifests were being matched
-        raise PlanError(problems=[f"{dst_where}: {ln}; source manifest {src_where}" for ln in e.problems]) from e
+    plan = _checked_plan(src, dst, opts, rank, comm, src_where, dst_where)
     filled, jobs = plan_files(cast_manifest(dst, opts.cast) if opts.cast else dst, max_shard_size=opts.max_shard_size)
     src_dtypes = ({(r, n): ts.data_type for r in dst.ranks_holding() for n, ts in dst.local_tensors(r).items()}
                   if opts.cast else {})
-    problems = _preflight(src, dst, plan) if rank == 0 else []
-    if comm is not None:
-        problems = comm.bcast(problems, root=0)
-    if problems:
-        raise FormatError(problems=problems)
 
     # ---- from here on we write; bad input has been ruled out
-    lock = None
-    if rank == 0:
-        if out.exists() and not out.is_dir():
-            raise UsageError(f"{out}: --out exists and is not a directory")
-        if out.exists() and not opts.resume and any(p.name != STATE_DIR for p in out.iterdir()):
-            raise UsageError(f"{out}: output directory is not empty; pass --resume to continue an "
-                             "interrupted conversion, or choose an empty directory")
-        out.mkdir(parents=True, exist_ok=True)
-        lock = _Lock(out)
-        # the manifest goes first: from now on the directory is incomplete until we finish
-        try:
-            (out / "manifest.json").unlink()
-        except FileNotFoundError:
-            pass
-        _remove_stale_temps(out, jobs)
+    lock = _open_output(out, opts, jobs) if rank == 0 else None
     if comm is not None:
         comm.barrier()
     try:
@@ -771,16 +782,8 @@ def _convert_zarr(src: Manifest, dst: Manifest, out: Path, opts: ConvertOptions,
     if bad:
         raise ValidationError(problems=bad)
     logical = _logical_manifest(dst)
-    try:
-        plan = plan_transfers(src, logical, allow_extra=opts.allow_extra)
-    except PlanError as e:
-        raise PlanError(problems=[f"{dst_where}: {ln}; source manifest {src_where}" for ln in e.problems]) from e
+    plan = _checked_plan(src, logical, opts, rank, comm, src_where, dst_where)
     target = cast_manifest(dst, opts.cast) if opts.cast else dst
-    problems = _preflight(src, logical, plan) if rank == 0 else []
-    if comm is not None:
-        problems = comm.bcast(problems, root=0)
-    if problems:
-        raise FormatError(problems=problems)
     unit_limit = max(1 << 16, opts.memory_limit // 4)
     jobs = []
     for fqn, a in target.arrays.items():
@@ -792,18 +795,7 @@ def _convert_zarr(src: Manifest, dst: Manifest, out: Path, opts: ConvertOptions,
     # ---- from here on we write; bad input has been ruled out
     lock = None
     if rank == 0:
-        if out.exists() and not out.is_dir():
-            raise UsageError(f"{out}: --out exists and is not a directory")
-        if out.exists() and not opts.resume and any(p.name != STATE_DIR for p in out.iterdir()):
-            raise UsageError(f"{out}: output directory is not empty; pass --resume to continue an "
-                             "interrupted conversion, or choose an empty directory")
-        out.mkdir(parents=True, exist_ok=True)
-        lock = _Lock(out)
-        try:  # from now on the directory is incomplete until we finish
-            (out / "manifest.json").unlink()
-        except FileNotFoundError:
-            pass
-        _remove_stale_temps(out, [])
+        lock = _open_output(out, opts, [])
         zarr_io.create_group(out)
     if comm is not None:
         comm.barrier()
@@ -823,21 +815,11 @@ def _convert_zarr(src: Manifest, dst: Manifest, out: Path, opts: ConvertOptions,
     return rep
 
 
-def _assign_zarr(jobs: Sequence[_ZarrJob], workers: int) -> list[list[_ZarrJob]]:
-    loads = [0] * workers
-    share: list[list[_ZarrJob]] = [[] for _ in range(workers)]
-    for j in sorted(jobs, key=lambda j: (-j.nbytes, j.fqn)):
-        w = min(range(workers), key=lambda i: (loads[i], i))
-        loads[w] += j.nbytes
-        share[w].append(j)
-    return share
-
-
 def _run_zarr_jobs(src: Manifest, plan: Plan, out: Path, jobs: list[_ZarrJob], opts: ConvertOptions, rank: int,
                    size: int, comm: Any, unit_limit: int) -> _RunResult:
     import hashlib
 
-    mine = _assign_zarr(jobs, size)[rank]
+    mine = _assign(jobs, size, lambda j: j.fqn)[rank]
     rep = ConvertReport(workers=size)
     checksums: dict[str, str] = {}
     state = out / STATE_DIR
