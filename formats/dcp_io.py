@@ -34,7 +34,7 @@ from typing import Any
 
 from .box import Box
 from .dtypes import DTYPES, DType
-from .errors import FormatError, ShardNotFoundError
+from .errors import FormatError
 from .manifest import ArraySpec, Chunk, Manifest, Source
 
 __all__ = ["MAX_METADATA_BYTES", "is_dcp_dir", "read_dcp"]
@@ -534,24 +534,10 @@ class _Item:
 
 
 def _load_metadata(path: Path) -> _Metadata:
+    from .store import read_bounded
+
     where = str(path)
-    try:
-        st = os.stat(path)
-    except FileNotFoundError as e:
-        raise ShardNotFoundError(f"{where}: no such file") from e
-    except OSError as e:
-        raise FormatError(f"{where}: cannot stat ({e.strerror})") from e
-    if not stat.S_ISREG(st.st_mode):
-        raise FormatError(f"{where}: not a regular file")
-    if st.st_size > MAX_METADATA_BYTES:
-        raise FormatError(f"{where}: .metadata is {st.st_size} bytes, over the {MAX_METADATA_BYTES} byte limit")
-    try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_METADATA_BYTES + 1)
-    except OSError as e:
-        raise FormatError(f"{where}: cannot read ({e.strerror})") from e
-    if len(data) > MAX_METADATA_BYTES:
-        raise FormatError(f"{where}: .metadata is over the {MAX_METADATA_BYTES} byte limit")
+    data = read_bounded(path, MAX_METADATA_BYTES, ".metadata")
     try:
         obj = _restricted_load(_MetadataUnpickler, data, allow_persistent=False)
     except _Refused as e:

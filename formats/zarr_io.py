@@ -273,17 +273,11 @@ def parse_array_metadata(obj: object, *, where: str) -> ZarrArrayInfo:
 
 def _read_json(path: Path) -> Any:
     """A bounded read of one metadata file (no symlink games: the caller checked the path)."""
+    from .store import read_bounded
+
+    data = read_bounded(path, MAX_METADATA_BYTES, "zarr metadata",
+                        too_big="{size} bytes of zarr metadata (expected at most {limit})")
     try:
-        st = os.stat(path)
-    except FileNotFoundError as e:
-        raise ShardNotFoundError(f"{path}: no such file") from e
-    if not stat.S_ISREG(st.st_mode):
-        raise FormatError(f"{path}: not a regular file")
-    if st.st_size > MAX_METADATA_BYTES:
-        raise FormatError(f"{path}: {st.st_size} bytes of zarr metadata (expected at most {MAX_METADATA_BYTES})")
-    try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_METADATA_BYTES + 1)
         return json.loads(data)
     except (ValueError, RecursionError) as e:
         raise FormatError(f"{path}: not valid JSON ({type(e).__name__}: {str(e)[:100]})") from e
