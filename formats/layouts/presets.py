@@ -338,6 +338,22 @@ class _Builder:
         shape = self.arrays[fqn][0]
         self.put(fqn, (0, c0), (shape[0], n), tensor, (l0, 0), holders)
 
+    def gate_up(self, fqn: str, T: int, stage: int, tensor: str, label: str) -> None:
+        """A column-parallel gate or up array into the fused ``[gate_shard; up_shard]`` local
+        tensor of each TP rank (Megatron ``linear_fc1``, vLLM ``gate_up_proj``)."""
+        shape = self.arrays[fqn][0]
+        n = _divide(shape[0], T, f"{label}: intermediate_size ({shape[0]}) must be divisible by tp ({T})")
+        up = ".up_proj." in fqn
+        for t in range(T):
+            self.rows(fqn, t * n, n, tensor, n if up else 0, self.ranks(pp=stage, tp=t))
+
+    def down(self, fqn: str, T: int, stage: int, tensor: str, label: str) -> None:
+        """The row-parallel down projection: its input dim split over TP."""
+        shape = self.arrays[fqn][0]
+        n = _divide(shape[1], T, f"{label}: intermediate_size ({shape[1]}) must be divisible by tp ({T})")
+        for t in range(T):
+            self.cols(fqn, t * n, n, tensor, 0, self.ranks(pp=stage, tp=t))
+
     def whole(self, fqn: str, tensor: str, holders: Iterable[int]) -> None:
         shape = self.arrays[fqn][0]
         z = (0,) * len(shape)
@@ -484,14 +500,9 @@ def _megatron(b: _Builder, info: ModelInfo, *, etp: int | None, grouped_gemm: bo
         elif rest == "self_attn.o_proj.bias":
             b.whole(fqn, p + "self_attention.linear_proj.bias", rep)
         elif rest in ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.gate_proj.bias", "mlp.up_proj.bias"):
-            n = _divide(shape[0], T, f"megatron: intermediate_size ({shape[0]}) must be divisible by tp ({T})")
-            for t in range(T):
-                b.rows(fqn, t * n, n, p + "mlp.linear_fc1." + kind, 0 if "gate" in rest else n,
-                       b.ranks(pp=stage, tp=t))
+            b.gate_up(fqn, T, stage, p + "mlp.linear_fc1." + kind, "megatron")
         elif rest == "mlp.down_proj.weight":
-            n = _divide(shape[1], T, f"megatron: intermediate_size ({shape[1]}) must be divisible by tp ({T})")
-            for t in range(T):
-                b.cols(fqn, t * n, n, p + "mlp.linear_fc2.weight", 0, b.ranks(pp=stage, tp=t))
+            b.down(fqn, T, stage, p + "mlp.linear_fc2.weight", "megatron")
         elif rest == "mlp.down_proj.bias":
             b.whole(fqn, p + "mlp.linear_fc2.bias", rep)
         elif rest == "mlp.gate.weight":
@@ -607,14 +618,9 @@ def _vllm(b: _Builder, info: ModelInfo, preset: str, *, expert_parallel: bool | 
             for t in range(T):
                 b.cols(fqn, t * q_loc, q_loc, fqn, 0, b.ranks(pp=stage, tp=t))
         elif rest in ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.gate_proj.bias", "mlp.up_proj.bias"):
-            n = _divide(shape[0], T, f"{preset}: intermediate_size ({shape[0]}) must be divisible by tp ({T})")
-            for t in range(T):
-                b.rows(fqn, t * n, n, p + "mlp.gate_up_proj." + kind, 0 if "gate" in rest else n,
-                       b.ranks(pp=stage, tp=t))
+            b.gate_up(fqn, T, stage, p + "mlp.gate_up_proj." + kind, preset)
         elif rest == "mlp.down_proj.weight":
-            n = _divide(shape[1], T, f"{preset}: intermediate_size ({shape[1]}) must be divisible by tp ({T})")
-            for t in range(T):
-                b.cols(fqn, t * n, n, fqn, 0, b.ranks(pp=stage, tp=t))
+            b.down(fqn, T, stage, fqn, preset)
         elif (em := _EXPERT.match(rest)) is not None:
             e, proj = int(em.group(1)), em.group(2)
             E = info.num_experts(i)
