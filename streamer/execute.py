@@ -31,7 +31,7 @@ from formats.errors import PeerTimeoutError, TransportError
 from .plan import Plan, Transfer
 from .transport.base import Transport
 
-__all__ = ["Message", "build_schedule", "Executor", "ExecStats", "byte_view", "DEFAULT_BUCKET"]
+__all__ = ["DEFAULT_BUCKET", "ExecStats", "Executor", "Message", "build_schedule", "byte_view"]
 
 DEFAULT_BUCKET = 256 << 20
 _DIGEST_TAG = 7
@@ -141,8 +141,11 @@ def _bucket(ts: Sequence[Transfer], phase: int, s: int, d: int, bucket_size: int
     return msgs
 
 
-def build_schedule(plan: Plan, bucket_size: int, shape_of: Any = None) -> list[Message]:
-    """Every message of the plan, in the one global order all ranks use.
+def build_schedule(plan: Plan, bucket_size: int, shape_of: Any = None, *,
+                   rank: int | None = None) -> list[Message]:
+    """Every message of the plan, in the one global order all ranks use; with ``rank`` (global),
+    only what that rank needs (its messages keep their relative order and their contents, so
+    ranks that each build their own part still agree message for message; uids are then local).
 
     ``shape_of(global_rank, local_tensor, on_dst) -> shape`` (optional) lets contiguous transfers
     of at least ``INPLACE_MIN_BYTES`` go as their own messages, sent from and received into the
@@ -154,7 +157,7 @@ def build_schedule(plan: Plan, bucket_size: int, shape_of: Any = None) -> list[M
     """
     world = max(plan.world_size, 1)
     by_pair: dict[tuple[int, int, int], list[Transfer]] = defaultdict(list)
-    for t in plan.transfers:
+    for t in (plan.transfers if rank is None else plan.schedule_transfers(rank)):
         if t.phase == 0:
             continue
         by_pair[(t.phase, t.src_rank, t.dst_rank)].extend(_split_transfer(t, bucket_size))
@@ -242,7 +245,7 @@ class Executor:
         self.dst_views = self.src_views if dst_tensors is None else {n: view(x) for n, x in dst_tensors.items()}
         self.mine = [m for m in schedule if m.src == self.rank or m.dst == self.rank]
         self._by_uid = {m.uid: m for m in schedule}
-        self.local = [t for t in plan.transfers if t.phase == 0 and t.dst_rank == self.rank]
+        self.local = [t for t in plan.transfers_of(self.rank) if t.phase == 0 and t.dst_rank == self.rank]
         bucket = max((m.nbytes for m in self.mine), default=0)
         # at most `window` bucket buffers, allocated once and reused every push
         self._slots = [self._empty(bucket) for _ in range(min(self.window, len(self.mine)))]
@@ -391,7 +394,7 @@ class Executor:
                     if a.is_recv and a.msg.phase == 2:
                         upstream[a.msg.src].update(self._by_uid[d].src for d in a.msg.deps if d in self._by_uid)
 
-                def name(p: int) -> str:
+                def name(p: int, upstream: dict[int, set[int]] = upstream, name0: Any = name0) -> str:
                     up = sorted(upstream.get(p, ()))
                     return name0(p) + (f" (which forwards bytes from {', '.join(name0(u) for u in up)})" if up else "")
                 for a in active:

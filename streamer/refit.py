@@ -112,7 +112,8 @@ class RefitSession:
         if bad:
             raise PlanError(f"ranks {bad} computed a different plan (digest mismatch): the two jobs run "
                             "different shardstream versions or read different manifests")
-        self.schedule = build_schedule(self.plan, self.bucket_size, self._shape_of)
+        # each rank orders only its own messages: a full-size plan has millions of transfers
+        self.schedule = build_schedule(self.plan, self.bucket_size, self._shape_of, rank=t.rank)
         self._executor: Executor | None = None
         self._tensor_ids: tuple[int, ...] = ()
 

@@ -184,11 +184,7 @@ def group_layers(arrays: Mapping[str, tuple[Sequence[int], str]]) -> tuple[list[
 
 def pair_bytes(plan: Plan) -> dict[tuple[int, int, int], int]:
     """Bytes per ``(phase, src global rank, dst global rank)`` (phase-0 local copies left out)."""
-    out: dict[tuple[int, int, int], int] = defaultdict(int)
-    for t in plan.transfers:
-        if t.phase:
-            out[(t.phase, t.src_rank, t.dst_rank)] += t.nbytes
-    return out
+    return plan.pair_bytes()
 
 
 _ADDITIVE = ("total_bytes", "moved_bytes", "lower_bound_bytes", "network_bytes", "local_bytes",

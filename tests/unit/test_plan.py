@@ -253,9 +253,10 @@ def test_sweep_matches_all_pairs_oracle(pair: LayoutPair) -> None:
     src, dst = pair.src, pair.dst
     swept: set[tuple[str, int, int, Box]] = set()
     for fqn, d in dst.arrays.items():
-        index = _Index(src.arrays[fqn].chunks)
+        boxes = [c.region for c in src.arrays[fqn].chunks]
+        index = _Index(boxes)
         for di, dc in enumerate(d.chunks):
-            for si, box in _overlaps(fqn, src.arrays[fqn], dc, index):
+            for si, box in _overlaps(boxes, dc.region, index):
                 swept.add((fqn, di, si, box))
     oracle = brute_pieces(src, dst)
     assert swept == oracle
@@ -285,9 +286,10 @@ def test_sweep_with_many_chunks_matches_oracle() -> None:
     dst = lay_out(arrays, dm, {"g": (Shard(1), Shard(0)), "h": (Shard(2), Shard(1))})
     swept: set[tuple[str, int, int, Box]] = set()
     for fqn, d in dst.arrays.items():
-        index = _Index(src.arrays[fqn].chunks)
+        boxes = [c.region for c in src.arrays[fqn].chunks]
+        index = _Index(boxes)
         for di, dc in enumerate(d.chunks):
-            swept.update((fqn, di, si, b) for si, b in _overlaps(fqn, src.arrays[fqn], dc, index))
+            swept.update((fqn, di, si, b) for si, b in _overlaps(boxes, dc.region, index))
     assert swept == brute_pieces(src, dst)
     assert_plan_exact(plan_transfers(src, dst, split_bytes=1), src, dst, False)
     assert_plan_exact(plan_transfers(src, dst, same_job=True, split_bytes=1), src, dst, True)
@@ -300,9 +302,9 @@ def test_validate_plan_catches_broken_plans() -> None:
     plan = plan_transfers(src, dst)
     assert validate_plan(plan, src, dst) == []
     ts = list(plan.transfers)
-    dropped = Plan(tuple(ts[1:]), plan.src_world, plan.dst_world, False, 1, 1)
+    dropped = Plan.from_transfers(ts[1:], plan.src_world, plan.dst_world, False)
     assert any("receives" in p for p in validate_plan(dropped, src, dst))
-    doubled = Plan(tuple(ts + ts[:1]), plan.src_world, plan.dst_world, False, 1, 1)
+    doubled = Plan.from_transfers(ts + ts[:1], plan.src_world, plan.dst_world, False)
     assert validate_plan(doubled, src, dst)
 
 
