@@ -660,6 +660,14 @@ def plan_transfers(src: Manifest, dst: Manifest, *, src_domain_size: int | None 
     def gid(g: Any) -> int:
         return geom_ids.setdefault(g, len(geom_ids))
 
+    lay_gid: dict[int, int] = {}
+
+    def geom_id(lay: _Layout) -> int:  # hashing a geometry tuple is O(chunks): once per layout
+        g = lay_gid.get(id(lay))
+        if g is None:
+            g = lay_gid[id(lay)] = gid(lay.geom)
+        return g
+
     def runs(lay: _Layout) -> tuple[int, tuple[tuple[tuple[int, int], ...], ...]]:
         # destination holder slots grouped by domain (holders are sorted: groups are runs)
         hit = runs_of.get(id(lay))
@@ -685,7 +693,7 @@ def plan_transfers(src: Manifest, dst: Manifest, *, src_domain_size: int | None 
         s, d = src.arrays[fqn], dst.arrays[fqn]
         sl, dl = memo.layout(s), memo.layout(d)
         lays[fqn] = (sl, dl)
-        key: tuple[Any, ...] = (d.shape, d.data_type, gid(sl.geom), gid(dl.geom), runs(dl)[0])
+        key: tuple[Any, ...] = (d.shape, d.data_type, geom_id(sl), geom_id(dl), runs(dl)[0])
         if same_job:
             key += (sl.content, dl.content)
         classes[key].append(fqn)
@@ -760,7 +768,7 @@ def plan_transfers(src: Manifest, dst: Manifest, *, src_domain_size: int | None 
         "dst_domain_size": dds,
         "same_job": same_job,
     })
-    stats.update(_broadcast_baseline(src, dst, memo, same_job=same_job, S=S, sds=sds, dds=dds))
+    stats.update(_broadcast_baseline(src, dst, lays, same_job=same_job, S=S, sds=sds, dds=dds))
     return Plan(blocks, S, D, same_job, sds, dds, stats)
 
 
@@ -883,10 +891,13 @@ def _transfer_stats(blocks: Sequence[_Block], ranks: Sequence[tuple[np.ndarray, 
         moved += int(nb[moving].sum()) * A
         if not moving.all():
             src, dst, nb = src[moving], dst[moving], nb[moving]
+        sizes, which = np.unique(nb, return_inverse=True)
+        for v, size in enumerate(sizes.tolist()):  # a few distinct item sizes: integer counts
+            rows = src if len(sizes) == 1 else src[which == v]
+            send += np.bincount(rows.ravel(), minlength=len(send)) * float(size)
+            rows = dst if len(sizes) == 1 else dst[which == v]
+            recv += np.bincount(rows.ravel(), minlength=len(recv)) * float(size)
         s, d = src.ravel(), dst.ravel()
-        w = np.repeat(nb.astype(np.float64), A)
-        send += np.bincount(s, weights=w, minlength=len(send))
-        recv += np.bincount(d, weights=w, minlength=len(recv))
         if same_job:
             cross = (s // sds) != (d // sds)
         else:  # the two jobs never share a domain; inside one job compare its domains
@@ -897,7 +908,7 @@ def _transfer_stats(blocks: Sequence[_Block], ranks: Sequence[tuple[np.ndarray, 
                 si, di = s[inside], d[inside]
                 cross[inside] = np.where(on_src[inside], si // sds != di // sds,
                                          (si - S) // dds != (di - S) // dds)
-        net += int(np.dot(w, cross))
+        net += int(cross.reshape(src.shape).sum(axis=1, dtype=_I64) @ nb)
     return {
         "moved_bytes": moved,
         "network_bytes": net,
@@ -910,8 +921,8 @@ def _transfer_stats(blocks: Sequence[_Block], ranks: Sequence[tuple[np.ndarray, 
     }
 
 
-def _broadcast_baseline(src: Manifest, dst: Manifest, memo: _Memo, *, same_job: bool, S: int,
-                        sds: int, dds: int) -> dict[str, int]:
+def _broadcast_baseline(src: Manifest, dst: Manifest, lays: Mapping[str, tuple[_Layout, _Layout]], *,
+                        same_job: bool, S: int, sds: int, dds: int) -> dict[str, int]:
     """Gather-broadcast: source rank 0 gathers each whole array, then broadcasts it (ring, so
     the root sends each byte once) to every destination rank that needs any part of it."""
     root = 0
@@ -931,7 +942,7 @@ def _broadcast_baseline(src: Manifest, dst: Manifest, memo: _Memo, *, same_job: 
         s = src.arrays[fqn]
         isz = s.dtype.itemsize
         nbytes = s.nbytes
-        sl = memo.layout(s)
+        sl, dl = lays[fqn]
         hit = src_memo.get(id(sl))
         if hit is None:
             held = sum(b.volume for b, h in zip(sl.boxes, sl.holders) if root in h)
@@ -939,7 +950,6 @@ def _broadcast_baseline(src: Manifest, dst: Manifest, memo: _Memo, *, same_job: 
             hit = src_memo[id(sl)] = (held, far)
         gather += nbytes - hit[0] * isz
         net += hit[1] * isz
-        dl = memo.layout(d)
         got = dst_memo.get(id(dl))
         if got is None:
             ranks = np.array(sorted({h + shift for h in (x for hs in dl.holders for x in hs)}), dtype=_I64)
