@@ -2,7 +2,9 @@
 
 ``bench convert``: shardstream convert TP4 -> TP3 (uneven, strided S(1) reads) vs the raw copy
 floor (read the same source files, write the same number of bytes, fsync), each in its own
-process so peak RSS is measured per process.
+process so peak RSS is measured per process, and vs the DCP path (``streamer.bench_dcp``: 4 gloo
+ranks ``torch.distributed.checkpoint.save`` their DTensor shards, 3 ranks ``load`` into the
+target placements and write safetensors; its output is checked byte for byte against convert's).
 
 ``bench refit``: one MPMD launch of N senders + M receivers; over one session, the median of
 repeated pushes for reshard, for the gather-broadcast baseline, and for a raw ``MPI_Alltoallv``
@@ -22,7 +24,7 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
-__all__ = ["bench_convert", "bench_refit", "refit_worker"]
+__all__ = ["bench_convert", "bench_refit", "convert_table", "refit_worker"]
 
 
 def _sh(cmd: list[str]) -> tuple[float, int, str]:
@@ -64,45 +66,79 @@ def _copy_floor(src_dir: str, out_dir: str, chunk: int = 64 << 20) -> None:
 
 
 def bench_convert(work: str, *, preset: str = "qwen3-2g", memory_limit: str = "256MiB", repeats: int = 2,
-                  keep: bool = False) -> dict[str, Any]:
+                  keep: bool = False, src_tp: int = 4, dst_tp: int = 3, dcp: bool = True) -> dict[str, Any]:
+    """shardstream convert TP{src_tp} -> TP{dst_tp} vs the raw copy floor and (``dcp``) the DCP path.
+
+    The DCP path (``streamer.bench_dcp``): ``src_tp`` gloo ranks save their DTensor shards with
+    ``torch.distributed.checkpoint``, then ``dst_tp`` ranks load into the target placements and
+    write safetensors. ``dcp_s`` is that reshard + write step (barrier to every file fsynced,
+    slowest rank; torch import and process-group setup excluded, ``dcp_wall_s`` includes them);
+    ``dcp_peak_rss_bytes`` is the sum of the load processes' own peaks. Its output is checked
+    against convert's, tensor by tensor: a difference raises ``ValidationError``.
+    """
+    from formats.errors import ShardstreamError, UsageError
+
+    from . import bench_dcp
     from .synth import QWEN3_TP_RULES
 
+    if src_tp == dst_tp:
+        raise UsageError(f"bench convert: source and target TP are both {src_tp}")
+    if dcp:
+        why = bench_dcp.dcp_missing()
+        if why:
+            raise ShardstreamError(f"bench convert: {why}; pass --no-dcp to bench without the DCP path")
     w = Path(work)
     w.mkdir(parents=True, exist_ok=True)
     py = sys.executable
     ss = [py, "-m", "streamer"]
     rules = [a for r in QWEN3_TP_RULES for a in ("--rule", r)]
-    if not (w / "tp4" / "manifest.json").exists():
+    src, dst = w / f"tp{src_tp}", w / f"tp{dst_tp}"
+    if not (src / "manifest.json").exists():
         subprocess.run(ss + ["synth", "--preset", preset, "--out", str(w / "hf")], check=True, stdout=subprocess.DEVNULL)
         subprocess.run(ss + ["import", str(w / "hf"), "-o", str(w / "hf" / "manifest.json")], check=True,
                        stdout=subprocess.DEVNULL)
-        subprocess.run(ss + ["layout", "--like", str(w / "hf" / "manifest.json"), "--mesh", "tp=4", *rules, "-o",
-                             str(w / "tp4.json")], check=True, stdout=subprocess.DEVNULL)
-        subprocess.run(ss + ["convert", str(w / "hf" / "manifest.json"), str(w / "tp4.json"), "--out",
-                             str(w / "tp4")], check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(ss + ["layout", "--like", str(w / "hf" / "manifest.json"), "--mesh", f"tp={src_tp}",
+                             *rules, "-o", str(w / f"tp{src_tp}.json")], check=True,
+                       stdout=subprocess.DEVNULL)
+        subprocess.run(ss + ["convert", str(w / "hf" / "manifest.json"), str(w / f"tp{src_tp}.json"), "--out",
+                             str(src)], check=True, stdout=subprocess.DEVNULL)
         shutil.rmtree(w / "hf")
-    subprocess.run(ss + ["layout", "--like", str(w / "tp4"), "--mesh", "tp=3", *rules, "-o", str(w / "tp3.json")],
-                   check=True, stdout=subprocess.DEVNULL)
-    nbytes = sum(f.stat().st_size for f in (w / "tp4").glob("*.safetensors"))
+    dst_layout = w / f"tp{dst_tp}.json"
+    subprocess.run(ss + ["layout", "--like", str(src), "--mesh", f"tp={dst_tp}", *rules, "-o",
+                         str(dst_layout)], check=True, stdout=subprocess.DEVNULL)
+    nbytes = sum(f.stat().st_size for f in src.glob("*.safetensors"))
+    ckpt, dcp_out = w / "dcp", w / f"dcp-tp{dst_tp}"
+    save: dict[str, Any] = {}
+    if dcp:
+        shutil.rmtree(ckpt, ignore_errors=True)
+        save = bench_dcp.launch("save", src_tp, manifest=str(src / "manifest.json"), ckpt=str(ckpt),
+                                data=str(src))
     conv, floor, rss_c, rss_f = [], [], [], []
+    loads: list[dict[str, Any]] = []
     conv_out: dict[str, Any] = {}
     for _ in range(repeats):
         shutil.rmtree(w / "floor", ignore_errors=True)
-        dt, rss, _ = _sh([py, "-c", f"from streamer.bench import _copy_floor; _copy_floor({str(w / 'tp4')!r}, "
-                                    f"{str(w / 'floor')!r})"])
+        dt, rss, _ = _sh([py, "-c", (f"from streamer.bench import _copy_floor; _copy_floor({str(src)!r}, "
+                                     f"{str(w / 'floor')!r})")])
         floor.append(dt)
         rss_f.append(rss)
-        shutil.rmtree(w / "tp3", ignore_errors=True)
-        dt, rss, out = _sh(ss + ["convert", str(w / "tp4"), str(w / "tp3.json"), "--out", str(w / "tp3"),
+        shutil.rmtree(dst, ignore_errors=True)
+        dt, rss, out = _sh(ss + ["convert", str(src), str(dst_layout), "--out", str(dst),
                                  "--memory-limit", memory_limit, "--json"])
         conv.append(dt)
         rss_c.append(rss)
         conv_out = json.loads(out)
+        if dcp:
+            shutil.rmtree(dcp_out, ignore_errors=True)
+            loads.append(bench_dcp.launch("load", dst_tp, manifest=str(dst_layout), ckpt=str(ckpt),
+                                          out=str(dcp_out)))
     t0 = time.perf_counter()
-    subprocess.run(ss + ["validate", "--data", str(w / "tp3")], check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(ss + ["validate", "--data", str(dst)], check=True, stdout=subprocess.DEVNULL)
     validate_s = time.perf_counter() - t0
-    res = {
+    res: dict[str, Any] = {
         "bytes": nbytes,
+        "src_tp": src_tp,
+        "dst_tp": dst_tp,
         "convert_s": min(conv),
         "floor_s": min(floor),
         "ratio_to_floor": min(conv) / min(floor),
@@ -116,10 +152,82 @@ def bench_convert(work: str, *, preset: str = "qwen3-2g", memory_limit: str = "2
         "validate_data_s": validate_s,
         "runs": {"convert_s": conv, "floor_s": floor},
     }
+    if dcp:
+        # the DCP output must be the same tensors, byte for byte, as convert's (raises if not)
+        check = bench_dcp.compare_outputs(dcp_out, dst)
+        steps = [max(x["step_s"] for x in ld["ranks"]) for ld in loads]
+        best = loads[steps.index(min(steps))]
+        dcp_s = min(steps)
+        dcp_rss = max(sum(ld["peak_rss_bytes"]) for ld in loads)
+        res.update({
+            "dcp_s": dcp_s,
+            "dcp_load_s": max(x["load_s"] for x in best["ranks"]),
+            "dcp_write_s": max(x["write_s"] for x in best["ranks"]),
+            "dcp_wall_s": min(ld["wall_s"] for ld in loads),
+            "dcp_gb_per_s": nbytes / dcp_s / 1e9,
+            "dcp_save_s": max(x["save_s"] for x in save["ranks"]),
+            "dcp_save_wall_s": save["wall_s"],
+            "dcp_checkpoint_bytes": sum(f.stat().st_size for f in ckpt.iterdir() if f.is_file()),
+            "dcp_peak_rss_bytes": dcp_rss,
+            "dcp_peak_rss_max_bytes": max(max(ld["peak_rss_bytes"]) for ld in loads),
+            "dcp_peak_rss_of": f"sum of the {dst_tp} load processes' own peaks",
+            "dcp_rss_before_load_bytes": sum(x["rss_before_load_bytes"] for x in best["ranks"]),
+            "dcp_save_peak_rss_bytes": sum(save["peak_rss_bytes"]),
+            "dcp_bytes_read": sum(x["rchar"] for x in best["ranks"]),
+            "dcp_storage_read_bytes": sum(x["read_bytes"] for x in best["ranks"]),
+            "speedup_vs_dcp": dcp_s / min(conv),
+            "memory_ratio_vs_dcp": dcp_rss / max(rss_c),
+            "dcp_matches_convert": True,
+            "dcp_compared": check,
+        })
+        res["runs"]["dcp_s"] = steps
+        res["runs"]["dcp_wall_s"] = [ld["wall_s"] for ld in loads]
     if not keep:
-        for d in ("tp3", "floor"):
-            shutil.rmtree(w / d, ignore_errors=True)
+        for d in (dst, w / "floor", ckpt, dcp_out):
+            shutil.rmtree(d, ignore_errors=True)
     return res
+
+
+def convert_table(r: dict[str, Any]) -> str:
+    """The human table of a ``bench_convert`` result."""
+    mib, gb = 2**20, 1e9
+
+    def row(label: str, rest: str) -> str:
+        return f"  {label:<24} {rest}"
+
+    def path(label: str, k: str, read: float | None = None) -> str:
+        tail = "" if read is None else f"  read {read / gb:6.2f} GB"
+        return row(label, f"{r[k + '_s']:8.2f} s  {r[k + '_gb_per_s']:6.2f} GB/s  peak RSS "
+                   f"{r[k + '_peak_rss_bytes'] / mib:7.0f} MiB{tail}")
+
+    lines = [(f"bench convert ({r['bytes'] / gb:.2f} GB, TP{r['src_tp']} -> TP{r['dst_tp']}, --memory-limit "
+              f"{r['memory_limit']}):"),
+             path("shardstream convert", "convert", r["bytes_read"] or 0),
+             path("raw copy floor", "floor")]
+    if "dcp_s" in r:
+        lines += [
+            path("DCP load + safetensors", "dcp", r["dcp_bytes_read"]),
+            (f"    {r['dst_tp']} ranks: load {r['dcp_load_s']:.2f} s + write {r['dcp_write_s']:.2f} s "
+             f"(slowest rank), {r['dcp_wall_s']:.2f} s with torch import + gloo setup;"),
+            (f"    RSS: sum of the {r['dst_tp']} processes' peaks (largest "
+             f"{r['dcp_peak_rss_max_bytes'] / mib:.0f} MiB; "
+             f"{r['dcp_rss_before_load_bytes'] / mib:.0f} MiB of the sum before load)"),
+            row(f"DCP save ({r['src_tp']} ranks)",
+                f"{r['dcp_save_s']:8.2f} s  ({r['dcp_checkpoint_bytes'] / gb:.2f} GB; "
+                f"{r['dcp_save_wall_s']:.2f} s with startup, peak RSS sum "
+                f"{r['dcp_save_peak_rss_bytes'] / mib:.0f} MiB)"),
+        ]
+    lines.append(row("ratio to floor", f"{r['ratio_to_floor']:8.2f} x   (target <= 1.3)"))
+    if "dcp_s" in r:
+        c = r["dcp_compared"]
+        lines += [row("speedup vs DCP", f"{r['speedup_vs_dcp']:8.2f} x   (target >= 2)"),
+                  row("memory vs DCP", f"{r['memory_ratio_vs_dcp']:8.2f} x less (target >= 10)"),
+                  row("DCP output", f"== convert's: {c['tensors']} tensors, {c['bytes'] / gb:.2f} GB in "
+                      f"{c['files']} files, byte for byte")]
+    else:
+        lines.append(row("DCP path", "not run (--no-dcp)"))
+    lines.append(row("validate --data", f"{r['validate_data_s']:8.2f} s"))
+    return "\n".join(lines)
 
 
 def bench_validate(n_chunks: int = 100_000) -> dict[str, Any]:
@@ -189,9 +297,8 @@ def refit_worker(argv: list[str]) -> int:
     # the floor: one Alltoallv of exactly the planned bytes per (sender, receiver) pair
     W = world.Get_size()
     counts = np.zeros((W, W), dtype=np.int64)
-    for t in plan.transfers:
-        if t.phase:
-            counts[t.src_rank, t.dst_rank] += t.nbytes
+    for (_phase, s, d), nbytes in plan.pair_bytes().items():
+        counts[s, d] += nbytes
     scount = counts[rank].astype(np.int64)
     rcount = counts[:, rank].astype(np.int64)
     sbuf = np.ones(int(scount.sum()), dtype=np.uint8)
@@ -287,8 +394,8 @@ def bench_plan(sizes: tuple[int, ...] = (1_200, 4_800, 19_200), *, model: str | 
                train: str = "pp=16,ep=16", serve: str = "dp=8,tp=32", domain: int = 8) -> dict[str, Any]:
     """Planner and validator time and peak memory vs the number of chunks.
 
-    The sweep uses synthetic models of ``n/12`` arrays (2-D, bf16; 8 source + 4 destination chunks
-    each) laid out TP8 -> TP4xDP2 with uneven shards; times are taken without allocation tracing,
+    The sweep uses synthetic models of ``n/12`` arrays (2-D, bf16, each of its own shape; 8 source
+    + 4 destination chunks each) laid out TP8 -> TP4xDP2 with uneven shards; times are taken without allocation tracing,
     then peak memory in a second, traced pass; the scaling exponent is the least-squares slope of log(time) over log(chunks).
     With ``model`` (an HF config.json), the full-size trainer -> generator plan is timed as well.
     """
@@ -302,7 +409,8 @@ def bench_plan(sizes: tuple[int, ...] = (1_200, 4_800, 19_200), *, model: str | 
 
     rows = []
     for n in sizes:
-        arrays = {f"model.layers.{i}.w": ((4099, 1024), "bfloat16") for i in range(max(1, n // 12))}
+        # a distinct shape per array: no two arrays share a template (the planner's worst case)
+        arrays = {f"model.layers.{i}.w": ((4099 + i, 1024), "bfloat16") for i in range(max(1, n // 12))}
         base = manifest_from_arrays(arrays)
         ms, md = parse_mesh("tp=8"), parse_mesh("dp=2,tp=4")
         src = apply_layout(base, ms, [parse_rule("*=S(0)", ms)], file_pattern=None)
@@ -318,7 +426,7 @@ def bench_plan(sizes: tuple[int, ...] = (1_200, 4_800, 19_200), *, model: str | 
         plan = plan_transfers(src, dst, dst_domain_size=domain)
         peak = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
-        rows.append({"chunks": chunks, "transfers": len(plan.transfers), "validate_s": t1 - t0, "plan_s": t2 - t1,
+        rows.append({"chunks": chunks, "transfers": (plan.stats()["transfers"] + plan.stats()["local_copies"]), "validate_s": t1 - t0, "plan_s": t2 - t1,
                      "peak_bytes": peak, "problems": len(p1)})
 
     def slope(key: str) -> float:
@@ -346,7 +454,7 @@ def bench_plan(sizes: tuple[int, ...] = (1_200, 4_800, 19_200), *, model: str | 
         out["model"] = {"config": model, "train": train, "serve": serve, "arrays": len(arrays),
                         "src_chunks": sum(len(a.chunks) for a in src.arrays.values()),
                         "dst_chunks": sum(len(a.chunks) for a in dst.arrays.values()),
-                        "manifests_s": t1 - t0, "plan_s": t2 - t1, "transfers": len(plan.transfers),
+                        "manifests_s": t1 - t0, "plan_s": t2 - t1, "transfers": (plan.stats()["transfers"] + plan.stats()["local_copies"]),
                         "moved_bytes": st["moved_bytes"], "broadcast_moved_bytes": st["broadcast_moved_bytes"]}
     return out
 
@@ -362,7 +470,10 @@ def plot(result: dict[str, Any], kind: str, path: str) -> None:
         from formats.errors import UsageError
 
         raise UsageError("--plot needs matplotlib (pip install matplotlib)") from e
-    fig, ax = plt.subplots(figsize=(6, 4))
+    if kind == "convert":
+        fig, (ax, ax2) = plt.subplots(1, 2, figsize=(9, 4))
+    else:
+        fig, ax = plt.subplots(figsize=(6, 4))
     if kind == "plan":
         xs = [r["chunks"] for r in result["sweep"]]
         ax.loglog(xs, [r["plan_s"] for r in result["sweep"]], "o-", label=f"plan (slope {result['plan_exponent']:.2f})")
@@ -370,6 +481,14 @@ def plot(result: dict[str, Any], kind: str, path: str) -> None:
                   label=f"validate (slope {result['validate_exponent']:.2f})")
         ax.set_xlabel("chunks")
         ax.set_ylabel("seconds")
+    elif kind == "convert":
+        paths = [(lbl, k) for lbl, k in (("floor", "floor"), ("shardstream", "convert"), ("DCP", "dcp"))
+                 if f"{k}_s" in result]
+        ax.bar([lbl for lbl, _ in paths], [result[f"{k}_s"] for _, k in paths])
+        ax.set_ylabel("seconds")
+        ax2.bar([lbl for lbl, _ in paths], [result[f"{k}_peak_rss_bytes"] / 2**20 for _, k in paths])
+        ax2.set_ylabel("peak RSS, MiB (DCP: sum over ranks)")
+        ax2.set_title("memory")
     else:
         keys = [k for k in ("reshard_s", "broadcast_s", "floor_s", "convert_s") if k in result]
         ax.bar(keys, [result[k] for k in keys])

@@ -405,14 +405,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     work = args.work or tempfile.mkdtemp(prefix="shardstream-bench-")
     if args.what == "convert":
         r = bench.bench_convert(work, preset=args.preset or "qwen3-2g", memory_limit=args.memory_limit,
-                                repeats=args.repeats)
-        text = (f"bench convert ({r['bytes'] / 1e9:.2f} GB, TP4 -> TP3, --memory-limit {r['memory_limit']}):\n"
-                f"  shardstream convert  {r['convert_s']:8.2f} s  {r['convert_gb_per_s']:6.2f} GB/s  peak RSS "
-                f"{r['convert_peak_rss_bytes'] / 2**20:7.0f} MiB\n"
-                f"  raw copy floor       {r['floor_s']:8.2f} s  {r['floor_gb_per_s']:6.2f} GB/s  peak RSS "
-                f"{r['floor_peak_rss_bytes'] / 2**20:7.0f} MiB\n"
-                f"  ratio to floor       {r['ratio_to_floor']:8.2f} x   (target <= 1.3)\n"
-                f"  validate --data      {r['validate_data_s']:8.2f} s")
+                                repeats=args.repeats, src_tp=args.src_tp, dst_tp=args.dst_tp, dcp=not args.no_dcp)
+        text = bench.convert_table(r)
     elif args.what == "plan":
         r = bench.bench_plan(tuple(args.sweep), model=args.model)
         lines = ["bench plan: TP8 -> TP4xDP2 (uneven, domain 8), sweep over chunks"]
@@ -566,6 +560,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", choices=["qwen3-tiny", "qwen3-small", "qwen3-2g"])
     p.add_argument("--memory-limit", default="256MiB")
     p.add_argument("--repeats", type=_positive_int, default=2)
+    p.add_argument("--src-tp", type=_positive_int, default=4, help="bench convert: source TP size")
+    p.add_argument("--dst-tp", type=_positive_int, default=3, help="bench convert: target TP size")
+    p.add_argument("--no-dcp", action="store_true", help="bench convert: skip the torch.distributed.checkpoint path")
     p.add_argument("--chunks", type=_positive_int, default=100_000)
     p.add_argument("--senders", type=_positive_int, default=4)
     p.add_argument("--receivers", type=_positive_int, default=4)

@@ -26,10 +26,90 @@ def test_bench_validate_counts_chunks() -> None:
 
 
 def test_bench_convert_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["bench", "convert", "--preset", "qwen3-tiny", "--repeats", "1", "--work", str(tmp_path), "--json"]) == 0
-    r = json.loads(capsys.readouterr().out)
-    files = sorted((tmp_path / "tp4").glob("*.safetensors"))
+    """TP2 -> TP3 (uneven) at tiny size, with the DCP path: 2 gloo ranks dcp.save, 3 dcp.load."""
+    pytest.importorskip("torch.distributed.checkpoint")  # the optional [torch] extra; --no-dcp is tested below
+    assert main(["bench", "convert", "--preset", "qwen3-tiny", "--repeats", "1", "--src-tp", "2",
+                 "--dst-tp", "3", "--work", str(tmp_path), "--json"]) == 0
+    cap = capsys.readouterr()
+    r = json.loads(cap.out)
+    files = sorted((tmp_path / "tp2").glob("*.safetensors"))
+    assert len(files) == 2
     assert r["bytes"] == sum(f.stat().st_size for f in files)  # the floor copies exactly these bytes
     assert r["convert_s"] > 0 and r["floor_s"] > 0
     assert r["ratio_to_floor"] == pytest.approx(r["convert_s"] / r["floor_s"])
     assert r["bytes_read"] >= sum(f.stat().st_size for f in files) - 8 * 1024 * len(files)  # headers aside
+    # the DCP path ran, and its output is convert's, tensor by tensor (bench_dcp.compare_outputs)
+    assert r["dcp_matches_convert"] is True
+    c = r["dcp_compared"]
+    assert c["files"] == 3 and c["tensors"] > 0
+    assert c["bytes"] >= r["bytes"] - 8 * 1024 * len(files)  # every tensor byte of the target compared
+    for k in ("dcp_s", "dcp_load_s", "dcp_write_s", "dcp_wall_s", "dcp_save_s", "dcp_save_wall_s",
+              "dcp_peak_rss_bytes", "dcp_peak_rss_max_bytes", "dcp_rss_before_load_bytes",
+              "dcp_save_peak_rss_bytes", "dcp_bytes_read", "dcp_checkpoint_bytes", "speedup_vs_dcp",
+              "memory_ratio_vs_dcp"):
+        assert r[k] > 0, k
+    assert r["dcp_wall_s"] >= r["dcp_s"] >= r["dcp_load_s"]
+    assert r["dcp_peak_rss_bytes"] >= r["dcp_peak_rss_max_bytes"]
+    assert r["dcp_bytes_read"] >= c["bytes"]  # DCP reads whole saved chunks, at least what it lands
+    assert r["speedup_vs_dcp"] == pytest.approx(r["dcp_s"] / r["convert_s"])
+    assert r["memory_ratio_vs_dcp"] == pytest.approx(r["dcp_peak_rss_bytes"] / r["convert_peak_rss_bytes"])
+    assert "speedup vs DCP" in cap.err and "memory vs DCP" in cap.err  # the table (stderr with --json)
+    assert not (tmp_path / "dcp").exists() and not (tmp_path / "dcp-tp3").exists()  # scratch removed
+
+
+def test_bench_convert_no_dcp(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                              monkeypatch: pytest.MonkeyPatch) -> None:
+    from streamer import bench_dcp
+
+    monkeypatch.setattr(bench_dcp, "dcp_missing",
+                        lambda: "torch.distributed.checkpoint is not importable (test)")
+    args = ["bench", "convert", "--preset", "qwen3-tiny", "--repeats", "1", "--work", str(tmp_path)]
+    assert main(args) == 1  # no silent skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--no-dcp" in err[0]
+    assert "torch.distributed.checkpoint is not importable" in err[0]
+    assert not (tmp_path / "tp4").exists()  # said so before building anything
+    assert main(args + ["--no-dcp", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert "dcp_s" not in r and r["convert_s"] > 0
+
+
+def test_dcp_placements_from_manifest() -> None:
+    """Replicate for one chunk held by all, Shard(d) for one chunk per rank; anything else refused.
+    (That DTensor's torch.chunk split is the manifest's is checked by every DCP worker.)"""
+    from streamer.bench_dcp import placements
+
+    man = {"world_size": 3, "mesh": {"axes": ["tp"], "shape": [3]}, "arrays": {
+        "w": {"shape": [4, 10], "data_type": "bfloat16", "chunks": [
+            {"region": {"offsets": [0, o], "sizes": [4, n]}, "holders": [r]}
+            for r, (o, n) in enumerate([(0, 4), (4, 4), (8, 2)])]},
+        "n": {"shape": [10], "data_type": "bfloat16",
+              "chunks": [{"region": {"offsets": [0], "sizes": [10]}, "holders": [0, 1, 2]}]}}}
+    p = placements(man)
+    assert p["w"][2] == 1 and p["n"][2] is None
+    assert p["w"][3][2] == ([0, 8], [4, 2])
+    man["arrays"]["w"]["chunks"][2]["holders"] = [1]
+    with pytest.raises(ValueError, match="more than one chunk"):
+        placements(man)
+
+
+def test_dcp_compare_outputs_fails_loudly(tmp_path: Path) -> None:
+    import numpy as np
+
+    from formats.dtypes import DTYPES
+    from formats.errors import ValidationError
+    from formats.safetensors_io import SafetensorsWriter
+    from streamer.bench_dcp import compare_outputs
+
+    def write(d: Path, data: bytes) -> None:
+        d.mkdir()
+        w = SafetensorsWriter(d / "rank-00000.safetensors", [("t", DTYPES["uint8"], (len(data),))])
+        w.write("t", 0, np.frombuffer(data, dtype=np.uint8))
+        w.commit()
+
+    write(tmp_path / "a", b"abcd")
+    write(tmp_path / "b", b"abcd")
+    write(tmp_path / "c", b"abce")
+    assert compare_outputs(tmp_path / "a", tmp_path / "b")["bytes"] == 4
+    with pytest.raises(ValidationError, match="differs"):
+        compare_outputs(tmp_path / "a", tmp_path / "c")
