@@ -112,14 +112,14 @@ def cmd_layout(args: argparse.Namespace) -> int:
         from formats.layouts.presets import preset_manifest
         from formats.validate import validate_manifest
 
-        if not getattr(args, "model", None) or args.like or args.rule or args.fp8 or args.include_mtp:
-            raise UsageError("layout --preset needs --model CFG (an HF config.json) and takes no --like, --rule, "
-                             "--fp8 or --include-mtp")
+        if not getattr(args, "model", None) or args.like or args.rule or args.include_mtp:
+            raise UsageError("layout --preset needs --model CFG (an HF config.json) and takes no --like, --rule "
+                             "or --include-mtp")
         pattern = None if args.no_files else args.file_pattern
         if args.file_pattern is None and not args.no_files and args.preset != "hf":
             pattern = "rank-{rank:05d}.safetensors"  # hf: convert names the files (model.safetensors, shards)
         m = preset_manifest(args.model, args.preset, mesh, file_pattern=pattern, domain_size=args.domain_size,
-                            name=args.name)
+                            name=args.name, fp8=args.fp8)
         problems = validate_manifest(m, where=args.output, check_paths=False)
         if problems:
             raise ShardstreamError(problems=problems)
@@ -215,6 +215,12 @@ def _fmt_stats(st: dict[str, Any]) -> str:
     ]
     if st["moved_bytes"]:
         rows.append(("broadcast / reshard bytes", f"{st['broadcast_moved_bytes'] / st['moved_bytes']:12.2f} x"))
+    if st.get("fp8_pairs") or st.get("unpaired_scales"):
+        rows.append(("FP8 weight + scale pairs", f"{st['fp8_pairs']:12d} (each scale block moves with its rows)"))
+    if st.get("unpaired_scales"):
+        names = st["unpaired_scales"]
+        rows.append(("scales planned alone", f"{len(names):12d} (chunks not block for block with the weight: "
+                     f"{', '.join(names[:3])}{', …' if len(names) > 3 else ''})"))
     return "\n".join(f"{k:32s} {v}" for k, v in rows)
 
 
@@ -481,7 +487,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--like", metavar="MANIFEST", help="take arrays, shapes and dtypes from this manifest/checkpoint")
     p.add_argument("--model", metavar="CFG", help="take arrays from an HF config.json or an NCCL M2N model JSON "
                    "(without --rule: generic Megatron-like rules)")
-    p.add_argument("--fp8", action="store_true", help="--model: block-FP8 linear weights + weight_scale_inv")
+    p.add_argument("--fp8", action="store_true", help="--model: block-FP8 linear weights + weight_scale_inv (with --preset: each scale laid out with its weight)")
     p.add_argument("--include-mtp", action="store_true", help="--model: DeepSeek-V3 MTP layers too")
     p.add_argument("--preset", choices=("megatron", "vllm", "sglang", "fsdp2", "hf"),
                    help="--model: the framework's own local tensors (fused qkv / gate_up, padded vocab, stage-local "

@@ -188,6 +188,7 @@ class _Block:
     ud: np.ndarray  # [A]
     src_lay: tuple[_Layout, ...]  # per array, for tensors / offsets / manifest chunk indices
     dst_lay: tuple[_Layout, ...]
+    grid: tuple[int, ...] | None = None  # FP8 weights: cuts only on the scale-block grid
 
     @property
     def items(self) -> int:
@@ -487,33 +488,73 @@ class _Template:
 Shares = Callable[[int, tuple[int, ...]], Sequence[float] | None]
 
 
-def _split_weighted(box: Box, shares: Sequence[float]) -> list[Box | None]:
+def _cut_points(box: Box, d: int, grid: Sequence[int] | None) -> list[int]:
+    """Where ``box`` may be cut along dim ``d``, relative to its start: anywhere, or only on the
+    block grid (FP8 weights: each slice must carry whole scale blocks)."""
+    a, n = box.offsets[d], box.sizes[d]
+    g = grid[d] if grid is not None else 1
+    if g <= 1:
+        return list(range(n + 1))
+    return [0] + [x - a for x in range((a // g + 1) * g, a + n, g)] + [n]
+
+
+def _slab(box: Box, d: int, lo: int, hi: int) -> Box:
+    offs, sizes = list(box.offsets), list(box.sizes)
+    offs[d] += lo
+    sizes[d] = hi - lo
+    return Box(tuple(offs), tuple(sizes))
+
+
+def _split_dim(box: Box, parts: int, grid: Sequence[int] | None) -> tuple[int, list[int]]:
+    if grid is None:  # split_box's choice; any point is a cut point
+        dim = next((d for d, n in enumerate(box.sizes) if n >= parts), None)
+        if dim is None:
+            dim = max(range(box.ndim), key=lambda d: box.sizes[d])
+        return dim, []
+    cells = [_cut_points(box, d, grid) for d in range(box.ndim)]
+    dim = next((d for d in range(box.ndim) if len(cells[d]) - 1 >= parts), None)
+    if dim is None:
+        dim = max(range(box.ndim), key=lambda d: (len(cells[d]), -d))
+    return dim, cells[dim]
+
+
+def _split(box: Box, parts: int, grid: Sequence[int] | None) -> list[Box]:
+    """:func:`formats.box.split_box`, with cuts only on ``grid`` when one is given."""
+    if grid is None or parts <= 1 or box.ndim == 0 or box.volume <= 1:
+        return split_box(box, parts)
+    dim, pts = _split_dim(box, parts, grid)
+    m = len(pts) - 1
+    k = min(parts, m)
+    bounds = [pts[m * i // k] for i in range(k + 1)]
+    return [_slab(box, dim, lo, hi) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
+
+
+def _split_weighted(box: Box, shares: Sequence[float], grid: Sequence[int] | None = None) -> list[Box | None]:
     """Cut ``box`` along split_box's dim into consecutive slabs proportional to ``shares``."""
     k = len(shares)
-    dim = next((d for d, n in enumerate(box.sizes) if n >= k), None)
-    if dim is None:
-        dim = max(range(box.ndim), key=lambda d: box.sizes[d])
+    dim, pts = _split_dim(box, k, grid)
     n = box.sizes[dim]
     total = sum(shares) or 1.0
     out: list[Box | None] = []
     acc, prev = 0.0, 0
     for j, f in enumerate(shares):
         acc += f
-        cut = n if j == k - 1 else max(prev, min(n, round(n * acc / total)))
-        if cut > prev:
-            offs, sizes = list(box.offsets), list(box.sizes)
-            offs[dim] += prev
-            sizes[dim] = cut - prev
-            out.append(Box(tuple(offs), tuple(sizes)))
-        else:
-            out.append(None)
+        want = n * acc / total
+        if j == k - 1:
+            cut = n
+        elif grid is None:
+            cut = max(prev, min(n, round(want)))
+        else:  # the nearest grid point
+            i = bisect.bisect_left(pts, want)
+            cut = max(prev, min(pts[max(0, i - 1):i + 1], key=lambda x: (abs(x - want), x)))
+        out.append(_slab(box, dim, prev, cut) if cut > prev else None)
         prev = cut
     return out
 
 
 def _build_template(sl: _Layout, dl: _Layout, runs: Sequence[Sequence[tuple[int, int]]], isz: int,
                     split_bytes: int, same_job: bool, dom: Any, rot0: int,
-                    shares: Shares | None = None) -> tuple[_Template, int]:
+                    shares: Shares | None = None, grid: Sequence[int] | None = None) -> tuple[_Template, int]:
     tp = _Template()
     given: dict[tuple[int, int], float] = defaultdict(float)  # bytes per (source chunk, slot), weighted sets
     index = _Index(sl.boxes)
@@ -552,14 +593,14 @@ def _build_template(sl: _Layout, dl: _Layout, runs: Sequence[Sequence[tuple[int,
                 tp.lower += pbytes * len(need)
                 rot += 1
                 # phase 1: the piece lands once in the domain, spread over `need`
-                parts = [inter] if len(need) == 1 or pbytes < split_bytes else split_box(inter, len(need))
+                parts = [inter] if len(need) == 1 or pbytes < split_bytes else _split(inter, len(need), grid)
                 for i, part in enumerate(parts):
                     psz = part.volume * isz
                     tp.needed[(si, senders)] += psz
                     fr = shares(si, senders) if shares is not None and len(senders) > 1 else None
                     if fr is not None:  # unequal shares: fixed slots, cut (or given) in proportion
                         if psz >= split_bytes and part.ndim:
-                            for j, sub in enumerate(_split_weighted(part, fr)):
+                            for j, sub in enumerate(_split_weighted(part, fr, grid)):
                                 if sub is not None:
                                     tp.add(sub, 1, si, di, _SRC, (senders[j],), 0, need, i, rot)
                                     given[(si, senders[j])] += sub.volume * isz
@@ -569,7 +610,7 @@ def _build_template(sl: _Layout, dl: _Layout, runs: Sequence[Sequence[tuple[int,
                             tp.add(part, 1, si, di, _SRC, (senders[j],), 0, need, i, rot)
                             given[(si, senders[j])] += psz
                     else:
-                        subs = [part] if len(senders) == 1 or psz < split_bytes else split_box(part, len(senders))
+                        subs = [part] if len(senders) == 1 or psz < split_bytes else _split(part, len(senders), grid)
                         for j, sub in enumerate(subs):
                             tp.add(sub, 1, si, di, _SRC, senders, i + j, need, i, rot)
                     for m in range(1, len(need)):  # phase 2: forward inside the domain
@@ -609,7 +650,7 @@ def _holder_table(lays: Sequence[_Layout], shift: int) -> tuple[np.ndarray, np.n
 
 
 def _make_block(tp: _Template, fqns: Sequence[str], isz: int, ndim: int, src_lay: Sequence[_Layout],
-                dst_lay: Sequence[_Layout], dst_shift: int) -> _Block:
+                dst_lay: Sequence[_Layout], dst_shift: int, grid: tuple[int, ...] | None = None) -> _Block:
     T = len(tp.cols)
     cw = max((max(len(c[4]), len(c[6])) for c in tp.cols), default=1)
     cols = tp.cols
@@ -626,7 +667,82 @@ def _make_block(tp: _Template, fqns: Sequence[str], isz: int, ndim: int, src_lay
         dcand=_pad([c[6] for c in cols], cw), dk=np.array([c[7] for c in cols], dtype=_I64),
         dn=np.array([len(c[6]) for c in cols], dtype=_I64),
         rot=np.array([c[8] for c in cols], dtype=_I64),
-        hs=hs, us=us, hd=hd, ud=ud, src_lay=tuple(src_lay), dst_lay=tuple(dst_lay))
+        hs=hs, us=us, hd=hd, ud=ud, src_lay=tuple(src_lay), dst_lay=tuple(dst_lay), grid=grid)
+
+
+# --------------------------------------------------------------------------- FP8 pairs
+
+#: ``X.weight_scale_inv`` / ``w13_weight_scale_inv`` scale the FP8 weight named without the suffix
+SCALE_SUFFIX = "_scale_inv"
+
+
+def _infer_block(wshape: Sequence[int], sshape: Sequence[int]) -> tuple[int, ...] | None:
+    """The scale block of a ``wshape`` weight whose scales are ``sshape`` (ceil division)."""
+    if len(wshape) != len(sshape) or not wshape:
+        return None
+    out = []
+    for w, n in zip(wshape, sshape):
+        if n < 1 or w < 1:
+            return None
+        b = -(-w // n)
+        if -(-w // b) != n:
+            return None
+        out.append(b)
+    return tuple(out)
+
+
+def _follows(w: _Layout, sc: _Layout, block: Sequence[int], wshape: Sequence[int]) -> bool:
+    """Whether the scale chunks are the weight chunks' block images, on the same holders."""
+    if len(w.boxes) != len(sc.boxes) or w.holders != sc.holders:
+        return False
+    for b, c in zip(w.boxes, sc.boxes):
+        offs, sizes = [], []
+        for o, n, g, full in zip(b.offsets, b.sizes, block, wshape):
+            stop = o + n
+            if o % g or (stop % g and stop != full):
+                return False
+            offs.append(o // g)
+            sizes.append(-(-stop // g) - o // g)
+        if (tuple(offs), tuple(sizes)) != (c.offsets, c.sizes):
+            return False
+    return True
+
+
+def _fp8_pairs(src: Manifest, dst: Manifest, lays: Mapping[str, tuple[_Layout, _Layout]]
+               ) -> tuple[dict[str, tuple[str, tuple[int, ...]]], list[str]]:
+    """``{weight: (scale, block)}`` for every FP8 weight whose ``…_scale_inv`` array follows it
+    block for block in both manifests: such a pair is planned as one, so each scale block moves
+    from the same sender to the same receivers in the same phase as the weight rows it scales.
+    The second value names the scale arrays that do not follow their weights (planned alone)."""
+    pairs: dict[str, tuple[str, tuple[int, ...]]] = {}
+    alone: list[str] = []
+    for sf in sorted(dst.arrays):
+        if not sf.endswith(SCALE_SUFFIX):
+            continue
+        wf = sf[: -len(SCALE_SUFFIX)]
+        w = dst.arrays.get(wf)
+        if w is None or not w.data_type.startswith("float8"):
+            continue
+        block = _infer_block(w.shape, dst.arrays[sf].shape)
+        if block is not None and all(_follows(lays[wf][i], lays[sf][i], block, w.shape) for i in (0, 1)):
+            pairs[wf] = (sf, block)
+        else:
+            alone.append(sf)
+    return pairs, alone
+
+
+def _derive_scales(block: _Block, pairs: Mapping[str, tuple[str, tuple[int, ...]]],
+                   lays: Mapping[str, tuple[_Layout, _Layout]], itemsize: int) -> _Block:
+    """The scale arrays' block of a block of paired FP8 weights: every item's region mapped to
+    the scale blocks it covers (cuts are on the grid, so images never overlap); senders,
+    receivers and phases are the weights' own."""
+    grid = np.array(block.grid, dtype=_I64)
+    off = block.off // grid
+    stop = -(-(block.off + block.size) // grid)
+    names = [pairs[f][0] for f in block.fqns]
+    return replace(block, fqns=tuple(names), itemsize=itemsize, off=off, size=stop - off,
+                   src_lay=tuple(lays[n][0] for n in names), dst_lay=tuple(lays[n][1] for n in names),
+                   grid=None)
 
 
 # --------------------------------------------------------------------------- planner
@@ -690,10 +806,17 @@ def plan_transfers(src: Manifest, dst: Manifest, *, src_domain_size: int | None 
     classes: dict[Any, list[str]] = defaultdict(list)
     lays: dict[str, tuple[_Layout, _Layout]] = {}
     for fqn in sorted(dst.arrays):
-        s, d = src.arrays[fqn], dst.arrays[fqn]
-        sl, dl = memo.layout(s), memo.layout(d)
-        lays[fqn] = (sl, dl)
+        lays[fqn] = (memo.layout(src.arrays[fqn]), memo.layout(dst.arrays[fqn]))
+    pairs, unpaired = _fp8_pairs(src, dst, lays)
+    scales = {sf for sf, _ in pairs.values()}
+    for fqn in sorted(dst.arrays):
+        if fqn in scales:  # planned with its weight
+            continue
+        d = dst.arrays[fqn]
+        sl, dl = lays[fqn]
         key: tuple[Any, ...] = (d.shape, d.data_type, geom_id(sl), geom_id(dl), runs(dl)[0])
+        if fqn in pairs:
+            key += (pairs[fqn][1],)
         if same_job:
             key += (sl.content, dl.content)
         classes[key].append(fqn)
@@ -718,7 +841,8 @@ def plan_transfers(src: Manifest, dst: Manifest, *, src_domain_size: int | None 
         sl0, dl0 = lays[fqns[0]]
         isz = d0.dtype.itemsize
         rot0 = rot
-        tp, rot = _build_template(sl0, dl0, runs(dl0)[1], isz, split_bytes, same_job, gdom, rot0)
+        grid = pairs[fqns[0]][1] if fqns[0] in pairs else None
+        tp, rot = _build_template(sl0, dl0, runs(dl0)[1], isz, split_bytes, same_job, gdom, rot0, grid=grid)
         rot += len(fqns)  # the next class starts where this one's rotation ended
         A = len(fqns)
         for di, covered, dvol in tp.uncovered:
@@ -733,12 +857,22 @@ def plan_transfers(src: Manifest, dst: Manifest, *, src_domain_size: int | None 
         lower += tp.lower * A
         min_net += tp.min_net * A
         block = _make_block(tp, fqns, isz, len(d0.shape), [lays[f][0] for f in fqns],
-                            [lays[f][1] for f in fqns], shift)
+                            [lays[f][1] for f in fqns], shift, grid)
         counts = np.bincount(block.us, minlength=block.hs.shape[0])
-        for (si, senders), nbytes in tp.needed.items():
-            for u in np.nonzero(counts)[0].tolist():
-                hs = tuple(int(block.hs[u, si, j]) for j in senders)
-                needed_by_set[hs] += nbytes * int(counts[u])
+        needs = [tp.needed]
+        if grid is not None:  # the scales' own figures (same geometry in block units, same holders)
+            ssl, sdl = lays[pairs[fqns[0]][0]]
+            tps, _ = _build_template(ssl, sdl, runs(sdl)[1], dst.arrays[pairs[fqns[0]][0]].dtype.itemsize,
+                                     split_bytes, same_job, gdom, 0)
+            total += tps.total * A
+            lower += tps.lower * A
+            min_net += tps.min_net * A
+            needs.append(tps.needed)
+        for need in needs:
+            for (si, senders), nbytes in need.items():
+                for u in np.nonzero(counts)[0].tolist():
+                    hs = tuple(int(block.hs[u, si, j]) for j in senders)
+                    needed_by_set[hs] += nbytes * int(counts[u])
         if block.items:
             built.append((block, tp, rot0))
     if uncovered:
@@ -749,7 +883,10 @@ def plan_transfers(src: Manifest, dst: Manifest, *, src_domain_size: int | None 
     shares = _replica_shares([(b, rk[id(b)]) for b, _, _ in built], needed_by_set, W)
     blocks: list[_Block] = []
     for block, tp, rot0 in built:
-        blocks.extend(_reweight(block, tp, rot0, shares, runs, split_bytes, same_job, gdom, shift))
+        for b in _reweight(block, tp, rot0, shares, runs, split_bytes, same_job, gdom, shift):
+            blocks.append(b)
+            if b.grid is not None:
+                blocks.append(_derive_scales(b, pairs, lays, dst.arrays[pairs[b.fqns[0]][0]].dtype.itemsize))
     ranks = [rk[id(b)] if id(b) in rk else b.ranks_ta() for b in blocks]
     del rk
 
@@ -767,6 +904,8 @@ def plan_transfers(src: Manifest, dst: Manifest, *, src_domain_size: int | None 
         "src_domain_size": sds,
         "dst_domain_size": dds,
         "same_job": same_job,
+        "fp8_pairs": len(pairs),
+        "unpaired_scales": unpaired,
     })
     stats.update(_broadcast_baseline(src, dst, lays, same_job=same_job, S=S, sds=sds, dds=dds))
     return Plan(blocks, S, D, same_job, sds, dds, stats)
@@ -852,9 +991,10 @@ def _reweight(block: _Block, tp: _Template, rot0: int, shares: Mapping[tuple[int
         a0 = int(rows[0])
         sl, dl = block.src_lay[a0], block.dst_lay[a0]
         tpu, _ = _build_template(sl, dl, runs(dl)[1], block.itemsize, split_bytes, same_job, gdom, rot0,
-                                 shares=functools.partial(fractions, u))
+                                 shares=functools.partial(fractions, u), grid=block.grid)
         out.append(_make_block(tpu, [block.fqns[i] for i in rows], block.itemsize, block.ndim,
-                               [block.src_lay[i] for i in rows], [block.dst_lay[i] for i in rows], shift))
+                               [block.src_lay[i] for i in rows], [block.dst_lay[i] for i in rows], shift,
+                               block.grid))
     return out
 
 

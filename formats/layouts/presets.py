@@ -47,6 +47,17 @@ Presets
       experts TP-split like the dense MLP); ``expert_tensor_parallel=1`` spreads whole experts over
       the flattened ``ep × tp`` ranks (parallel folding, EP = ep·tp), as NeMo RL's refit assumes.
     * ``dp``, ``cp`` (and ``ep`` for non-expert arrays) replicate.
+    * MLA (deepseek_v3 / v2), Megatron-core's ``MLASelfAttention`` TE spec with
+      ``qk_layernorm=True``: ``self_attention.linear_q_down_proj.weight`` = ``q_a_proj`` and
+      ``linear_kv_down_proj.weight`` = ``kv_a_proj_with_mqa`` (TELinear "duplicated": replicated
+      over tp), ``linear_q_up_proj.weight`` = ``q_b_proj`` and ``linear_kv_up_proj.weight`` =
+      ``kv_b_proj`` column-parallel (whole heads, ``S(0)``) with ``q_a_layernorm`` /
+      ``kv_a_layernorm`` as their ``layer_norm_weight``; without ``q_lora_rank``
+      ``linear_q_proj.weight`` = ``q_proj`` ``S(0)``; ``linear_proj.weight`` = ``o_proj`` ``S(1)``.
+      The input layernorm is a separate TENorm, ``input_layernorm.weight``. MoE layers add
+      ``mlp.router.expert_bias`` (= ``e_score_correction_bias``, float32) and
+      ``mlp.shared_experts.linear_fc1.weight`` (``[gate_shard; up_shard]``) / ``linear_fc2.weight``
+      (``S(1)``, TP like the dense MLP); routed experts and dense layers as above.
 
 ``vllm`` / ``sglang`` -- vLLM's (and SGLang's) parallel layers. Mesh axes, slowest first: a
     subsequence of ``dp, ep, pp, tp``; ``dp`` are independent replicas (separate engines),
@@ -73,6 +84,25 @@ Presets
       ``expert_parallel=True``) experts are whole and spread over the flattened ``ep × tp`` ranks
       of a stage (EP rank ``ep·tp_size + tp``), vLLM's "linear" placement: the first
       ``E % EP`` ranks get one more expert (SGLang requires ``E % EP == 0``).
+    * MLA (vLLM's ``DeepseekV2MLAAttention``): ``self_attn.fused_qkv_a_proj.weight`` =
+      ``[q_a_proj; kv_a_proj_with_mqa]`` replicated (``MergedColumnParallelLinear`` with
+      ``disable_tp``; current vLLM -- older releases kept ``q_a_proj`` and ``kv_a_proj_with_mqa``
+      apart), ``q_a_layernorm`` / ``kv_a_layernorm`` replicated, ``q_b_proj`` / ``kv_b_proj``
+      column-parallel by heads, ``o_proj`` ``S(1)``; without ``q_lora_rank``: ``q_proj``
+      ``S(0)`` and ``kv_a_proj_with_mqa`` replicated. SGLang names the fused tensor
+      ``fused_qkv_a_proj_with_mqa``. MoE layers: ``mlp.gate.e_score_correction_bias``
+      replicated, ``mlp.shared_experts.gate_up_proj`` / ``down_proj`` TP-split like the dense MLP
+      (shared experts not fused into the routed ones: SGLang's ``--disable-shared-experts-fusion``).
+
+Block FP8 (``fp8=True``, megatron / vllm / sglang): each ``weight_scale_inv`` is laid out like its
+weight, in block units: a chunk of rows ``[r0, r1)`` at local row ``l0`` brings scale rows
+``[r0/b, ceil(r1/b))`` at local row ``l0/b`` of the local scale tensor, named after the local
+weight (``…q_b_proj.weight_scale_inv``, ``w13_weight_scale_inv``, Megatron
+``linear_fc1.weight_scale_inv``); vLLM's stacked ``w2_weight_scale_inv`` holds
+``ceil(H/b)`` rows per expert. A piece that does not start and end on block boundaries (or a fused
+part that does not start on one) is refused, naming the array, as vLLM's block-FP8 loader
+refuses such shards. Replicated weights have replicated scales. ``fsdp2`` / ``hf`` treat scales as
+arrays of their own.
 
 ``fsdp2`` -- HF names; every array ``S(0)`` over ``fsdp`` (uneven, torch.chunk), optionally × ``tp``
     with the generic tensor-parallel rules (:func:`~.models.generic_rules`; FSDP2 then shards the
@@ -123,6 +153,7 @@ _MEGATRON_AXES = ("pp", "dp", "ep", "cp", "tp")
 _VLLM_AXES = ("dp", "ep", "pp", "tp")
 _FSDP_AXES = ("pp", "dp", "fsdp", "cp", "tp")
 _DENSE_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+_MLA_TYPES = ("deepseek_v3", "deepseek_v2")
 
 Arrays = dict[str, tuple[tuple[int, ...], str]]
 
@@ -147,6 +178,10 @@ class ModelInfo:
     head_dim: int
     tie: bool
     arrays: Arrays
+    #: multi-head latent attention (deepseek_v2 / deepseek_v3): no q/k/v heads to fuse
+    mla: bool = False
+    #: block ``(rows, cols)`` of the FP8 weights' ``weight_scale_inv`` siblings (None: no FP8)
+    fp8_block: tuple[int, int] | None = None
 
     def is_moe_layer(self, i: int) -> bool:
         return f"model.layers.{i}.mlp.gate.weight" in self.arrays
@@ -172,20 +207,22 @@ def _load_cfg(cfg: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str, Any]
     return obj
 
 
-def _arrays_from_config(c: Mapping[str, Any]) -> Arrays:
-    from .models import arrays_from_config
+def _arrays_from_config(c: Mapping[str, Any], fp8: bool) -> tuple[Arrays, tuple[int, int] | None]:
+    from .models import _fp8_block, arrays_from_config
 
-    return arrays_from_config(c)
+    return arrays_from_config(c, fp8=fp8), _fp8_block(c, "config.json", fp8)
 
 
-def model_info(cfg: Mapping[str, Any] | str | os.PathLike[str], *, dtype: str | None = "bfloat16") -> ModelInfo:
-    """The HF arrays of ``cfg`` (``dtype`` replaces ``torch_dtype`` unless None) and the
-    attention geometry the fused layouts need."""
+def model_info(cfg: Mapping[str, Any] | str | os.PathLike[str], *, dtype: str | None = "bfloat16",
+               fp8: bool = False) -> ModelInfo:
+    """The HF arrays of ``cfg`` (``dtype`` replaces ``torch_dtype`` unless None; ``fp8``: block-FP8
+    linear weights with ``weight_scale_inv`` siblings, as :func:`~.models.arrays_from_config`) and
+    the attention geometry the fused layouts need."""
     c = _load_cfg(cfg)
     if dtype is not None:
         by_name(dtype)
         c["torch_dtype"] = dtype
-    arrays = _arrays_from_config(c)
+    arrays, block = _arrays_from_config(c, fp8)
 
     def num(key: str, default: int | None = None) -> int:
         v = c.get(key, default)
@@ -199,7 +236,7 @@ def model_info(cfg: Mapping[str, Any] | str | os.PathLike[str], *, dtype: str | 
     nkv = num("num_key_value_heads", nh)
     hd = c.get("head_dim") or h // nh
     return ModelInfo(mt, h, num("num_hidden_layers"), num("vocab_size"), nh, nkv, int(hd),
-                     bool(c.get("tie_word_embeddings", False)), arrays)
+                     bool(c.get("tie_word_embeddings", False)), arrays, mt in _MLA_TYPES, block)
 
 
 # ---------------------------------------------------------------- geometry helpers
@@ -285,10 +322,18 @@ class _Builder:
     """Collects chunks ``(array, region, local tensor, local offsets) -> holders`` and declared
     local tensors, over the ranks of ``mesh`` selected by fixed coordinates."""
 
-    def __init__(self, mesh: Mesh, arrays: Arrays, file_pattern: str | None) -> None:
+    def __init__(self, mesh: Mesh, arrays: Arrays, file_pattern: str | None, *, label: str = "layout",
+                 fp8_block: tuple[int, int] | None = None) -> None:
         self.mesh = mesh
         self.arrays = arrays
         self.file = file_pattern
+        self.label = label
+        self.block = fp8_block
+        #: FP8 weight -> its ``weight_scale_inv`` sibling, placed together with the weight by :meth:`put`
+        #: (only with ``fp8_block``: fsdp2 / hf shard the scales as arrays of their own)
+        self.scale_of = {n.removesuffix("_scale_inv"): n for n in arrays if fp8_block is not None
+                         and n.endswith(".weight_scale_inv") and n.removesuffix("_scale_inv") in arrays}
+        self.scales = frozenset(self.scale_of.values())
         self.strides = dict(zip(mesh.axes, mesh.strides))
         self.sizes = dict(zip(mesh.axes, mesh.shape))
         self.chunks: dict[str, dict[tuple[Any, ...], set[int]]] = {n: {} for n in arrays}
@@ -321,38 +366,101 @@ class _Builder:
         return out
 
     def put(self, fqn: str, offsets: Sequence[int], sizes: Sequence[int], tensor: str,
-            local: Sequence[int], holders: Iterable[int]) -> None:
+            local: Sequence[int], holders: Iterable[int], *, scale_row: int | None = None) -> None:
+        """One chunk. An FP8 weight's ``weight_scale_inv`` goes along, in block units (``scale_row``:
+        its row in the local scale tensor when that is not ``local[0] / block``, e.g. stacked experts
+        whose row count is not a multiple of the block)."""
         if any(s == 0 for s in sizes):
             return
+        holders = tuple(holders)
         key = (tuple(offsets), tuple(sizes), tensor, tuple(local))
         self.chunks[fqn].setdefault(key, set()).update(holders)
+        if fqn in self.scale_of:
+            self._put_scale(fqn, offsets, sizes, tensor, local, holders, scale_row)
 
-    def rows(self, fqn: str, r0: int, n: int, tensor: str, l0: int, holders: Iterable[int]) -> None:
+    def _put_scale(self, fqn: str, offsets: Sequence[int], sizes: Sequence[int], tensor: str,
+                   local: Sequence[int], holders: tuple[int, ...], scale_row: int | None) -> None:
+        """The scale blocks of a weight chunk: a piece must start on a block boundary and end on
+        one (or at the end of the array), and sit on one in its local tensor -- else the shard's
+        scales would not be whole blocks of the scale grid (vLLM's block-FP8 loader refuses
+        such shards too)."""
+        sfqn = self.scale_of[fqn]
+        if self.block is None:
+            raise AssertionError(f"{sfqn}: FP8 scales without a block size")
+        shape = self.arrays[fqn][0]
+        so: list[int] = []
+        ss: list[int] = []
+        sl: list[int] = []
+        for d, (o, n, lo, b, full) in enumerate(zip(offsets, sizes, local, self.block, shape)):
+            end = o + n
+            if o % b or (end % b and end != full):
+                raise _PresetError(f"{self.label}: {fqn}: its shard [{o}, {end}) of dim {d} (size {full}) does not "
+                                   f"start and end on FP8 block boundaries (multiples of {b}), so {sfqn} cannot be "
+                                   f"split with it; pick parallel sizes that split dim {d} into multiples of {b}")
+            if d == 0 and scale_row is not None:
+                sl.append(scale_row)
+            elif lo % b:
+                raise _PresetError(f"{self.label}: {fqn}: it sits at offset {lo} of dim {d} of the fused local tensor "
+                                   f"{tensor}, not on an FP8 block boundary (a multiple of {b}), so {sfqn} cannot "
+                                   f"be fused the same way; pick parallel sizes that keep the fused parts "
+                                   f"multiples of {b}")
+            else:
+                sl.append(lo // b)
+            so.append(o // b)
+            ss.append(-(-end // b) - o // b)
+        self.put(sfqn, so, ss, _scale_tensor(tensor), sl, holders)
+
+    def rows(self, fqn: str, r0: int, n: int, tensor: str, l0: int, holders: Iterable[int], *,
+             scale_row: int | None = None) -> None:
         """Rows ``[r0, r0+n)`` (all of the other dims) at row ``l0`` of ``tensor``."""
         shape = self.arrays[fqn][0]
         z = (0,) * (len(shape) - 1)
-        self.put(fqn, (r0, *z), (n, *shape[1:]), tensor, (l0, *z), holders)
+        self.put(fqn, (r0, *z), (n, *shape[1:]), tensor, (l0, *z), holders, scale_row=scale_row)
 
-    def cols(self, fqn: str, c0: int, n: int, tensor: str, l0: int, holders: Iterable[int]) -> None:
+    def cols(self, fqn: str, c0: int, n: int, tensor: str, l0: int, holders: Iterable[int], *,
+             scale_row: int | None = None) -> None:
         """Columns ``[c0, c0+n)`` of a 2-D array at ``(l0, 0)`` of ``tensor``."""
         shape = self.arrays[fqn][0]
-        self.put(fqn, (0, c0), (shape[0], n), tensor, (l0, 0), holders)
+        self.put(fqn, (0, c0), (shape[0], n), tensor, (l0, 0), holders, scale_row=scale_row)
+
+    def column(self, fqn: str, T: int, stage: int, tensor: str, l0: int, msg: str) -> None:
+        """Column-parallel: dim 0 split evenly over TP, at row ``l0`` of each TP rank's ``tensor``
+        (``msg``: the error when tp does not divide it)."""
+        n = _divide(self.arrays[fqn][0][0], T, msg)
+        for t in range(T):
+            self.rows(fqn, t * n, n, tensor, l0, self.ranks(pp=stage, tp=t))
+
+    def row_parallel(self, fqn: str, T: int, stage: int, tensor: str, msg: str) -> None:
+        """Row-parallel: the input dim (1) split evenly over TP."""
+        n = _divide(self.arrays[fqn][0][1], T, msg)
+        for t in range(T):
+            self.cols(fqn, t * n, n, tensor, 0, self.ranks(pp=stage, tp=t))
 
     def gate_up(self, fqn: str, T: int, stage: int, tensor: str, label: str) -> None:
         """A column-parallel gate or up array into the fused ``[gate_shard; up_shard]`` local
         tensor of each TP rank (Megatron ``linear_fc1``, vLLM ``gate_up_proj``)."""
         shape = self.arrays[fqn][0]
-        n = _divide(shape[0], T, f"{label}: intermediate_size ({shape[0]}) must be divisible by tp ({T})")
-        up = ".up_proj." in fqn
-        for t in range(T):
-            self.rows(fqn, t * n, n, tensor, n if up else 0, self.ranks(pp=stage, tp=t))
+        msg = f"{label}: intermediate_size ({shape[0]}) must be divisible by tp ({T})"
+        n = _divide(shape[0], T, msg)
+        self.column(fqn, T, stage, tensor, n if ".up_proj." in fqn else 0, msg)
 
     def down(self, fqn: str, T: int, stage: int, tensor: str, label: str) -> None:
         """The row-parallel down projection: its input dim split over TP."""
         shape = self.arrays[fqn][0]
-        n = _divide(shape[1], T, f"{label}: intermediate_size ({shape[1]}) must be divisible by tp ({T})")
-        for t in range(T):
-            self.cols(fqn, t * n, n, tensor, 0, self.ranks(pp=stage, tp=t))
+        self.row_parallel(fqn, T, stage, tensor, f"{label}: intermediate_size ({shape[1]}) must be divisible by "
+                                                 f"tp ({T})")
+
+    def vocab_parallel(self, fqn: str, tensor: str, stages: Sequence[int], per: int) -> None:
+        """Vocab-parallel embedding / output layer: TP rank ``t`` holds padded-vocab rows
+        ``[t·per, (t+1)·per)`` (rows past the real vocab are padding no chunk covers), on every
+        stage of ``stages``."""
+        shape, dt = self.arrays[fqn]
+        for t in range(self.size("tp")):
+            hs = sorted({r for s in stages for r in self.ranks(pp=s, tp=t)})
+            lo, hi = t * per, min((t + 1) * per, shape[0])
+            if hi > lo:
+                self.rows(fqn, lo, hi - lo, tensor, 0, hs)
+            self.declare(hs, tensor, (per, *shape[1:]), dt)
 
     def whole(self, fqn: str, tensor: str, holders: Iterable[int]) -> None:
         shape = self.arrays[fqn][0]
@@ -396,25 +504,97 @@ def _check_axes(mesh: Mesh, allowed: Sequence[str], preset: str, *, ordered: boo
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)\Z")
 _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight\Z")
+#: a dense MLP or the shared experts of a MoE layer: (module prefix, gate/up/down, weight/bias)
+_MLP = re.compile(r"(mlp\.(?:shared_experts\.)?)(gate|up|down)_proj\.(weight|bias)\Z")
+
+
+def _scale_tensor(tensor: str) -> str:
+    """The local tensor holding the FP8 scales of the local weight ``tensor``: its last ``weight``
+    becomes ``weight_scale_inv`` (``q_b_proj.weight_scale_inv``, vLLM's ``w13_weight_scale_inv``,
+    Megatron grouped-GEMM ``linear_fc1.weight_scale_inv3``).
+
+    >>> _scale_tensor("model.layers.0.mlp.experts.w13_weight"), _scale_tensor("x.linear_fc1.weight3")
+    ('model.layers.0.mlp.experts.w13_weight_scale_inv', 'x.linear_fc1.weight_scale_inv3')
+    """
+    head, sep, tail = tensor.rpartition("weight")
+    return head + "weight_scale_inv" + tail if sep else tensor + "_scale_inv"
+
+
+#: MLA attention (deepseek_v2 / v3), HF ``self_attn.<name>`` -> (local name under the framework's
+#: attention module, TP split, the HF array fused in front of it in the same local tensor).
+#: Splits: ``R`` replicated over TP, ``S0`` column-parallel (dim 0, whole heads), ``S1``
+#: row-parallel (dim 1, whole heads).
+_MLA_MEGATRON: dict[str, tuple[str, str, str | None]] = {
+    "q_proj.weight": ("linear_q_proj.weight", "S0", None),  # q_lora_rank None
+    "q_a_proj.weight": ("linear_q_down_proj.weight", "R", None),  # TELinear, parallel_mode "duplicated"
+    "q_a_layernorm.weight": ("linear_q_up_proj.layer_norm_weight", "R", None),  # qk_layernorm=True
+    "q_b_proj.weight": ("linear_q_up_proj.weight", "S0", None),
+    "kv_a_proj_with_mqa.weight": ("linear_kv_down_proj.weight", "R", None),
+    "kv_a_layernorm.weight": ("linear_kv_up_proj.layer_norm_weight", "R", None),
+    "kv_b_proj.weight": ("linear_kv_up_proj.weight", "S0", None),
+    "o_proj.weight": ("linear_proj.weight", "S1", None),
+}
+_MLA_VLLM: dict[str, tuple[str, str, str | None]] = {
+    "q_proj.weight": ("q_proj.weight", "S0", None),
+    "q_a_proj.weight": ("fused_qkv_a_proj.weight", "R", None),  # [q_a; kv_a], replicated
+    "q_a_layernorm.weight": ("q_a_layernorm.weight", "R", None),
+    "q_b_proj.weight": ("q_b_proj.weight", "S0", None),
+    # without q_lora_rank there is no fused_qkv_a_proj: kv_a_proj_with_mqa stays (ReplicatedLinear)
+    "kv_a_proj_with_mqa.weight": ("fused_qkv_a_proj.weight", "R", "q_a_proj.weight"),
+    "kv_a_layernorm.weight": ("kv_a_layernorm.weight", "R", None),
+    "kv_b_proj.weight": ("kv_b_proj.weight", "S0", None),
+    "o_proj.weight": ("o_proj.weight", "S1", None),
+}
+_MLA_SGLANG = {k: (v[0].replace("fused_qkv_a_proj.", "fused_qkv_a_proj_with_mqa."), *v[1:])
+               for k, v in _MLA_VLLM.items()}
+
+
+def _mla(b: _Builder, fqn: str, rest: str, stage: int, attn: str, table: Mapping[str, tuple[str, str, str | None]],
+         label: str) -> bool:
+    """Place one MLA attention array (``rest``: its name after ``model.layers.{i}.``) into the local
+    tensors under ``attn`` (the local attention module prefix); False if ``table`` has no entry."""
+    entry = table.get(rest.removeprefix("self_attn."))
+    if entry is None or not rest.startswith("self_attn."):
+        return False
+    local, split, after = entry
+    T = b.size("tp")
+    heads = f"{label}: {fqn}: {{}} ({{}}) must be divisible by tp ({T}) (whole attention heads per rank)"
+    if split == "R":
+        l0 = 0
+        if after is not None:
+            front = fqn[: -len(rest)] + "self_attn." + after
+            if front in b.arrays:
+                l0 = b.arrays[front][0][0]
+            else:
+                local = rest.removeprefix("self_attn.")  # nothing to fuse with: the HF module stays
+        shape = b.arrays[fqn][0]
+        b.rows(fqn, 0, shape[0], attn + local, l0, b.ranks(pp=stage))
+    elif split == "S0":
+        b.column(fqn, T, stage, attn + local, 0, heads.format("its output dim", b.arrays[fqn][0][0]))
+    else:
+        b.row_parallel(fqn, T, stage, attn + local, heads.format("its input dim", b.arrays[fqn][0][1]))
+    return True
 
 
 def _unmapped(preset: str, info: ModelInfo, names: list[str]) -> _PresetError:
     more = f" ... ({len(names)} in all)" if len(names) > 8 else ""
-    hint = (" (MLA attention: use fsdp2 / hf, or a rule-based layout)"
-            if info.model_type.startswith("deepseek") else "")
+    hint = (" (DeepSeek MTP layers: use fsdp2 / hf, or a rule-based layout)"
+            if info.mla and any(".embed_tokens." in n or ".eh_proj." in n for n in names) else "")
     return _PresetError(f"preset {preset}: model_type {info.model_type!r}: no mapping for array(s) "
                         f"{', '.join(names[:8])}{more}{hint}")
 
 
-def _dense_checks(preset: str, info: ModelInfo, tp: int) -> None:
-    if info.model_type not in _DENSE_TYPES:
+def _attention_checks(preset: str, info: ModelInfo, tp: int) -> None:
+    if info.model_type not in _DENSE_TYPES + _MLA_TYPES:
         raise _PresetError(f"preset {preset}: model_type {info.model_type!r} is not supported (supported: "
-                           f"{', '.join(_DENSE_TYPES)}; MLA models such as deepseek_v3 only with fsdp2 / hf)")
+                           f"{', '.join(_DENSE_TYPES + _MLA_TYPES)})")
+    if info.heads % tp:
+        raise _PresetError(f"preset {preset}: num_attention_heads ({info.heads}) must be divisible by tp ({tp})")
+    if info.mla:
+        return
     if info.heads % info.kv_heads:
         raise _PresetError(f"preset {preset}: num_attention_heads ({info.heads}) must be a multiple of "
                            f"num_key_value_heads ({info.kv_heads})")
-    if info.heads % tp:
-        raise _PresetError(f"preset {preset}: num_attention_heads ({info.heads}) must be divisible by tp ({tp})")
 
 
 # ---------------------------------------------------------------- megatron
@@ -422,8 +602,8 @@ def _dense_checks(preset: str, info: ModelInfo, tp: int) -> None:
 
 def _megatron(b: _Builder, info: ModelInfo, *, etp: int | None, grouped_gemm: bool) -> None:
     T, P, EP, CP = b.size("tp"), b.size("pp"), b.size("ep"), b.size("cp")
-    _dense_checks("megatron", info, T)
-    if info.kv_heads % T:
+    _attention_checks("megatron", info, T)
+    if not info.mla and info.kv_heads % T:
         raise _PresetError(f"megatron: num_query_groups (num_key_value_heads = {info.kv_heads}) must be divisible "
                            f"by tp ({T}); Megatron-core splits whole query groups over tensor-parallel ranks "
                            f"(use tp <= {info.kv_heads} dividing it, or the vllm preset, which replicates kv heads)")
@@ -435,29 +615,21 @@ def _megatron(b: _Builder, info: ModelInfo, *, etp: int | None, grouped_gemm: bo
     if etp not in (1, T):
         raise _PresetError(f"megatron: expert_tensor_parallel must be 1 or tp ({T}), got {etp}")
     lps = pp_partition(info.layers, P, "megatron")[0]
-    H, V, nh, nkv, hd = info.hidden, info.vocab, info.heads, info.kv_heads, info.head_dim
+    V, nh, nkv, hd = info.vocab, info.heads, info.kv_heads, info.head_dim
     hpg = nh // nkv
     G = nkv // T  # local query groups
     blk = (hpg + 2) * hd
-    vpad = megatron_padded_vocab(V, T)
-    vper = vpad // T
+    vper = megatron_padded_vocab(V, T) // T
     unmapped: list[str] = []
 
-    def vocab_parallel(fqn: str, tensor: str, stage: int) -> None:
-        dt = info.arrays[fqn][1]
-        for t in range(T):
-            hs = b.ranks(pp=stage, tp=t)
-            lo, hi = t * vper, min((t + 1) * vper, V)
-            if hi > lo:
-                b.rows(fqn, lo, hi - lo, tensor, 0, hs)
-            b.declare(hs, tensor, (vper, H), dt)
-
     for fqn, (shape, dt) in info.arrays.items():
+        if fqn in b.scales:
+            continue  # placed with its FP8 weight
         if fqn == "model.embed_tokens.weight":
-            vocab_parallel(fqn, "embedding.word_embeddings.weight", 0)
+            b.vocab_parallel(fqn, "embedding.word_embeddings.weight", [0], vper)
             continue
         if fqn == "lm_head.weight":
-            vocab_parallel(fqn, "output_layer.weight", P - 1)
+            b.vocab_parallel(fqn, "output_layer.weight", [P - 1], vper)
             continue
         if fqn == "model.norm.weight":
             b.whole(fqn, "decoder.final_layernorm.weight", b.ranks(pp=P - 1))
@@ -471,8 +643,11 @@ def _megatron(b: _Builder, info: ModelInfo, *, etp: int | None, grouped_gemm: bo
         p = f"decoder.layers.{li}."
         rep = b.ranks(pp=stage)
         kind = rest.rsplit(".", 1)[-1]  # weight / bias
-        if rest == "input_layernorm.weight":
-            b.whole(fqn, p + "self_attention.linear_qkv.layer_norm_weight", rep)
+        if rest == "input_layernorm.weight":  # MLA: a separate TENorm (not fused into a linear)
+            b.whole(fqn, p + ("input_layernorm.weight" if info.mla
+                              else "self_attention.linear_qkv.layer_norm_weight"), rep)
+        elif info.mla and _mla(b, fqn, rest, stage, p + "self_attention.", _MLA_MEGATRON, "megatron"):
+            pass
         elif rest == "post_attention_layernorm.weight":
             b.whole(fqn, p + ("pre_mlp_layernorm.weight" if info.is_moe_layer(i)
                               else "mlp.linear_fc1.layer_norm_weight"), rep)
@@ -494,19 +669,22 @@ def _megatron(b: _Builder, info: ModelInfo, *, etp: int | None, grouped_gemm: bo
                     else:
                         b.rows(fqn, g * hd, hd, tensor, base + (hpg + 1) * hd, hs)
         elif rest == "self_attn.o_proj.weight":
-            n = _divide(shape[1], T, f"megatron: o_proj input dim {shape[1]} must be divisible by tp ({T})")
-            for t in range(T):
-                b.cols(fqn, t * n, n, p + "self_attention.linear_proj.weight", 0, b.ranks(pp=stage, tp=t))
+            b.row_parallel(fqn, T, stage, p + "self_attention.linear_proj.weight",
+                           f"megatron: o_proj input dim {shape[1]} must be divisible by tp ({T})")
         elif rest == "self_attn.o_proj.bias":
             b.whole(fqn, p + "self_attention.linear_proj.bias", rep)
-        elif rest in ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.gate_proj.bias", "mlp.up_proj.bias"):
-            b.gate_up(fqn, T, stage, p + "mlp.linear_fc1." + kind, "megatron")
-        elif rest == "mlp.down_proj.weight":
-            b.down(fqn, T, stage, p + "mlp.linear_fc2.weight", "megatron")
-        elif rest == "mlp.down_proj.bias":
-            b.whole(fqn, p + "mlp.linear_fc2.bias", rep)
+        elif (mm := _MLP.match(rest)) is not None:  # dense MLP, or the MoE layer's shared experts
+            mod, proj = p + mm.group(1), mm.group(2)
+            if proj != "down":
+                b.gate_up(fqn, T, stage, mod + "linear_fc1." + kind, "megatron")
+            elif kind == "weight":
+                b.down(fqn, T, stage, mod + "linear_fc2.weight", "megatron")
+            else:
+                b.whole(fqn, mod + "linear_fc2.bias", rep)
         elif rest == "mlp.gate.weight":
             b.whole(fqn, p + "mlp.router.weight", rep)
+        elif rest == "mlp.gate.e_score_correction_bias":
+            b.whole(fqn, p + "mlp.router.expert_bias", rep)  # float32 in Megatron too
         elif (em := _EXPERT.match(rest)) is not None:
             e, proj = int(em.group(1)), em.group(2)
             E = info.num_experts(i)
@@ -548,9 +726,11 @@ def _megatron(b: _Builder, info: ModelInfo, *, etp: int | None, grouped_gemm: bo
 
 def _vllm(b: _Builder, info: ModelInfo, preset: str, *, expert_parallel: bool | None) -> None:
     T, P, EPX = b.size("tp"), b.size("pp"), b.size("ep")
-    _dense_checks(preset, info, T)
+    _attention_checks(preset, info, T)
     H, V, nh, nkv, hd = info.hidden, info.vocab, info.heads, info.kv_heads, info.head_dim
-    if T >= nkv:
+    if info.mla:
+        replicas, kv_loc = 1, 0  # no q/k/v heads (MLA)
+    elif T >= nkv:
         replicas = _divide(T, nkv, f"{preset}: tp ({T}) must be a multiple of num_key_value_heads ({nkv}) when "
                                    f"tp >= num_key_value_heads (kv heads are replicated tp/num_kv_heads times)")
         kv_loc = hd
@@ -569,24 +749,20 @@ def _vllm(b: _Builder, info: ModelInfo, preset: str, *, expert_parallel: bool | 
     parts = pp_partition(info.layers, P, "sglang" if preset == "sglang" else "vllm")
     stage_of = [s for s, n in enumerate(parts) for _ in range(n)]
     unmapped: list[str] = []
-
-    def vocab_parallel(fqn: str, stages: Sequence[int]) -> None:
-        dt = info.arrays[fqn][1]
-        for t in range(T):
-            hs = sorted({r for s in stages for r in b.ranks(pp=s, tp=t)})
-            lo, hi = t * vper, min((t + 1) * vper, V)
-            if hi > lo:
-                b.rows(fqn, lo, hi - lo, fqn, 0, hs)
-            b.declare(hs, fqn, (vper, H), dt)
+    mla_table = _MLA_SGLANG if preset == "sglang" else _MLA_VLLM
+    # w2 stacks whole [H, I] experts: its scale stacks [ceil(H/b), ...] blocks per expert
+    h_blocks = -(-H // b.block[0]) if b.block is not None else 0
 
     moe_layers: dict[int, int] = {}
     owner: dict[int, list[tuple[int, int]]] = {}  # experts -> (EP rank, its first expert) per expert
     for fqn, (shape, dt) in info.arrays.items():
+        if fqn in b.scales:
+            continue  # placed with its FP8 weight
         if fqn == "model.embed_tokens.weight":
-            vocab_parallel(fqn, sorted({0, P - 1}) if info.tie else [0])
+            b.vocab_parallel(fqn, fqn, sorted({0, P - 1}) if info.tie else [0], vper)
             continue
         if fqn == "lm_head.weight":
-            vocab_parallel(fqn, [P - 1])
+            b.vocab_parallel(fqn, fqn, [P - 1], vper)
             continue
         if fqn == "model.norm.weight":
             b.whole(fqn, fqn, b.ranks(pp=P - 1))
@@ -601,8 +777,11 @@ def _vllm(b: _Builder, info: ModelInfo, preset: str, *, expert_parallel: bool | 
         rep = b.ranks(pp=stage)
         kind = rest.rsplit(".", 1)[-1]
         if rest in ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_norm.weight",
-                    "self_attn.k_norm.weight", "self_attn.o_proj.bias", "mlp.down_proj.bias", "mlp.gate.weight"):
+                    "self_attn.k_norm.weight", "self_attn.o_proj.bias", "mlp.down_proj.bias", "mlp.gate.weight",
+                    "mlp.gate.e_score_correction_bias"):
             b.whole(fqn, fqn, rep)  # replicated, same name (o_proj / down_proj biases are full on every rank)
+        elif info.mla and _mla(b, fqn, rest, stage, p + "self_attn.", mla_table, preset):
+            pass
         elif rest in ("self_attn.q_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.weight",
                       "self_attn.k_proj.bias", "self_attn.v_proj.weight", "self_attn.v_proj.bias"):
             which = rest[10]
@@ -615,11 +794,10 @@ def _vllm(b: _Builder, info: ModelInfo, preset: str, *, expert_parallel: bool | 
                     shard = t // replicas  # vLLM's shard_id for k / v
                     b.rows(fqn, shard * kv_loc, kv_loc, tensor, q_loc + (0 if which == "k" else kv_loc), hs)
         elif rest == "self_attn.o_proj.weight":
-            for t in range(T):
-                b.cols(fqn, t * q_loc, q_loc, fqn, 0, b.ranks(pp=stage, tp=t))
-        elif rest in ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.gate_proj.bias", "mlp.up_proj.bias"):
-            b.gate_up(fqn, T, stage, p + "mlp.gate_up_proj." + kind, preset)
-        elif rest == "mlp.down_proj.weight":
+            b.row_parallel(fqn, T, stage, fqn, f"{preset}: o_proj input dim {shape[1]} must be divisible by tp ({T})")
+        elif (mm := _MLP.match(rest)) is not None and mm.group(2) != "down":  # dense MLP or shared experts
+            b.gate_up(fqn, T, stage, p + mm.group(1) + "gate_up_proj." + kind, preset)
+        elif mm is not None and kind == "weight":
             b.down(fqn, T, stage, fqn, preset)
         elif (em := _EXPERT.match(rest)) is not None:
             e, proj = int(em.group(1)), em.group(2)
@@ -640,7 +818,7 @@ def _vllm(b: _Builder, info: ModelInfo, preset: str, *, expert_parallel: bool | 
                 ep_c, t = divmod(r, T)
                 hs = b.ranks(pp=stage, ep=ep_c, tp=t)
                 if proj == "down_proj":
-                    b.rows(fqn, 0, H, w2, le * H, hs)
+                    b.rows(fqn, 0, H, w2, le * H, hs, scale_row=le * h_blocks)
                 else:
                     b.rows(fqn, 0, inter, w13, le * 2 * inter + (0 if proj == "gate_proj" else inter), hs)
                 continue
@@ -649,7 +827,7 @@ def _vllm(b: _Builder, info: ModelInfo, preset: str, *, expert_parallel: bool | 
             for t in range(T):
                 hs = b.ranks(pp=stage, tp=t)
                 if proj == "down_proj":
-                    b.cols(fqn, t * n, n, w2, e * H, hs)
+                    b.cols(fqn, t * n, n, w2, e * H, hs, scale_row=e * h_blocks)
                 else:
                     b.rows(fqn, t * n, n, w13, e * 2 * n + (0 if proj == "gate_proj" else n), hs)
         else:
@@ -661,14 +839,21 @@ def _vllm(b: _Builder, info: ModelInfo, preset: str, *, expert_parallel: bool | 
         if not ep_on:
             continue
         p = f"model.layers.{i}."
-        inter = info.arrays[p + "mlp.experts.0.down_proj.weight"][0][1]
-        dt = info.arrays[p + "mlp.experts.0.down_proj.weight"][1]
+        down = p + "mlp.experts.0.down_proj.weight"
+        inter = info.arrays[down][0][1]
+        dt = info.arrays[down][1]
         for r in range(ep_size):
             lo, hi = vllm_expert_range(E, ep_size, r)
             ep_c, t = divmod(r, T)
             hs = b.ranks(pp=stage_of[i], ep=ep_c, tp=t)
             b.declare(hs, p + "mlp.experts.w13_weight", ((hi - lo) * 2 * inter, H), dt)
             b.declare(hs, p + "mlp.experts.w2_weight", ((hi - lo) * H, inter), dt)
+            if b.block is not None and down in b.scale_of:  # [E_local, 2·ceil(I/b0), ceil(H/b1)], [E_local, ...]
+                b0, b1 = b.block
+                b.declare(hs, p + "mlp.experts.w13_weight_scale_inv",
+                          ((hi - lo) * 2 * -(-inter // b0), -(-H // b1)), "float32")
+                b.declare(hs, p + "mlp.experts.w2_weight_scale_inv", ((hi - lo) * h_blocks, -(-inter // b1)),
+                          "float32")
 
 
 # ---------------------------------------------------------------- fsdp2 / hf
@@ -725,12 +910,16 @@ def _hf(b: _Builder, info: ModelInfo) -> None:
 def preset_manifest(cfg: Mapping[str, Any] | str | os.PathLike[str], preset: str, mesh: Mesh, *,
                     file_pattern: str | None = None, domain_size: int | None = None, name: str | None = None,
                     dtype: str | None = "bfloat16", expert_parallel: bool | None = None,
-                    expert_tensor_parallel: int | None = None, moe_grouped_gemm: bool = False) -> Manifest:
+                    expert_tensor_parallel: int | None = None, moe_grouped_gemm: bool = False,
+                    fp8: bool = False) -> Manifest:
     """The manifest a ``preset`` framework holds for the HF model ``cfg`` on ``mesh`` (see the
     module docstring for each preset's names, layouts and mesh axes).
 
     ``cfg``: a parsed ``config.json``, its path, or a directory holding it (llama, qwen2, qwen3,
-    qwen3_moe; any model :func:`~.models.arrays_from_config` knows for ``fsdp2`` / ``hf``).
+    qwen3_moe, deepseek_v2 / deepseek_v3; any model :func:`~.models.arrays_from_config` knows for
+    ``fsdp2`` / ``hf``). ``fp8``: block-FP8 linear weights with ``weight_scale_inv`` siblings
+    (:func:`~.models.arrays_from_config` ``fp8=True``); each scale is laid out like its weight, in
+    block units.
     ``file_pattern``: ``source.file`` of every chunk (``{rank}`` for per-rank files); None gives a
     live, in-memory manifest (and for ``hf`` leaves file naming to ``convert``). ``dtype``
     replaces the config's ``torch_dtype`` (None keeps it). ``expert_parallel`` (vllm / sglang):
@@ -742,8 +931,9 @@ def preset_manifest(cfg: Mapping[str, Any] | str | os.PathLike[str], preset: str
         raise LayoutError(f"unknown preset {preset!r} (expected one of {', '.join(PRESETS)})")
     if file_pattern is not None:
         check_file_pattern(file_pattern)
-    info = model_info(cfg, dtype=dtype)
-    b = _Builder(mesh, info.arrays, file_pattern)
+    info = model_info(cfg, dtype=dtype, fp8=fp8)
+    fused = preset in ("megatron", "vllm", "sglang")  # FP8 scales laid out like their weights
+    b = _Builder(mesh, info.arrays, file_pattern, label=preset, fp8_block=info.fp8_block if fused else None)
     if preset == "megatron":
         _check_axes(mesh, _MEGATRON_AXES, preset, ordered=True)
         _megatron(b, info, etp=expert_tensor_parallel, grouped_gemm=moe_grouped_gemm)

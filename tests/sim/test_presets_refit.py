@@ -44,8 +44,9 @@ def _load_writers() -> Any:
 
 P = _load_writers()
 QWEN3, QWEN3_TIED, LLAMA_ODD, QWEN2_BIAS, MOE = P.QWEN3, P.QWEN3_TIED, P.LLAMA_ODD, P.QWEN2_BIAS, P.MOE
+DSV3, DSV3_FP8, DSV3_FP8_ODD = P.DSV3, P.DSV3_FP8, P.DSV3_FP8_ODD
 
-_TORCH = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+_TORCH = P._TORCH
 
 
 def _zeros_like_manifest(m: Manifest) -> dict[int, dict[str, torch.Tensor]]:
@@ -81,15 +82,28 @@ REFITS = [
      ("megatron", "dp=2,ep=3,tp=2", {"expert_tensor_parallel": 1, "moe_grouped_gemm": True})),
     ("moe-megatron-etp1-to-megatron-ep2tp2", MOE, ("megatron", "ep=3,tp=2", {"expert_tensor_parallel": 1}),
      ("megatron", "ep=2,tp=2", {})),
+    # DeepSeek-V3 (MLA, dense layer 0, routed + shared experts, router bias)
+    ("dsv3-megatron-pp2ep2tp2-to-vllm-tp2", DSV3, ("megatron", "pp=2,ep=2,tp=2", {}), ("vllm", "tp=2", {})),
+    ("dsv3-vllm-dp-ep2tp2-to-megatron-tp2-grouped", DSV3, ("vllm", "ep=2,tp=2", {}),
+     ("megatron", "tp=2", {"moe_grouped_gemm": True})),
+    ("dsv3-megatron-etp1-to-sglang-tp2", DSV3, ("megatron", "ep=2,tp=2", {"expert_tensor_parallel": 1}),
+     ("sglang", "tp=2", {})),
+    ("dsv3-fp8-megatron-pp2tp2-to-vllm-tp2-ep", DSV3_FP8, ("megatron", "pp=2,tp=2", {"fp8": True}),
+     ("vllm", "tp=2", {"fp8": True, "expert_parallel": True})),
+    ("dsv3-fp8-vllm-ep3tp2-to-megatron-pp2ep2tp2", DSV3_FP8, ("vllm", "ep=3,tp=2", {"fp8": True}),
+     ("megatron", "pp=2,ep=2,tp=2", {"fp8": True})),
+    ("dsv3-fp8-odd-blocks-vllm-ep2-to-megatron-ep2", DSV3_FP8_ODD, ("vllm", "ep=2", {"fp8": True}),
+     ("megatron", "ep=2", {"fp8": True})),
 ]
 
 
 @pytest.mark.parametrize("cfg,src,dst", [r[1:] for r in REFITS], ids=[r[0] for r in REFITS])
 def test_refit_between_presets(cfg: dict[str, Any], src: tuple[str, str, dict[str, Any]],
                                dst: tuple[str, str, dict[str, Any]]) -> None:
-    W = P.hf_weights(cfg, seed=1)
     sp, smesh, skw = src
     dp, dmesh, dkw = dst
+    assert skw.get("fp8", False) == dkw.get("fp8", False)
+    W = P.hf_weights(cfg, seed=1, fp8=skw.get("fp8", False))
     sm, dm = parse_mesh(smesh), parse_mesh(dmesh)
     s_man = preset_manifest(cfg, sp, sm, **skw)
     d_man = preset_manifest(cfg, dp, dm, **dkw)
@@ -97,6 +111,10 @@ def test_refit_between_presets(cfg: dict[str, Any], src: tuple[str, str, dict[st
     d_t = _zeros_like_manifest(d_man)
     plan = plan_transfers(s_man, d_man)
     assert validate_plan(plan, s_man, d_man) == []
+    if skw.get("fp8"):  # presets lay every scale out block for block with its weight: moved as pairs
+        scales = [n for n in d_man.arrays if n.endswith("_scale_inv")]
+        assert scales and plan.stats()["fp8_pairs"] == len(scales)
+        assert plan.stats()["unpaired_scales"] == []
     res = run_plan_loopback(plan, s_man, d_man, s_t, d_t, bucket=1 << 16, timeout=20.0)
     res.raise_first()
     _same(d_t, P.preset_tensors(dp, cfg, W, dm, **dkw))
@@ -145,28 +163,35 @@ def _read_rank_files(d: Path, world: int) -> dict[int, dict[str, torch.Tensor]]:
 PATTERN = "rank-{rank:05d}.safetensors"
 
 
-@pytest.mark.parametrize("cfg,mesh,kw", [
-    (QWEN3, "pp=2,tp=2", {}),
-    (LLAMA_ODD, "tp=3", {}),  # vocab 1000 padded to 1152 over 3 ranks
-    (MOE, "ep=3,tp=2", {"expert_tensor_parallel": 1}),
-], ids=["qwen3-pp2tp2", "llama-odd-tp3", "moe-ep3tp2-etp1"])
-def test_convert_megatron_to_hf_and_back_identical(tmp_path: Path, cfg: dict[str, Any], mesh: str,
-                                                   kw: dict[str, Any]) -> None:
-    W = P.hf_weights(cfg, seed=2)
+@pytest.mark.parametrize("cfg,preset,mesh,kw", [
+    (QWEN3, "megatron", "pp=2,tp=2", {}),
+    (LLAMA_ODD, "megatron", "tp=3", {}),  # vocab 1000 padded to 1152 over 3 ranks
+    (MOE, "megatron", "ep=3,tp=2", {"expert_tensor_parallel": 1}),
+    (DSV3, "megatron", "pp=2,ep=2,tp=2", {}),
+    (DSV3_FP8, "megatron", "tp=2", {"fp8": True}),
+    (DSV3, "vllm", "ep=2,tp=2", {}),
+    (DSV3_FP8, "vllm", "tp=2", {"fp8": True}),
+    (DSV3_FP8_ODD, "vllm", "ep=3", {"fp8": True}),  # 4 experts over 3 ranks: 2, 1, 1
+], ids=["qwen3-pp2tp2", "llama-odd-tp3", "moe-ep3tp2-etp1", "dsv3-pp2ep2tp2", "dsv3-fp8-tp2",
+        "vllm-dsv3-ep2tp2", "vllm-dsv3-fp8-tp2", "vllm-dsv3-fp8-odd-blocks-ep3"])
+def test_convert_framework_to_hf_and_back_identical(tmp_path: Path, cfg: dict[str, Any], preset: str, mesh: str,
+                                                    kw: dict[str, Any]) -> None:
+    fp8 = kw.get("fp8", False)
+    W = P.hf_weights(cfg, seed=2, fp8=fp8)
     ms = parse_mesh(mesh)
-    mg = preset_manifest(cfg, "megatron", ms, file_pattern=PATTERN, **kw)
-    mg_t = P.megatron_tensors(cfg, W, ms, etp=kw.get("expert_tensor_parallel"))
+    mg = preset_manifest(cfg, preset, ms, file_pattern=PATTERN, **kw)
+    mg_t = P.preset_tensors(preset, cfg, W, ms, **kw)
     src = _write_rank_files(tmp_path / "mg", mg, mg_t)
     assert validate_data(src) == []
     opts = ConvertOptions(progress=False, max_shard_size=200_000)
-    convert(src, preset_manifest(cfg, "hf", Mesh(("tp",), (1,))), tmp_path / "hf", opts)
+    convert(src, preset_manifest(cfg, "hf", Mesh(("tp",), (1,)), fp8=fp8), tmp_path / "hf", opts)
     hf = {}
     for f in sorted((tmp_path / "hf").glob("model-*.safetensors")):
         hf.update(_read_file(f))
     assert (tmp_path / "hf" / "model.safetensors.index.json").exists()
     _same({0: hf}, {0: dict(W)})
     back = load_manifest(tmp_path / "hf" / "manifest.json")
-    convert(back, preset_manifest(cfg, "megatron", ms, file_pattern=PATTERN, **kw), tmp_path / "mg2",
+    convert(back, preset_manifest(cfg, preset, ms, file_pattern=PATTERN, **kw), tmp_path / "mg2",
             ConvertOptions(progress=False))
     _same(_read_rank_files(tmp_path / "mg2", ms.size), mg_t)
     assert validate_data(load_manifest(tmp_path / "mg2" / "manifest.json")) == []

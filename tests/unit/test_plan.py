@@ -692,3 +692,92 @@ def test_transfer_geometry_helpers() -> None:
     assert t.sizes == (3, 4) and t.nbytes == 24
     assert t.src_box == Box((0, 1), (3, 4)) and t.dst_box == Box((1, 0), (3, 4))
     assert "w|" in t.key()
+
+
+# --------------------------------------------------------------------------- FP8 weight + scale pairs
+
+FP8 = {
+    "l.w.weight": ((512, 384), "float8_e4m3fn"),
+    "l.w.weight_scale_inv": ((4, 3), "float32"),
+    "l.b.weight": ((511, 256), "float8_e4m3fn"),  # last block short: 511 = 3·128 + 127
+    "l.b.weight_scale_inv": ((4, 2), "float32"),
+}
+
+
+def _block_image(b: Box, block: tuple[int, ...]) -> Box:
+    offs = tuple(o // g for o, g in zip(b.offsets, block))
+    stops = tuple(-(-(o + n) // g) for o, n, g in zip(b.offsets, b.sizes, block))
+    return Box(offs, tuple(e - o for o, e in zip(offs, stops)))
+
+
+def _fp8_layout(mesh: str, weight: tuple[Any, ...], scale: tuple[Any, ...] | None = None) -> Manifest:
+    m = Mesh(tuple(p.split("=")[0] for p in mesh.split(",")), tuple(int(p.split("=")[1]) for p in mesh.split(",")))
+    return lay_out(FP8, m, {n: (weight if n.endswith(".weight") else (scale or weight)) for n in FP8})
+
+
+@pytest.mark.parametrize("same_job", [False, True])
+@pytest.mark.parametrize("dds", [None, 2])
+def test_fp8_scales_move_with_their_weight_rows(same_job: bool, dds: int | None) -> None:
+    """Each scale block goes from the sender of the weight rows it scales to the same receiver
+    in the same phase, and replica splits of the weights cut only on the 128-row block grid."""
+    src = _fp8_layout("dp=2,tp=2", (Replicate(), Shard(0)))  # two replicas to balance over
+    dst = _fp8_layout("dp=2,tp=4", (Replicate(), Shard(0)))  # 512 rows / 4 = 128: whole blocks
+    plan = plan_transfers(src, dst, split_bytes=1, same_job=same_job, dst_domain_size=dds)
+    assert_plan_exact(plan, src, dst, same_job)
+    s = plan.stats()
+    assert s["fp8_pairs"] == 2 and s["unpaired_scales"] == []
+    weights: Counter[tuple[Any, ...]] = Counter()
+    scales: Counter[tuple[Any, ...]] = Counter()
+    senders: set[int] = set()
+    for t in plan.transfers:
+        if t.fqn.endswith(".weight"):
+            for o, n, full in zip(t.region.offsets[:1], t.region.sizes[:1], src.arrays[t.fqn].shape[:1]):
+                assert o % 128 == 0 and ((o + n) % 128 == 0 or o + n == full), t  # cut on the grid
+            weights[(t.fqn + "_scale_inv", t.phase, t.src_rank, t.dst_rank, _block_image(t.region, (128, 128)))] += 1
+            if t.phase == 1:
+                senders.add(t.src_rank)
+        else:
+            scales[(t.fqn, t.phase, t.src_rank, t.dst_rank, t.region)] += 1
+    assert weights == scales
+    if not same_job:
+        assert senders == {0, 1, 2, 3}  # both replicas of both shards send
+
+
+def test_fp8_pairs_balance_uneven_replicas_on_the_grid() -> None:
+    """Unequal fixed loads make the water-filled shares unequal; the proportional cuts still
+    fall on the block grid and the scales still follow."""
+    # 32 block rows, so the cuts can follow the shares; 128 KiB more on rank 0 only
+    arrays = {"l.w.weight": ((4096, 128), "float8_e4m3fn"), "l.w.weight_scale_inv": ((32, 1), "float32"),
+              "l.x": ((512, 64), "float32")}
+    m_src = Mesh(("dp",), (2,))
+    src = lay_out(arrays, m_src, {n: (Replicate(),) for n in arrays})
+    src = Manifest(world_size=2, arrays={**src.arrays, "l.x": ArraySpec((512, 64), "float32", (
+        Chunk(Box((0, 0), (512, 64)), (0,)),))})
+    dst = lay_out(arrays, Mesh(("tp",), (1,)), {n: (Replicate(),) for n in arrays})
+    plan = plan_transfers(src, dst, split_bytes=1)
+    assert_plan_exact(plan, src, dst, False)
+    fp8 = Counter()
+    for t in plan.transfers:
+        if t.fqn != "l.x":
+            fp8[t.src_rank] += t.nbytes
+    assert fp8[1] > fp8[0] > 0  # the idle replica takes more of the weights, both send
+    sent = phase1_send(plan)
+    assert max(sent.values()) <= sum(sent.values()) / 2 + 128 * 128  # level to within one block row
+    w = [t for t in plan.transfers if t.fqn == "l.w.weight"]
+    assert len({t.src_rank for t in w}) == 2
+    for t in w:
+        assert t.region.offsets[0] % 128 == 0
+    want = Counter((t.src_rank, _block_image(t.region, (128, 128))) for t in w)
+    got = Counter((t.src_rank, t.region) for t in plan.transfers if t.fqn == "l.w.weight_scale_inv")
+    assert want == got
+
+
+def test_fp8_scales_that_do_not_follow_their_weights_are_planned_alone() -> None:
+    """torch.chunk over 3 cuts 512 rows at 171: not whole blocks, so the pair cannot move as one;
+    both still arrive exactly, and the plan says which scale arrays were planned alone."""
+    src = _fp8_layout("tp=2", (Shard(0),))
+    dst = _fp8_layout("fsdp=3", (Shard(0),))
+    plan = plan_transfers(src, dst, split_bytes=1)
+    assert_plan_exact(plan, src, dst, False)
+    assert plan.stats()["unpaired_scales"] == ["l.b.weight_scale_inv", "l.w.weight_scale_inv"]
+    assert plan.stats()["fp8_pairs"] == 0

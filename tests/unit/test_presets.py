@@ -12,6 +12,16 @@ frameworks' documented layouts with torch (independently of presets.py):
   v.narrow(shard_id)])`` with ``shard_id = t // (tp / num_kv_heads)``; vocab padded to 64;
   ``w13`` = ``stack([cat([gate_e, up_e])])``; EP by ``determine_expert_map`` ("linear").
 * FSDP2: ``torch.chunk(torch.chunk(w, tp, dim)[t], fsdp, 0)[f]`` (TP first, then FSDP2).
+* DeepSeek-V3 (MLA): Megatron-core's MLA TE spec (``MLASelfAttention``: ``linear_q_down_proj`` /
+  ``linear_kv_down_proj`` duplicated, ``linear_q_up_proj`` / ``linear_kv_up_proj`` column-parallel
+  with the q_a / kv_a norms fused as ``layer_norm_weight``, a separate ``input_layernorm``;
+  ``SharedExpertMLP``; the router's ``expert_bias``), vLLM's ``DeepseekV2MLAAttention``
+  (``fused_qkv_a_proj = cat([q_a_proj, kv_a_proj_with_mqa])`` replicated, SGLang's
+  ``fused_qkv_a_proj_with_mqa``; ``q_b_proj`` / ``kv_b_proj`` ``chunk(tp)``).
+* Block FP8: every framework loads a ``weight_scale_inv`` with its weight's own loader in block
+  units (vLLM's ``BlockQuantScaleParameter``): the same narrow / cat / stack applied to the scale
+  grid. :func:`with_fp8_scales` therefore runs a writer a second time with each FP8 weight replaced
+  by its scale.
 
 Every manifest must name exactly the framework's local tensors (names and shapes), each chunk
 must point at exactly the bytes of its HF region, and every byte a framework holds must be
@@ -39,7 +49,7 @@ from formats.layouts.presets import (
     vllm_expert_range,
     vllm_padded_vocab,
 )
-from formats.manifest import Manifest, load_manifest, save_manifest
+from formats.manifest import Manifest, TensorSpec, load_manifest, save_manifest
 from formats.validate import validate_manifest
 from streamer.cli import main
 
@@ -68,6 +78,24 @@ LLAMA_BIAS: dict[str, Any] = {
     "mlp_bias": True, "torch_dtype": "bfloat16",
 }
 QWEN3_TIED: dict[str, Any] = dict(QWEN3, tie_word_embeddings=True)
+#: DeepSeek-V3 in miniature: MLA (q_lora_rank set), layer 0 dense, layers 1-3 MoE with 4 routed
+#: experts + 1 shared expert and the router's e_score_correction_bias
+DSV3: dict[str, Any] = {
+    "model_type": "deepseek_v3", "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
+    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 500,
+    "q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+    "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2, "first_k_dense_replace": 1,
+    "moe_layer_freq": 1, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+}
+#: DeepSeek-V2-Lite style: no q_lora_rank (q_proj column-parallel, kv_a_proj_with_mqa unfused)
+DSV3_NOQ: dict[str, Any] = {k: v for k, v in DSV3.items() if k != "q_lora_rank"}
+#: FP8 with 16x16 scale blocks, so that tp=2 shards are whole blocks (kv_a_proj: 24 rows, 2 blocks)
+DSV3_FP8: dict[str, Any] = dict(DSV3, quantization_config={"quant_method": "fp8", "fmt": "e4m3",
+                                                           "weight_block_size": [16, 16]})
+#: 24-row blocks: hidden (64) is not a multiple, so vLLM's stacked w2 scales are 3 blocks per expert
+DSV3_FP8_ODD: dict[str, Any] = dict(DSV3, q_lora_rank=48, moe_intermediate_size=48,
+                                    quantization_config={"quant_method": "fp8", "fmt": "e4m3",
+                                                         "weight_block_size": [24, 16]})
 #: layer 0 dense, layers 1-2 MoE with 6 experts
 MOE: dict[str, Any] = {
     "model_type": "qwen3_moe", "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
@@ -80,19 +108,26 @@ MOE: dict[str, Any] = {
 # ------------------------------------------------------------------ HF weights
 
 
-def hf_weights(cfg: Mapping[str, Any], seed: int = 0) -> dict[str, torch.Tensor]:
-    """Full HF weights of ``cfg``: seeded normal bf16 values (never exactly 0)."""
+def hf_weights(cfg: Mapping[str, Any], seed: int = 0, fp8: bool = False) -> dict[str, torch.Tensor]:
+    """Full HF weights of ``cfg``: seeded normal values (never exactly 0); ``fp8``: block-FP8
+    linear weights (``float8_e4m3fn``) and positive float32 ``weight_scale_inv`` siblings."""
     g = torch.Generator().manual_seed(seed)
     out = {}
-    for n, (shape, dt) in arrays_from_config(cfg).items():
-        x = torch.randn(shape, generator=g) * 0.05
-        x = torch.where(x == 0, torch.full_like(x, 1e-3), x)
+    for n, (shape, dt) in arrays_from_config(cfg, fp8=fp8).items():
+        x = torch.randn(shape, generator=g)
+        if dt == "float8_e4m3fn":
+            x = torch.where(x.to(torch.float8_e4m3fn).float() == 0, torch.full_like(x, 0.5), x)
+        elif n.endswith("_scale_inv"):
+            x = x.abs() + 1e-3
+        else:
+            x = x * 0.05
+            x = torch.where(x == 0, torch.full_like(x, 1e-3), x)
         out[n] = x.to(_TORCH[dt])
     return out
 
 
-_TORCH = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-_BITS = {torch.bfloat16: torch.int16, torch.float32: torch.int32}
+_TORCH = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float8_e4m3fn": torch.float8_e4m3fn}
+_BITS = {torch.bfloat16: torch.int16, torch.float32: torch.int32, torch.float8_e4m3fn: torch.uint8}
 _NAMES = {v: k for k, v in _TORCH.items()}
 
 
@@ -121,10 +156,40 @@ def _finish(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {n: x.contiguous().clone() for n, x in t.items()}
 
 
+def _mla(cfg: Mapping[str, Any]) -> bool:
+    return cfg["model_type"] in ("deepseek_v3", "deepseek_v2")
+
+
 def _experts_of(cfg: Mapping[str, Any], i: int) -> int | None:
+    if _mla(cfg):
+        moe = i >= cfg.get("first_k_dense_replace", 0) and i % cfg.get("moe_layer_freq", 1) == 0
+        return int(cfg["n_routed_experts"]) if moe else None
     if cfg["model_type"] != "qwen3_moe" or i in (cfg.get("mlp_only_layers") or []):
         return None
     return int(cfg["num_experts"])
+
+
+def _scale_name(local: str) -> str:
+    """The local scale tensor of a local FP8 weight: the last ``weight`` -> ``weight_scale_inv``."""
+    i = local.rindex("weight")
+    return local[:i] + "weight_scale_inv" + local[i + len("weight"):]
+
+
+def with_fp8_scales(writer: Any, cfg: Mapping[str, Any], W: Mapping[str, torch.Tensor], mesh: Mesh,
+                    **kw: Any) -> dict[int, dict[str, torch.Tensor]]:
+    """``writer``'s local tensors plus, for block-FP8 weights, their scales: the writer run again
+    on the HF weights with each FP8 weight replaced by its ``weight_scale_inv``; a local tensor that
+    is float8 in the first run is a scale tensor in the second."""
+    out = writer(cfg, W, mesh, **kw)
+    if not any(n.endswith("_scale_inv") for n in W):
+        return out
+    Ws = {n: W.get(n + "_scale_inv", x) for n, x in W.items() if not n.endswith("_scale_inv")}
+    sc = writer(cfg, Ws, mesh, **kw)
+    for r, ts in out.items():
+        for n in [n for n, x in ts.items() if x.dtype == torch.float8_e4m3fn]:
+            assert sc[r][n].dtype == torch.float32, (r, n)
+            ts[_scale_name(n)] = sc[r][n]
+    return out
 
 
 # ------------------------------------------------------------------ framework writers
@@ -153,8 +218,20 @@ def megatron_tensors(cfg: Mapping[str, Any], W: Mapping[str, torch.Tensor], mesh
         for li in range(lps):
             i = s * lps + li
             hp, mp = f"model.layers.{i}.", f"decoder.layers.{li}."
+            if _mla(cfg):  # MLASelfAttention (TE spec, qk_layernorm=True); input_layernorm is a TENorm
+                a, ma = hp + "self_attn.", mp + "self_attention."
+                d[mp + "input_layernorm.weight"] = W[hp + "input_layernorm.weight"]
+                if a + "q_a_proj.weight" in W:
+                    d[ma + "linear_q_down_proj.weight"] = W[a + "q_a_proj.weight"]
+                    d[ma + "linear_q_up_proj.layer_norm_weight"] = W[a + "q_a_layernorm.weight"]
+                    d[ma + "linear_q_up_proj.weight"] = W[a + "q_b_proj.weight"].chunk(T)[t]
+                else:
+                    d[ma + "linear_q_proj.weight"] = W[a + "q_proj.weight"].chunk(T)[t]
+                d[ma + "linear_kv_down_proj.weight"] = W[a + "kv_a_proj_with_mqa.weight"]
+                d[ma + "linear_kv_up_proj.layer_norm_weight"] = W[a + "kv_a_layernorm.weight"]
+                d[ma + "linear_kv_up_proj.weight"] = W[a + "kv_b_proj.weight"].chunk(T)[t]
             for kind in ("weight", "bias"):
-                if hp + f"self_attn.q_proj.{kind}" not in W:
+                if hp + f"self_attn.k_proj.{kind}" not in W:
                     continue
                 q = W[hp + f"self_attn.q_proj.{kind}"]
                 k = W[hp + f"self_attn.k_proj.{kind}"]
@@ -163,7 +240,8 @@ def megatron_tensors(cfg: Mapping[str, Any], W: Mapping[str, torch.Tensor], mesh
                 qkv = torch.cat([q.reshape(nkv, hpg * hd, *rest), k.reshape(nkv, hd, *rest),
                                  v.reshape(nkv, hd, *rest)], dim=1).reshape(-1, *rest)
                 d[mp + f"self_attention.linear_qkv.{kind}"] = qkv.chunk(T)[t]
-            d[mp + "self_attention.linear_qkv.layer_norm_weight"] = W[hp + "input_layernorm.weight"]
+            if not _mla(cfg):
+                d[mp + "self_attention.linear_qkv.layer_norm_weight"] = W[hp + "input_layernorm.weight"]
             if hp + "self_attn.q_norm.weight" in W:
                 d[mp + "self_attention.q_layernorm.weight"] = W[hp + "self_attn.q_norm.weight"]
                 d[mp + "self_attention.k_layernorm.weight"] = W[hp + "self_attn.k_norm.weight"]
@@ -183,6 +261,13 @@ def megatron_tensors(cfg: Mapping[str, Any], W: Mapping[str, torch.Tensor], mesh
                 continue
             d[mp + "pre_mlp_layernorm.weight"] = W[hp + "post_attention_layernorm.weight"]
             d[mp + "mlp.router.weight"] = W[hp + "mlp.gate.weight"]
+            if hp + "mlp.gate.e_score_correction_bias" in W:
+                d[mp + "mlp.router.expert_bias"] = W[hp + "mlp.gate.e_score_correction_bias"]
+            sh = hp + "mlp.shared_experts."
+            if sh + "gate_proj.weight" in W:  # SharedExpertMLP: TP-split like the dense MLP
+                d[mp + "mlp.shared_experts.linear_fc1.weight"] = torch.cat(
+                    [W[sh + "gate_proj.weight"].chunk(T)[t], W[sh + "up_proj.weight"].chunk(T)[t]])
+                d[mp + "mlp.shared_experts.linear_fc2.weight"] = W[sh + "down_proj.weight"].chunk(T, dim=1)[t]
             group = EP * (T if etp == 1 else 1)
             nloc = E // group
             erank = e_c * T + t if etp == 1 else e_c
@@ -227,7 +312,7 @@ def vllm_tensors(cfg: Mapping[str, Any], W: Mapping[str, torch.Tensor], mesh: Me
                  ) -> dict[int, dict[str, torch.Tensor]]:
     """Every rank's vLLM ``named_parameters()`` after ``load_weights`` of the HF weights.
     ``flat_experts``: w13 / w2 as their row-major 2-D views (how the manifest describes them)."""
-    H, V, L, nh, nkv, hd = _geom(cfg)
+    _, V, L, nh, nkv, hd = _geom(cfg)
     T, P, EPX = _size(mesh, "tp"), _size(mesh, "pp"), _size(mesh, "ep")
     ep = ("ep" in mesh.axes) if ep is None else ep
     tie = bool(cfg.get("tie_word_embeddings", False))
@@ -253,43 +338,62 @@ def vllm_tensors(cfg: Mapping[str, Any], W: Mapping[str, torch.Tensor], mesh: Me
         for i in stages[s]:
             p = f"model.layers.{i}."
             for n in ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_norm.weight",
-                      "self_attn.k_norm.weight", "self_attn.o_proj.bias", "mlp.down_proj.bias", "mlp.gate.weight"):
+                      "self_attn.k_norm.weight", "self_attn.o_proj.bias", "mlp.down_proj.bias", "mlp.gate.weight",
+                      "mlp.gate.e_score_correction_bias", "self_attn.q_a_layernorm.weight",
+                      "self_attn.kv_a_layernorm.weight"):
                 if p + n in W:
                     d[p + n] = W[p + n]
+            if _mla(cfg):  # DeepseekV2MLAAttention
+                a = p + "self_attn."
+                if a + "q_a_proj.weight" in W:  # DeepSeekV2FusedQkvAProjLinear (disable_tp)
+                    fused = "fused_qkv_a_proj_with_mqa" if sglang else "fused_qkv_a_proj"
+                    d[a + fused + ".weight"] = torch.cat([W[a + "q_a_proj.weight"], W[a + "kv_a_proj_with_mqa.weight"]])
+                    d[a + "q_b_proj.weight"] = W[a + "q_b_proj.weight"].chunk(T)[t]
+                else:
+                    d[a + "kv_a_proj_with_mqa.weight"] = W[a + "kv_a_proj_with_mqa.weight"]
+                    d[a + "q_proj.weight"] = W[a + "q_proj.weight"].chunk(T)[t]
+                d[a + "kv_b_proj.weight"] = W[a + "kv_b_proj.weight"].chunk(T)[t]
+                d[a + "o_proj.weight"] = W[a + "o_proj.weight"].chunk(T, dim=1)[t]
             shard_id = t // replicas
             for kind in ("weight", "bias"):
-                if p + f"self_attn.q_proj.{kind}" in W:
+                if p + f"self_attn.k_proj.{kind}" in W:
                     d[p + f"self_attn.qkv_proj.{kind}"] = torch.cat([
                         W[p + f"self_attn.q_proj.{kind}"].narrow(0, t * q_loc, q_loc),
                         W[p + f"self_attn.k_proj.{kind}"].narrow(0, shard_id * kv_loc, kv_loc),
                         W[p + f"self_attn.v_proj.{kind}"].narrow(0, shard_id * kv_loc, kv_loc)])
-            d[p + "self_attn.o_proj.weight"] = W[p + "self_attn.o_proj.weight"].narrow(1, t * q_loc, q_loc)
+            if not _mla(cfg):
+                d[p + "self_attn.o_proj.weight"] = W[p + "self_attn.o_proj.weight"].narrow(1, t * q_loc, q_loc)
+            sh = p + "mlp.shared_experts."
+            if sh + "gate_proj.weight" in W:  # DeepseekV2MLP: MergedColumnParallelLinear + RowParallelLinear
+                d[sh + "gate_up_proj.weight"] = torch.cat([W[sh + "gate_proj.weight"].chunk(T)[t],
+                                                           W[sh + "up_proj.weight"].chunk(T)[t]])
+                d[sh + "down_proj.weight"] = W[sh + "down_proj.weight"].chunk(T, dim=1)[t]
             E = _experts_of(cfg, i)
             if E is None:
-                inter = W[p + "mlp.gate_proj.weight"].shape[0] // T
                 for kind in ("weight", "bias"):
                     if p + f"mlp.gate_proj.{kind}" in W:
                         d[p + f"mlp.gate_up_proj.{kind}"] = torch.cat([
-                            W[p + f"mlp.gate_proj.{kind}"].narrow(0, t * inter, inter),
-                            W[p + f"mlp.up_proj.{kind}"].narrow(0, t * inter, inter)])
-                d[p + "mlp.down_proj.weight"] = W[p + "mlp.down_proj.weight"].narrow(1, t * inter, inter)
+                            W[p + f"mlp.gate_proj.{kind}"].chunk(T)[t], W[p + f"mlp.up_proj.{kind}"].chunk(T)[t]])
+                d[p + "mlp.down_proj.weight"] = W[p + "mlp.down_proj.weight"].chunk(T, dim=1)[t]
                 continue
-            I_full = W[p + "mlp.experts.0.gate_proj.weight"].shape[0]
-            if ep:
+            if ep:  # whole experts over the EP ranks
                 ep_size, ep_rank = EPX * T, e_c * T + t
                 base, rem = divmod(E, ep_size)
                 n_loc = base + 1 if ep_rank < rem else base
                 start = ep_rank * base + min(ep_rank, rem)
-                experts, lo, n = range(start, start + n_loc), 0, I_full
-            else:
-                experts, lo, n = range(E), t * (I_full // T), I_full // T
-            w13 = [torch.cat([W[f"{p}mlp.experts.{e}.gate_proj.weight"].narrow(0, lo, n),
-                              W[f"{p}mlp.experts.{e}.up_proj.weight"].narrow(0, lo, n)]) for e in experts]
-            w2 = [W[f"{p}mlp.experts.{e}.down_proj.weight"].narrow(1, lo, n) for e in experts]
-            w13_t = torch.stack(w13) if w13 else torch.zeros((0, 2 * n, H), dtype=torch.bfloat16)
-            w2_t = torch.stack(w2) if w2 else torch.zeros((0, H, n), dtype=torch.bfloat16)
+                experts, tp_k, tp_i = range(start, start + n_loc), 1, 0
+            else:  # every expert, TP-split
+                experts, tp_k, tp_i = range(E), T, t
+            w13 = [torch.cat([W[f"{p}mlp.experts.{e}.gate_proj.weight"].chunk(tp_k)[tp_i],
+                              W[f"{p}mlp.experts.{e}.up_proj.weight"].chunk(tp_k)[tp_i]]) for e in experts]
+            w2 = [W[f"{p}mlp.experts.{e}.down_proj.weight"].chunk(tp_k, dim=1)[tp_i] for e in experts]
+            g0, d0 = W[f"{p}mlp.experts.0.gate_proj.weight"], W[f"{p}mlp.experts.0.down_proj.weight"]
+            # empty ranks: shapes and dtype from the arrays (so FP8 scales get theirs too)
+            w13_t = (torch.stack(w13) if w13
+                     else torch.zeros((0, 2 * g0.shape[0] // tp_k, g0.shape[1]), dtype=g0.dtype))
+            w2_t = torch.stack(w2) if w2 else torch.zeros((0, d0.shape[0], d0.shape[1] // tp_k), dtype=d0.dtype)
             if flat_experts:
-                w13_t, w2_t = w13_t.reshape(-1, H), w2_t.reshape(-1, n)
+                w13_t, w2_t = w13_t.reshape(-1, w13_t.shape[-1]), w2_t.reshape(-1, w2_t.shape[-1])
             d[p + "mlp.experts.w13_weight"] = w13_t
             d[p + "mlp.experts.w2_weight"] = w2_t
         out[r] = _finish(d)
@@ -331,11 +435,13 @@ def fsdp2_tensors(cfg: Mapping[str, Any], W: Mapping[str, torch.Tensor], mesh: M
 
 def preset_tensors(preset: str, cfg: Mapping[str, Any], W: Mapping[str, torch.Tensor], mesh: Mesh,
                    **kw: Any) -> dict[int, dict[str, torch.Tensor]]:
+    """The local tensors of ``preset`` built from ``W`` (``kw``: :func:`preset_manifest`'s; FP8
+    weights in ``W`` bring their scales)."""
     if preset == "megatron":
-        return megatron_tensors(cfg, W, mesh, etp=kw.get("expert_tensor_parallel"),
-                                grouped=kw.get("moe_grouped_gemm", False))
+        return with_fp8_scales(megatron_tensors, cfg, W, mesh, etp=kw.get("expert_tensor_parallel"),
+                               grouped=kw.get("moe_grouped_gemm", False))
     if preset in ("vllm", "sglang"):
-        return vllm_tensors(cfg, W, mesh, ep=kw.get("expert_parallel"), sglang=preset == "sglang")
+        return with_fp8_scales(vllm_tensors, cfg, W, mesh, ep=kw.get("expert_parallel"), sglang=preset == "sglang")
     if preset == "fsdp2":
         return fsdp2_tensors(cfg, W, mesh)
     assert preset == "hf" and mesh.size == 1
@@ -399,6 +505,15 @@ CASES = [
     ("megatron-moe-pp3-ep3", MOE, "megatron", "pp=3,ep=3", {}),
     ("megatron-moe-etp1", MOE, "megatron", "dp=2,ep=3,tp=2", {"expert_tensor_parallel": 1}),
     ("megatron-moe-grouped", MOE, "megatron", "ep=2,tp=2", {"moe_grouped_gemm": True}),
+    ("megatron-dsv3-tp2", DSV3, "megatron", "tp=2", {}),
+    ("megatron-dsv3-pp2ep2tp2", DSV3, "megatron", "pp=2,ep=2,tp=2", {}),
+    ("megatron-dsv3-etp1-grouped", DSV3, "megatron", "dp=2,ep=2,tp=2",
+     {"expert_tensor_parallel": 1, "moe_grouped_gemm": True}),
+    ("megatron-dsv3-no-q-lora-tp4", DSV3_NOQ, "megatron", "tp=4", {}),
+    ("megatron-dsv3-fp8-pp2tp2", DSV3_FP8, "megatron", "pp=2,tp=2", {"fp8": True}),
+    ("megatron-dsv3-fp8-pp2ep2tp2", DSV3_FP8, "megatron", "pp=2,ep=2,tp=2", {"fp8": True}),
+    ("megatron-dsv3-fp8-ep2tp2-etp1-grouped", DSV3_FP8, "megatron", "ep=2,tp=2",
+     {"fp8": True, "expert_tensor_parallel": 1, "moe_grouped_gemm": True}),
     ("vllm-qwen3-tp4-kv-replicated", QWEN3, "vllm", "tp=4", {}),
     ("vllm-qwen3-tp1", QWEN3, "vllm", "tp=1", {}),
     ("vllm-qwen3-dp2tp2", QWEN3, "vllm", "dp=2,tp=2", {}),
@@ -411,20 +526,32 @@ CASES = [
     ("vllm-moe-dp-ep2tp2", MOE, "vllm", "ep=2,tp=2", {}),
     ("vllm-moe-tp4-ep", MOE, "vllm", "tp=4", {"expert_parallel": True}),
     ("vllm-moe-ep8-more-ranks-than-experts", MOE, "vllm", "ep=4,tp=2", {}),
+    ("vllm-dsv3-tp2", DSV3, "vllm", "tp=2", {}),
+    ("vllm-dsv3-tp2-ep", DSV3, "vllm", "tp=2", {"expert_parallel": True}),
+    ("vllm-dsv3-dp-ep2tp2", DSV3, "vllm", "ep=2,tp=2", {}),
+    ("vllm-dsv3-no-q-lora-pp3tp2", DSV3_NOQ, "vllm", "pp=3,tp=2", {}),
+    ("vllm-dsv3-fp8-tp2", DSV3_FP8, "vllm", "tp=2", {"fp8": True}),
+    ("vllm-dsv3-fp8-pp2tp2-ep", DSV3_FP8, "vllm", "pp=2,tp=2", {"fp8": True, "expert_parallel": True}),
+    ("vllm-dsv3-fp8-ep6-more-ranks-than-experts", DSV3_FP8, "vllm", "ep=3,tp=2", {"fp8": True}),
+    ("vllm-dsv3-fp8-ep2-hidden-not-a-block-multiple", DSV3_FP8_ODD, "vllm", "ep=2", {"fp8": True}),
     ("sglang-qwen3-pp3tp2", QWEN3, "sglang", "pp=3,tp=2", {}),
     ("sglang-moe-tp2-ep", MOE, "sglang", "tp=2", {"expert_parallel": True}),
+    ("sglang-dsv3-tp2", DSV3, "sglang", "tp=2", {}),
+    ("sglang-dsv3-fp8-ep2", DSV3_FP8_ODD, "sglang", "ep=2", {"fp8": True}),
     ("fsdp2-qwen3-fsdp3", QWEN3, "fsdp2", "fsdp=3", {}),
     ("fsdp2-qwen3-dp2fsdp2tp2", QWEN3, "fsdp2", "dp=2,fsdp=2,tp=2", {}),
     ("fsdp2-llama-odd-fsdp4tp3", LLAMA_ODD, "fsdp2", "fsdp=4,tp=3", {}),
     ("fsdp2-moe-tp2fsdp3", MOE, "fsdp2", "tp=2,fsdp=3", {}),
     ("hf-qwen3", QWEN3, "hf", "tp=1", {}),
     ("hf-moe", MOE, "hf", "tp=1", {}),
+    ("hf-dsv3-fp8", DSV3_FP8, "hf", "tp=1", {"fp8": True}),
+    ("fsdp2-dsv3-fp8-fsdp3", DSV3_FP8, "fsdp2", "fsdp=3", {"fp8": True}),
 ]
 
 
 @pytest.mark.parametrize("cfg,preset,mesh,kw", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_preset_matches_framework_tensors(cfg: dict[str, Any], preset: str, mesh: str, kw: dict[str, Any]) -> None:
-    W = hf_weights(cfg)
+    W = hf_weights(cfg, fp8=kw.get("fp8", False))
     ms = parse_mesh(mesh)
     m = preset_manifest(cfg, preset, ms, **kw)
     pad = check_manifest(m, preset_tensors(preset, cfg, W, ms, **kw), W)
@@ -577,9 +704,31 @@ def test_fsdp2_nests_fsdp_inside_tp() -> None:
     (QWEN3, "vllm", "tp=2,dp=2", {}, r"rank order"),
     (MOE, "vllm", "ep=2,tp=2", {"expert_parallel": False}, r"'ep' mesh axis means expert parallelism"),
     (QWEN3, "hf", "tp=2", {}, r"preset hf: one rank"),
-    (MOE, "sglang", "tp=4", {"expert_parallel": True}, r"sglang: num_experts \(6\) must be divisible by the "
-     r"expert-parallel size \(4\)"),
+    (MOE, "sglang", "tp=4", {"expert_parallel": True}, (r"sglang: num_experts \(6\) must be divisible by the "
+                                                        r"expert-parallel size \(4\)")),
     (QWEN3, "fsdp2", "ep=2", {}, r"mesh axis 'ep' is not one of"),
+    (DSV3, "megatron", "tp=3", {}, r"num_attention_heads \(4\) must be divisible by tp \(3\)"),
+    (DSV3, "vllm", "tp=8", {}, r"num_attention_heads \(4\) must be divisible by tp \(8\)"),
+    (dict(DSV3, n_routed_experts=6), "megatron", "ep=4", {},
+     r"num_experts \(6\) must be divisible by the expert-parallel size \(4\)"),
+    # FP8: a TP shard that is not whole 16-row blocks (96 rows / 4 = 24), in megatron and vllm alike
+    (DSV3_FP8, "vllm", "tp=4", {"fp8": True},
+     (r"vllm: model\.layers\.0\.self_attn\.q_b_proj\.weight: its shard \[0, 24\) of dim 0 \(size 96\) does not "
+      r"start and end on FP8 block boundaries \(multiples of 16\), so "
+      r"model\.layers\.0\.self_attn\.q_b_proj\.weight_scale_inv cannot be split")),
+    (DSV3_FP8, "megatron", "tp=4", {"fp8": True},
+     r"megatron: model\.layers\.0\.self_attn\.q_b_proj\.weight: its shard \[0, 24\)"),
+    # the default 128x128 blocks: q_b_proj's 48-row shards are not whole blocks
+    (DSV3, "megatron", "tp=2", {"fp8": True},
+     r"q_b_proj\.weight: its shard \[0, 48\) of dim 0 \(size 96\).*multiples of 128"),
+    # a fused part that does not start on a block: kv_a_proj after the 32 rows of q_a_proj
+    (DSV3, "vllm", "tp=1", {"fp8": True},
+     (r"kv_a_proj_with_mqa\.weight: it sits at offset 32 of dim 0 of the fused local tensor "
+      r"model\.layers\.0\.self_attn\.fused_qkv_a_proj\.weight, not on an FP8 block boundary")),
+    # the dense MLP: 80 rows over tp 2 = 40, not whole 16-row blocks
+    (dict(DSV3_FP8, intermediate_size=80), "vllm", "tp=2", {"fp8": True},
+     r"model\.layers\.0\.mlp\.gate_proj\.weight: its shard \[0, 40\)"),
+    (DSV3_FP8, "vllm", "tp=2", {"fp8": True, "expert_parallel": False}, None),
     (QWEN3, "tpu", "tp=1", {}, r"unknown preset 'tpu'"),
 ])
 def test_preset_errors(cfg: dict[str, Any], preset: str, mesh: str, kw: dict[str, Any], match: str | None) -> None:
@@ -591,20 +740,100 @@ def test_preset_errors(cfg: dict[str, Any], preset: str, mesh: str, kw: dict[str
         preset_manifest(cfg, preset, parse_mesh(mesh), **kw)
 
 
-def test_mla_models_only_with_generic_presets() -> None:
-    dsv3 = {"model_type": "deepseek_v3", "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
-            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 500,
-            "q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
-            "n_routed_experts": 4, "n_shared_experts": 1, "first_k_dense_replace": 1, "torch_dtype": "bfloat16"}
-    for preset in ("megatron", "vllm"):
-        with pytest.raises(LayoutError, match="deepseek_v3"):
-            preset_manifest(dsv3, preset, parse_mesh("tp=2"))
-    W = hf_weights(dsv3)
+def test_dsv3_megatron_names_and_splits() -> None:
+    m = preset_manifest(DSV3, "megatron", parse_mesh("pp=2,tp=2"))
+
+    def where(fqn: str) -> list[tuple[str, tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
+        return [(c.tensor(fqn), c.region.offsets, c.local_offsets, c.holders) for c in m.arrays[fqn].chunks]
+
+    a = "model.layers.3.self_attn."  # stage 1, local layer 1: ranks 2, 3
+    assert where(a + "q_a_proj.weight") == [("decoder.layers.1.self_attention.linear_q_down_proj.weight",
+                                             (0, 0), (0, 0), (2, 3))]
+    assert where(a + "kv_b_proj.weight") == [  # 4 heads x (16 + 16) rows, 2 heads per rank
+        ("decoder.layers.1.self_attention.linear_kv_up_proj.weight", (0, 0), (0, 0), (2,)),
+        ("decoder.layers.1.self_attention.linear_kv_up_proj.weight", (64, 0), (0, 0), (3,))]
+    assert where(a + "o_proj.weight")[1] == ("decoder.layers.1.self_attention.linear_proj.weight", (0, 32), (0, 0),
+                                             (3,))
+    assert where(a + "q_a_layernorm.weight")[0][0] == "decoder.layers.1.self_attention.linear_q_up_proj.layer_norm_weight"
+    assert where(a + "kv_a_layernorm.weight")[0][0] == (
+        "decoder.layers.1.self_attention.linear_kv_up_proj.layer_norm_weight")
+    # with MLA the input layernorm is its own TENorm; dense layer 0 fuses the MLP norm, MoE layers do not
+    assert where("model.layers.0.input_layernorm.weight")[0][0] == "decoder.layers.0.input_layernorm.weight"
+    assert where("model.layers.0.post_attention_layernorm.weight")[0][0] == "decoder.layers.0.mlp.linear_fc1.layer_norm_weight"
+    assert where("model.layers.1.post_attention_layernorm.weight")[0][0] == "decoder.layers.1.pre_mlp_layernorm.weight"
+    assert where("model.layers.1.mlp.gate.e_score_correction_bias") == [
+        ("decoder.layers.1.mlp.router.expert_bias", (0,), (0,), (0, 1))]
+    assert m.arrays["model.layers.1.mlp.gate.e_score_correction_bias"].data_type == "float32"
+    assert where("model.layers.1.mlp.shared_experts.up_proj.weight") == [
+        ("decoder.layers.1.mlp.shared_experts.linear_fc1.weight", (0, 0), (16, 0), (0,)),
+        ("decoder.layers.1.mlp.shared_experts.linear_fc1.weight", (16, 0), (16, 0), (1,))]
+    lt = m.local_tensors(0)
+    assert "decoder.layers.0.self_attention.linear_qkv.weight" not in lt
+    assert lt["decoder.layers.0.self_attention.linear_kv_down_proj.weight"].shape == (16 + 8, 64)
+    assert lt["decoder.layers.1.mlp.experts.local_experts.3.linear_fc2.weight"].shape == (64, 16)
+
+
+def test_dsv3_vllm_fused_qkv_a_proj_and_fp8_scales() -> None:
+    m = preset_manifest(DSV3_FP8, "vllm", parse_mesh("tp=2"), fp8=True, expert_parallel=True)
+    a = "model.layers.1.self_attn."
+    kv = m.arrays[a + "kv_a_proj_with_mqa.weight"].chunks
+    assert [(c.tensor(""), c.local_offsets, c.holders) for c in kv] == [(a + "fused_qkv_a_proj.weight", (32, 0), (0, 1))]
+    assert m.arrays[a + "kv_a_proj_with_mqa.weight"].data_type == "float8_e4m3fn"
+    # scales: kv_a 24 rows = 2 blocks of 16 at block row 32 / 16 = 2 of the fused scale tensor
+    sc = m.arrays[a + "kv_a_proj_with_mqa.weight_scale_inv"]
+    assert sc.shape == (2, 4) and sc.data_type == "float32"
+    assert [(c.tensor(""), c.local_offsets) for c in sc.chunks] == [(a + "fused_qkv_a_proj.weight_scale_inv", (2, 0))]
+    lt = m.local_tensors(1)
+    assert lt[a + "fused_qkv_a_proj.weight_scale_inv"].shape == (4, 4)  # ceil(56 / 16): 2 + 2 blocks
+    assert lt[a + "q_b_proj.weight_scale_inv"].shape == (3, 2)  # 48 rows, 32 cols
+    # experts: 4 experts over 2 EP ranks; w13 [2, 2*32, 64] -> scales [2, 2*2, 4]
+    assert lt["model.layers.1.mlp.experts.w13_weight"].shape == (2 * 64, 64)
+    assert lt["model.layers.1.mlp.experts.w13_weight_scale_inv"].shape == (2 * 4, 4)
+    up = m.arrays["model.layers.1.mlp.experts.3.up_proj.weight_scale_inv"].chunks
+    assert [(c.local_offsets, c.holders) for c in up] == [((4 + 2, 0), (1,))]
+    assert "model.layers.1.mlp.gate.weight_scale_inv" not in m.arrays  # the router stays in bf16
+    sg = preset_manifest(DSV3, "sglang", parse_mesh("tp=2"))
+    assert sg.arrays[a + "q_a_proj.weight"].chunks[0].tensor("") == a + "fused_qkv_a_proj_with_mqa.weight"
+    noq = preset_manifest(DSV3_NOQ, "vllm", parse_mesh("tp=2"))
+    assert noq.arrays[a + "kv_a_proj_with_mqa.weight"].chunks[0].source is None  # ReplicatedLinear, HF name
+
+
+def test_dsv3_generic_presets_still_work() -> None:
+    W = hf_weights(DSV3)
     assert W["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
     for preset, mesh in (("fsdp2", "fsdp=3"), ("fsdp2", "dp=2,fsdp=2"), ("hf", "tp=1")):
         ms = parse_mesh(mesh)
-        m = preset_manifest(dsv3, preset, ms)
-        assert check_manifest(m, preset_tensors(preset, dsv3, W, ms), W) == 0
+        m = preset_manifest(DSV3, preset, ms)
+        assert check_manifest(m, preset_tensors(preset, DSV3, W, ms), W) == 0
+
+
+@pytest.mark.slow
+def test_real_deepseek_v3_config() -> None:
+    """The published config (61 layers, 256 experts, FP8 128x128 blocks): vLLM TP8 with EP and
+    Megatron TP8 x EP8 lay out, with the local shapes the frameworks allocate."""
+    cfg = Path(__file__).resolve().parents[2] / "workloads" / "models" / "deepseek-v3.config.json"
+    v = preset_manifest(cfg, "vllm", parse_mesh("tp=8"), fp8=True, expert_parallel=True)
+    lt = v.local_tensors(5)
+    a = "model.layers.3.self_attn."
+    assert lt[a + "fused_qkv_a_proj.weight"] == TensorSpec((1536 + 576, 7168), "float8_e4m3fn")
+    assert lt[a + "fused_qkv_a_proj.weight_scale_inv"].shape == (12 + 5, 56)
+    assert lt[a + "q_b_proj.weight"].shape == (16 * 192, 1536)
+    assert lt[a + "kv_b_proj.weight_scale_inv"].shape == (16 * 256 // 128, 4)
+    assert lt[a + "o_proj.weight_scale_inv"].shape == (56, 16)
+    assert lt["model.layers.3.mlp.experts.w13_weight"].shape == (32 * 2 * 2048, 7168)  # 256 / 8 experts
+    assert lt["model.layers.3.mlp.experts.w2_weight_scale_inv"].shape == (32 * 56, 16)
+    assert lt["model.layers.3.mlp.shared_experts.gate_up_proj.weight_scale_inv"].shape == (2 * 2, 56)
+    assert lt["model.layers.0.mlp.gate_up_proj.weight"].shape == (2 * 18432 // 8, 7168)
+    assert validate_manifest(v, check_paths=False) == []
+    # DeepSeek-V3's Megatron recipe: ETP 1, experts whole over ep x tp = 16 ranks (16 each)
+    g = preset_manifest(cfg, "megatron", parse_mesh("ep=8,tp=2"), fp8=True, moe_grouped_gemm=True,
+                        expert_tensor_parallel=1)
+    lt = g.local_tensors(15)
+    assert lt["decoder.layers.60.mlp.experts.linear_fc1.weight15"].shape == (2 * 2048, 7168)
+    assert lt["decoder.layers.60.mlp.experts.linear_fc1.weight_scale_inv15"].shape == (2 * 16, 56)
+    assert lt["decoder.layers.60.mlp.shared_experts.linear_fc2.weight_scale_inv"].shape == (56, 8)
+    assert lt["decoder.layers.60.self_attention.linear_q_down_proj.weight"].shape == (1536, 7168)
+    assert lt["embedding.word_embeddings.weight"].shape == (129280 // 2, 7168)  # a multiple of 128 x 2
 
 
 def test_dtype_override_and_presets_list(tmp_path: Path) -> None:
@@ -652,3 +881,22 @@ def test_cli_layout_preset(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
 def test_preset_errors_are_shardstream_errors() -> None:
     with pytest.raises(ShardstreamError):
         preset_manifest(QWEN3, "megatron", parse_mesh("tp=4"))
+
+
+def test_cli_layout_preset_fp8_then_plan_moves_pairs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``layout --preset … --fp8`` writes the preset's block-FP8 manifest; ``plan`` between two of
+    them reports every weight + scale pair moved as one."""
+    cfgp = tmp_path / "config.json"
+    cfgp.write_text(json.dumps(DSV3_FP8))
+    mg, vl = tmp_path / "mg.json", tmp_path / "vllm.json"
+    assert main(["layout", "--model", str(cfgp), "--preset", "megatron", "--mesh", "pp=2,tp=2", "--fp8",
+                 "--no-files", "-o", str(mg)]) == 0
+    assert load_manifest(mg).to_dict() == preset_manifest(DSV3_FP8, "megatron", parse_mesh("pp=2,tp=2"), fp8=True,
+                                                          name=load_manifest(mg).name).to_dict()
+    assert main(["layout", "--model", str(cfgp), "--preset", "vllm", "--mesh", "tp=2", "--fp8", "--no-files",
+                 "-o", str(vl)]) == 0
+    capsys.readouterr()
+    assert main(["plan", str(mg), str(vl), "--json"]) == 0
+    st = json.loads(capsys.readouterr().out)
+    scales = [n for n in load_manifest(vl).arrays if n.endswith("weight_scale_inv")]
+    assert scales and st["fp8_pairs"] == len(scales) and st["unpaired_scales"] == []
