@@ -108,6 +108,9 @@ def cmd_layout(args: argparse.Namespace) -> int:
 
     mesh = parse_mesh(args.mesh or "tp=1")
     rule_texts = list(args.rule)
+    if not getattr(args, "preset", None) and (args.first_stage_layers is not None
+                                              or args.last_stage_layers is not None):
+        raise UsageError("--first-stage-layers / --last-stage-layers go with --preset megatron")
     if getattr(args, "preset", None):  # the framework's own local names and fused layouts
         from formats.layouts.presets import preset_manifest
         from formats.validate import validate_manifest
@@ -119,7 +122,8 @@ def cmd_layout(args: argparse.Namespace) -> int:
         if args.file_pattern is None and not args.no_files and args.preset != "hf":
             pattern = "rank-{rank:05d}.safetensors"  # hf: convert names the files (model.safetensors, shards)
         m = preset_manifest(args.model, args.preset, mesh, file_pattern=pattern, domain_size=args.domain_size,
-                            name=args.name, fp8=args.fp8)
+                            name=args.name, fp8=args.fp8, first_stage_layers=args.first_stage_layers,
+                            last_stage_layers=args.last_stage_layers)
         problems = validate_manifest(m, where=args.output, check_paths=False)
         if problems:
             raise ShardstreamError(problems=problems)
@@ -492,6 +496,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", choices=("megatron", "vllm", "sglang", "fsdp2", "hf"),
                    help="--model: the framework's own local tensors (fused qkv / gate_up, padded vocab, stage-local "
                         "layers); arrays keep HF names")
+    p.add_argument("--first-stage-layers", type=int, metavar="N",
+                   help="--preset megatron: layers on the first pipeline stage (decoder_first_pipeline_num_layers)")
+    p.add_argument("--last-stage-layers", type=int, metavar="N",
+                   help="--preset megatron: layers on the last pipeline stage (decoder_last_pipeline_num_layers)")
     p.add_argument("--mesh", metavar="A=N,...", help="device mesh, row-major (default tp=1)")
     p.add_argument("--rule", action="append", default=[], metavar="GLOB=PLACEMENTS",
                    help="e.g. '*.q_proj.weight=S(0)'; one placement per mesh axis; first match wins")

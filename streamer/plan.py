@@ -37,6 +37,8 @@ from __future__ import annotations
 import bisect
 import functools
 import hashlib
+import io
+import pickle
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -125,19 +127,33 @@ class _Layout:
     tensors: tuple[str | None, ...]  # source.tensor (None: the array's own name)
     local: tuple[tuple[int, ...], ...]  # source.offsets (defaults filled in)
     geom: tuple[Any, ...]  # regions and holder counts: what a class shares
-    content: bytes  # digest of everything above: equal content, equal plan
+
+    @functools.cached_property
+    def content(self) -> bytes:
+        """Digest of everything above: equal content, equal plan. Pickled without its memo, so
+        that equal values give equal bytes however their objects are shared (presets share
+        tuples, parsed manifests do not)."""
+        buf = io.BytesIO()
+        p = pickle.Pickler(buf, protocol=4)
+        p.fast = True
+        p.dump((self.geom, self.holders, self.tensors, self.local))
+        return hashlib.sha256(buf.getvalue()).digest()
 
     @staticmethod
     def of(chunks: Sequence[Chunk]) -> _Layout:
-        perm = tuple(sorted(range(len(chunks)), key=lambda i: _chunk_order(chunks[i])))
+        # regions of one array are disjoint in any valid manifest: sort by region, and break
+        # ties (a broken manifest the planner still reports on) by the whole chunk
+        keys = [(c.region.offsets, c.region.sizes) for c in chunks]
+        perm = tuple(sorted(range(len(chunks)), key=keys.__getitem__))
+        if any(keys[a] == keys[b] for a, b in zip(perm, perm[1:])):
+            perm = tuple(sorted(range(len(chunks)), key=lambda i: _chunk_order(chunks[i])))
         cs = [chunks[i] for i in perm]
         boxes = tuple(c.region for c in cs)
         holders = tuple(c.holders for c in cs)
         tensors = tuple(c.source.tensor if c.source is not None else None for c in cs)
         local = tuple(c.local_offsets for c in cs)
         geom = tuple((b.offsets, b.sizes, len(h)) for b, h in zip(boxes, holders))
-        content = hashlib.sha256(repr((geom, holders, tensors, local)).encode()).digest()
-        return _Layout(perm, boxes, holders, tensors, local, geom, content)
+        return _Layout(perm, boxes, holders, tensors, local, geom)
 
 
 class _Memo:
@@ -629,12 +645,12 @@ def _pad(rows: Sequence[tuple[int, ...]], width: int) -> np.ndarray:
 
 
 def _holder_table(lays: Sequence[_Layout], shift: int) -> tuple[np.ndarray, np.ndarray]:
-    """Unique holder tables (by content) of the arrays' layouts, and each array's row."""
-    rows: dict[bytes, int] = {}
+    """Unique holder tables of the arrays' layouts, and each array's row."""
+    rows: dict[tuple[tuple[int, ...], ...], int] = {}
     uniq: list[_Layout] = []
     idx = np.empty(len(lays), dtype=_I64)
     for a, lay in enumerate(lays):
-        key = lay.content
+        key = lay.holders
         if key not in rows:
             rows[key] = len(uniq)
             uniq.append(lay)
@@ -784,21 +800,30 @@ def plan_transfers(src: Manifest, dst: Manifest, *, src_domain_size: int | None 
             g = lay_gid[id(lay)] = gid(lay.geom)
         return g
 
+    chunk_runs: dict[tuple[int, ...], tuple[tuple[int, int], ...]] = {}
+    by_holders: dict[tuple[tuple[int, ...], ...], tuple[int, tuple[tuple[tuple[int, int], ...], ...]]] = {}
+
+    def one_run(h: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+        got = chunk_runs.get(h)
+        if got is None:
+            groups: list[tuple[int, int]] = []
+            for j, r in enumerate(h):
+                if groups and dom_local_dst(h[groups[-1][0]]) == dom_local_dst(r):
+                    groups[-1] = (groups[-1][0], j + 1)
+                else:
+                    groups.append((j, j + 1))
+            got = chunk_runs[h] = tuple(groups)
+        return got
+
     def runs(lay: _Layout) -> tuple[int, tuple[tuple[tuple[int, int], ...], ...]]:
-        # destination holder slots grouped by domain (holders are sorted: groups are runs)
+        # destination holder slots grouped by domain (holders are sorted: groups are runs);
+        # memoised per layout and per holder tuple: parsed manifests share no objects
         hit = runs_of.get(id(lay))
         if hit is None:
-            out = []
-            for h in lay.holders:
-                groups: list[tuple[int, int]] = []
-                for j, r in enumerate(h):
-                    if groups and dom_local_dst(h[groups[-1][0]]) == dom_local_dst(r):
-                        groups[-1] = (groups[-1][0], j + 1)
-                    else:
-                        groups.append((j, j + 1))
-                out.append(tuple(groups))
-            rt = tuple(out)
-            hit = (gid(("runs", rt)), rt)
+            hit = by_holders.get(lay.holders)
+            if hit is None:
+                rt = tuple(one_run(h) for h in lay.holders)
+                hit = by_holders[lay.holders] = (gid(("runs", rt)), rt)
             runs_of[id(lay)] = hit
         return hit
 
@@ -1071,8 +1096,10 @@ def _broadcast_baseline(src: Manifest, dst: Manifest, lays: Mapping[str, tuple[_
     W = max(S, dst.world_size) if same_job else S + dst.world_size
     recv = np.zeros(max(W, 1), dtype=_I64)
 
-    def dom(g: int) -> int:
-        return int(_domains(np.array([g]), S=S, same_job=same_job, sds=sds, dds=dds)[0])
+    def dom(g: int) -> int:  # _domains for one rank
+        if same_job or g < S:
+            return g // sds
+        return (S + sds - 1) // sds + 1 + (g - S) // dds
 
     root_dom = dom(root)
     src_memo: dict[int, tuple[int, int]] = {}  # layout id -> (volume held by root, volume gathered across domains)
@@ -1092,7 +1119,7 @@ def _broadcast_baseline(src: Manifest, dst: Manifest, lays: Mapping[str, tuple[_
         net += hit[1] * isz
         got = dst_memo.get(id(dl))
         if got is None:
-            ranks = np.array(sorted({h + shift for h in (x for hs in dl.holders for x in hs)}), dtype=_I64)
+            ranks = np.array(sorted(set().union(*dl.holders)), dtype=_I64) + shift
             if same_job:
                 ranks = ranks[ranks != root]
             off = int((_domains(ranks, S=S, same_job=same_job, sds=sds, dds=dds) != root_dom).sum()) if len(ranks) else 0

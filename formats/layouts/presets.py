@@ -264,22 +264,44 @@ def vllm_padded_vocab(vocab: int, padding: int = VLLM_VOCAB_PADDING) -> int:
     return _ceil_to(vocab, padding)
 
 
-def pp_partition(num_layers: int, pp: int, style: str) -> list[int]:
-    """Layers per pipeline stage. ``megatron``: even (``num_layers % pp == 0``); ``vllm``:
-    ``get_pp_indices`` (remainder to the stages before the last, from the second-to-last
-    backwards); ``sglang``: remainder to the last stages.
+def pp_partition(num_layers: int, pp: int, style: str, *, first: int | None = None,
+                 last: int | None = None) -> list[int]:
+    """Layers per pipeline stage. ``megatron``: even (``num_layers % pp == 0``), or with
+    ``first`` / ``last`` (Megatron-core's ``decoder_first_pipeline_num_layers`` /
+    ``decoder_last_pipeline_num_layers``) those on the first / last stage and the rest even over
+    the others; ``vllm``: ``get_pp_indices`` (remainder to the stages before the last, from the
+    second-to-last backwards); ``sglang``: remainder to the last stages.
 
-    >>> pp_partition(6, 4, "vllm"), pp_partition(6, 4, "sglang")
-    ([1, 2, 2, 1], [1, 1, 2, 2])
+    >>> pp_partition(6, 4, "vllm"), pp_partition(6, 4, "sglang"), pp_partition(61, 16, "megatron", first=3, last=2)
+    ([1, 2, 2, 1], [1, 1, 2, 2], [3, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 2])
     """
     if num_layers < pp:
         raise _PresetError(f"{num_layers} layers cannot fill {pp} pipeline stages (every stage needs a layer)")
+    if (first is not None or last is not None) and style != "megatron":
+        raise _PresetError(f"{style}: first/last pipeline stage layer counts are a megatron option")
     base, rem = divmod(num_layers, pp)
     parts = [base] * pp
-    if style == "megatron":
+    if style == "megatron" and (first is not None or last is not None):
+        for what, v in (("first", first), ("last", last)):
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise _PresetError(f"megatron: {what}-stage layers must be an integer >= 1, got {v!r}")
+        ends = [x for x in (first, last) if x is not None]
+        if pp <= len(ends):
+            raise _PresetError(f"megatron: first/last-stage layer counts need pp > {len(ends)} (got pp = {pp})")
+        rest, inner = num_layers - sum(ends), pp - len(ends)
+        if rest < inner or rest % inner:
+            raise _PresetError(f"megatron: {num_layers} layers minus first/last-stage layers ({sum(ends)}) leave "
+                               f"{rest} for {inner} middle stages: Megatron needs a whole number >= 1 per stage")
+        parts = [rest // inner] * pp
+        if first is not None:
+            parts[0] = first
+        if last is not None:
+            parts[-1] = last
+    elif style == "megatron":
         if rem:
             raise _PresetError(f"megatron: num_hidden_layers ({num_layers}) must be divisible by pp ({pp}) "
-                               f"(Megatron's even pipeline split)")
+                               f"(Megatron's even pipeline split; or give the first/last stages their own layer "
+                               f"counts, as decoder_first/last_pipeline_num_layers do)")
     elif style == "vllm":
         for i in range(2, rem + 2):
             parts[-i] += 1
@@ -600,7 +622,8 @@ def _attention_checks(preset: str, info: ModelInfo, tp: int) -> None:
 # ---------------------------------------------------------------- megatron
 
 
-def _megatron(b: _Builder, info: ModelInfo, *, etp: int | None, grouped_gemm: bool) -> None:
+def _megatron(b: _Builder, info: ModelInfo, *, etp: int | None, grouped_gemm: bool,
+              first: int | None = None, last: int | None = None) -> None:
     T, P, EP, CP = b.size("tp"), b.size("pp"), b.size("ep"), b.size("cp")
     _attention_checks("megatron", info, T)
     if not info.mla and info.kv_heads % T:
@@ -614,7 +637,9 @@ def _megatron(b: _Builder, info: ModelInfo, *, etp: int | None, grouped_gemm: bo
     etp = T if etp is None else etp
     if etp not in (1, T):
         raise _PresetError(f"megatron: expert_tensor_parallel must be 1 or tp ({T}), got {etp}")
-    lps = pp_partition(info.layers, P, "megatron")[0]
+    parts = pp_partition(info.layers, P, "megatron", first=first, last=last)
+    starts = [sum(parts[:k]) for k in range(P)]
+    stage_of = [k for k, n in enumerate(parts) for _ in range(n)]
     V, nh, nkv, hd = info.vocab, info.heads, info.kv_heads, info.head_dim
     hpg = nh // nkv
     G = nkv // T  # local query groups
@@ -639,7 +664,8 @@ def _megatron(b: _Builder, info: ModelInfo, *, etp: int | None, grouped_gemm: bo
             unmapped.append(fqn)
             continue
         i, rest = int(m.group(1)), m.group(2)
-        stage, li = divmod(i, lps)
+        stage = stage_of[i]
+        li = i - starts[stage]  # Megatron numbers layers within the stage
         p = f"decoder.layers.{li}."
         rep = b.ranks(pp=stage)
         kind = rest.rsplit(".", 1)[-1]  # weight / bias
@@ -911,7 +937,8 @@ def preset_manifest(cfg: Mapping[str, Any] | str | os.PathLike[str], preset: str
                     file_pattern: str | None = None, domain_size: int | None = None, name: str | None = None,
                     dtype: str | None = "bfloat16", expert_parallel: bool | None = None,
                     expert_tensor_parallel: int | None = None, moe_grouped_gemm: bool = False,
-                    fp8: bool = False) -> Manifest:
+                    fp8: bool = False, first_stage_layers: int | None = None,
+                    last_stage_layers: int | None = None) -> Manifest:
     """The manifest a ``preset`` framework holds for the HF model ``cfg`` on ``mesh`` (see the
     module docstring for each preset's names, layouts and mesh axes).
 
@@ -925,7 +952,9 @@ def preset_manifest(cfg: Mapping[str, Any] | str | os.PathLike[str], preset: str
     replaces the config's ``torch_dtype`` (None keeps it). ``expert_parallel`` (vllm / sglang):
     experts whole over the EP ranks (default: when the mesh has an ``ep`` axis);
     ``expert_tensor_parallel`` (megatron): 1 or tp (default tp); ``moe_grouped_gemm`` (megatron):
-    TE grouped-GEMM expert names.
+    TE grouped-GEMM expert names. ``first_stage_layers`` / ``last_stage_layers`` (megatron):
+    Megatron-core's ``decoder_first/last_pipeline_num_layers`` (uneven pipelines, e.g. DeepSeek-V3's
+    61 layers on pp = 16 as 3 + 14 × 4 + 2).
     """
     if preset not in PRESETS:
         raise LayoutError(f"unknown preset {preset!r} (expected one of {', '.join(PRESETS)})")
@@ -936,7 +965,10 @@ def preset_manifest(cfg: Mapping[str, Any] | str | os.PathLike[str], preset: str
     b = _Builder(mesh, info.arrays, file_pattern, label=preset, fp8_block=info.fp8_block if fused else None)
     if preset == "megatron":
         _check_axes(mesh, _MEGATRON_AXES, preset, ordered=True)
-        _megatron(b, info, etp=expert_tensor_parallel, grouped_gemm=moe_grouped_gemm)
+        _megatron(b, info, etp=expert_tensor_parallel, grouped_gemm=moe_grouped_gemm,
+                  first=first_stage_layers, last=last_stage_layers)
+    elif first_stage_layers is not None or last_stage_layers is not None:
+        raise LayoutError(f"{preset}: first_stage_layers / last_stage_layers are megatron options")
     elif preset in ("vllm", "sglang"):
         _check_axes(mesh, _VLLM_AXES, preset, ordered=True)
         _vllm(b, info, preset, expert_parallel=expert_parallel)

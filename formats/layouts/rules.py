@@ -377,9 +377,10 @@ def build_manifest(arrays: Mapping[str, tuple[Sequence[int], str]], mesh: Mesh,
             chunks.extend(maker(fqn, region, holders))
         if make_chunks is not None:  # the generic maker keeps chunk_regions' order
             chunks.sort(key=_chunk_key)
-        else:
-            shared[key] = tuple(chunks)
-        out[fqn] = ArraySpec(shape_t, data_type, tuple(chunks))
+        ct = tuple(chunks)
+        if make_chunks is None:
+            shared[key] = ct
+        out[fqn] = ArraySpec(shape_t, data_type, ct)
     return Manifest(world_size=mesh.size, arrays=out, name=name, mesh=mesh.to_dict(),
                     topology={"domain_size": domain_size} if domain_size is not None else None)
 

@@ -515,7 +515,8 @@ def _spec(p: argparse.ArgumentParser) -> list[str]:
 GOLDEN = {
     '': ['--debug', '--version'],
     'import': ['--json', '--name', '-o/--output!', '<paths>'],
-    'layout': ['--domain-size', '--file-pattern', '--fp8', '--include-mtp', '--json', '--like',
+    'layout': ['--domain-size', '--file-pattern', '--first-stage-layers', '--fp8', '--include-mtp', '--json',
+               '--last-stage-layers', '--like',
         '--mesh', '--model', '--name', '--no-files', '--preset{megatron,vllm,sglang,fsdp2,hf}',
         '--rule', '-o/--output!'],
     'validate': ['--data', '--json', '<manifests>'],

@@ -781,3 +781,20 @@ def test_fp8_scales_that_do_not_follow_their_weights_are_planned_alone() -> None
     assert_plan_exact(plan, src, dst, False)
     assert plan.stats()["unpaired_scales"] == ["l.b.weight_scale_inv", "l.w.weight_scale_inv"]
     assert plan.stats()["fp8_pairs"] == 0
+
+
+def test_digest_does_not_depend_on_object_sharing() -> None:
+    """Layouts share chunk tuples between arrays; a parsed manifest shares nothing. Both jobs of a
+    refit must still compute the same digest from the same content."""
+    from formats.manifest import dumps_manifest, loads_manifest
+
+    arrays = {f"l.{i}.w": ((64, 32), "bfloat16") for i in range(4)}
+    from formats.layouts import build_manifest
+
+    src = build_manifest(arrays, Mesh(("dp", "tp"), (2, 2)), {n: (Replicate(), Shard(0)) for n in arrays},
+                         file_pattern=None)
+    dst = build_manifest(arrays, Mesh(("tp",), (4,)), {n: (Shard(1),) for n in arrays}, file_pattern=None)
+    assert src.arrays["l.0.w"].chunks is src.arrays["l.1.w"].chunks  # shared by build_manifest
+    a = plan_transfers(src, dst, dst_domain_size=2)
+    b = plan_transfers(loads_manifest(dumps_manifest(src)), loads_manifest(dumps_manifest(dst)), dst_domain_size=2)
+    assert a.digest() == b.digest() and a.transfers == b.transfers

@@ -196,13 +196,21 @@ def with_fp8_scales(writer: Any, cfg: Mapping[str, Any], W: Mapping[str, torch.T
 
 
 def megatron_tensors(cfg: Mapping[str, Any], W: Mapping[str, torch.Tensor], mesh: Mesh, *,
-                     etp: int | None = None, grouped: bool = False) -> dict[int, dict[str, torch.Tensor]]:
+                     etp: int | None = None, grouped: bool = False, first: int | None = None,
+                     last: int | None = None) -> dict[int, dict[str, torch.Tensor]]:
     """Every rank's Megatron-core (TE spec) state dict, built from the HF weights."""
     _, V, L, nh, nkv, hd = _geom(cfg)
     T, P, EP = _size(mesh, "tp"), _size(mesh, "pp"), _size(mesh, "ep")
     etp = T if etp is None else etp
     hpg = nh // nkv
-    lps = L // P
+    # Megatron-core: decoder_first/last_pipeline_num_layers, the rest even over the middle stages
+    ends = (first or 0) + (last or 0)
+    inner = P - (first is not None) - (last is not None)
+    per = [(L - ends) // inner] * P
+    if first is not None:
+        per[0] = first
+    if last is not None:
+        per[-1] = last
     vpad = -(-V // (128 * T)) * 128 * T
     out: dict[int, dict[str, torch.Tensor]] = {}
     for r in range(mesh.size):
@@ -215,8 +223,8 @@ def megatron_tensors(cfg: Mapping[str, Any], W: Mapping[str, torch.Tensor], mesh
             d["decoder.final_layernorm.weight"] = W["model.norm.weight"]
             if "lm_head.weight" in W:
                 d["output_layer.weight"] = _pad_rows(W["lm_head.weight"], vpad).chunk(T)[t]
-        for li in range(lps):
-            i = s * lps + li
+        for li in range(per[s]):
+            i = sum(per[:s]) + li
             hp, mp = f"model.layers.{i}.", f"decoder.layers.{li}."
             if _mla(cfg):  # MLASelfAttention (TE spec, qk_layernorm=True); input_layernorm is a TENorm
                 a, ma = hp + "self_attn.", mp + "self_attention."
@@ -439,7 +447,8 @@ def preset_tensors(preset: str, cfg: Mapping[str, Any], W: Mapping[str, torch.Te
     weights in ``W`` bring their scales)."""
     if preset == "megatron":
         return with_fp8_scales(megatron_tensors, cfg, W, mesh, etp=kw.get("expert_tensor_parallel"),
-                               grouped=kw.get("moe_grouped_gemm", False))
+                               grouped=kw.get("moe_grouped_gemm", False), first=kw.get("first_stage_layers"),
+                               last=kw.get("last_stage_layers"))
     if preset in ("vllm", "sglang"):
         return with_fp8_scales(vllm_tensors, cfg, W, mesh, ep=kw.get("expert_parallel"), sglang=preset == "sglang")
     if preset == "fsdp2":
@@ -506,6 +515,10 @@ CASES = [
     ("megatron-moe-etp1", MOE, "megatron", "dp=2,ep=3,tp=2", {"expert_tensor_parallel": 1}),
     ("megatron-moe-grouped", MOE, "megatron", "ep=2,tp=2", {"moe_grouped_gemm": True}),
     ("megatron-dsv3-tp2", DSV3, "megatron", "tp=2", {}),
+    ("megatron-llama-odd-pp2-uneven-first", LLAMA_ODD, "megatron", "pp=2", {"first_stage_layers": 1}),
+    ("megatron-qwen3-pp3-first1-last1", dict(QWEN3, num_hidden_layers=5), "megatron", "pp=3",
+     {"first_stage_layers": 1, "last_stage_layers": 1}),
+    ("megatron-dsv3-pp2-last1-ep2", DSV3, "megatron", "pp=2,ep=2", {"last_stage_layers": 1}),
     ("megatron-dsv3-pp2ep2tp2", DSV3, "megatron", "pp=2,ep=2,tp=2", {}),
     ("megatron-dsv3-etp1-grouped", DSV3, "megatron", "dp=2,ep=2,tp=2",
      {"expert_tensor_parallel": 1, "moe_grouped_gemm": True}),
@@ -655,6 +668,13 @@ def test_pp_partitions_and_expert_ranges() -> None:
     assert pp_partition(7, 4, "vllm") == [2, 2, 2, 1]
     assert pp_partition(4, 3, "sglang") == [1, 1, 2]
     assert pp_partition(8, 4, "megatron") == [2, 2, 2, 2]
+    assert pp_partition(61, 16, "megatron", first=3, last=2) == [3] + [4] * 14 + [2]
+    assert pp_partition(5, 2, "megatron", first=1) == [1, 4]
+    for n, bad in ((4, {"first": 2, "last": 2}), (6, {"first": 0}), (6, {"first": 5, "last": 1})):
+        with pytest.raises(LayoutError):
+            pp_partition(n, 3, "megatron", **bad)
+    with pytest.raises(LayoutError):
+        pp_partition(6, 3, "vllm", first=1)
     assert [vllm_expert_range(6, 4, r) for r in range(4)] == [(0, 2), (2, 4), (4, 5), (5, 6)]
     assert [vllm_expert_range(6, 8, r) for r in range(8)][-2:] == [(6, 6), (6, 6)]
 
