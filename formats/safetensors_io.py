@@ -65,6 +65,9 @@ _O_READ = os.O_RDONLY | _O_CLOEXEC | getattr(os, "O_NONBLOCK", 0)
 # O_NOFOLLOW: never write through a symlink planted at the temp name.
 _O_WRITE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
 _HAVE_PREADV = hasattr(os, "preadv")
+_HAVE_FADVISE = hasattr(os, "posix_fadvise")
+#: a sequential stream of this many written bytes gets its writeback started (SafetensorsWriter)
+WRITEBACK_BYTES = 8 << 20
 
 
 # --------------------------------------------------------------------------- data model
@@ -728,7 +731,10 @@ class SafetensorsWriter:
         self._specs: dict[str, tuple[DType, tuple[int, ...]]] = {
             name: (dt, tuple(int(v) for v in shape)) for name, dt, shape in specs}
         self._size = max((e for _, e in ranges.values()), default=len(prefix))
+        self._data_start = len(prefix)
         self.bytes_written = 0
+        # [lo, hi): the sequential run of written bytes whose writeback has not been started
+        self._wb_lo = self._wb_hi = 0
         fd = os.open(self._tmp, _O_WRITE, 0o644)
         try:
             _pwrite_all(fd, memoryview(prefix), 0)
@@ -753,6 +759,11 @@ class SafetensorsWriter:
     @property
     def file_size(self) -> int:
         return self._size
+
+    @property
+    def data_start(self) -> int:
+        """Absolute offset of the data section (the first tensor's first byte)."""
+        return self._data_start
 
     @property
     def tensor_ranges(self) -> dict[str, tuple[int, int]]:
@@ -786,6 +797,40 @@ class SafetensorsWriter:
                              f"overflow its {end - begin} bytes")
         _pwrite_all(self._fd, mv, begin + byte_offset)
         self.bytes_written += n
+        self._start_writeback(begin + byte_offset, n)
+
+    def write_at(self, offset: int, data: Any) -> None:
+        """Write the bytes of ``data`` at absolute file ``offset``, inside the data section. For a
+        caller streaming the file in layout order: one write may span several tensors."""
+        self._check_open()
+        mv = _as_bytes(data)
+        n = mv.nbytes
+        if offset < self._data_start or offset + n > self._size:
+            raise ValueError(f"{self._path}: {n} bytes at offset {offset} fall outside the data section "
+                             f"[{self._data_start}, {self._size})")
+        _pwrite_all(self._fd, mv, offset)
+        self.bytes_written += n
+        self._start_writeback(offset, n)
+
+    def _start_writeback(self, offset: int, n: int) -> None:
+        """Start (not wait for) writeback of a sequential run of writes every WRITEBACK_BYTES.
+
+        Otherwise the whole file stays dirty in the page cache until ``commit``'s fsync, which
+        then writes all of it while nothing else runs: 0.8-0.9 s of a 2.3 GB convert (3 files),
+        where it now takes ~0.03 s because the device wrote while the next slabs were filled.
+        On Linux POSIX_FADV_DONTNEED starts asynchronous writeback of the dirty range (and drops
+        only pages already clean); it is a hint: durability still comes from fsync alone.
+        Writes out of order (``write_box`` of strided regions) are left to fsync.
+        """
+        if not _HAVE_FADVISE:
+            return
+        if offset != self._wb_hi:
+            self._wb_lo = offset
+        self._wb_hi = offset + n
+        if self._wb_hi - self._wb_lo >= WRITEBACK_BYTES:
+            with contextlib.suppress(OSError):  # a hint: a file system may refuse it
+                os.posix_fadvise(self._fd, self._wb_lo, self._wb_hi - self._wb_lo, os.POSIX_FADV_DONTNEED)
+            self._wb_lo = self._wb_hi
 
     def write_box(self, name: str, box: Box, data: Any) -> None:
         """Write region ``box`` (tensor element coordinates) of tensor ``name`` from ``data``, a

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from mpi_helpers import BIN, ENV, MPIEXEC, REPO, ok, run
+from mpi_helpers import BIN, MPIEXEC, REPO, ok, run
 
 pytestmark = pytest.mark.mpi
 

@@ -279,6 +279,43 @@ def test_small_memory_limit_is_byte_identical(tmp_path: Path, capsys: Any) -> No
                        shallow=False)
 
 
+def test_slabs_are_packed_into_few_sequential_writes(tmp_path: Path, capsys: Any, monkeypatch: Any) -> None:
+    """A file's tensors are written as one stream: many small tensors cost a few large writes,
+    in file order (one pwrite per slab made the background writer wait on the filler)."""
+    from formats.safetensors_io import SafetensorsWriter
+
+    make_hf(tmp_path / "hf", {f"t{i}.weight": ((17, 3 + i), "bfloat16") for i in range(40)}, seed=3)
+    assert run_cli(capsys, "layout", "--like", tmp_path / "hf", "--mesh", "tp=2", "--rule", "*=S(0)",
+                   "-o", tmp_path / "d.json")[0] == 0
+    writes: list[tuple[str, int, int]] = []
+    real = SafetensorsWriter.write_at
+
+    def spy(self: SafetensorsWriter, offset: int, data: Any) -> None:
+        writes.append((self.path.name, offset, memoryview(data).nbytes))
+        real(self, offset, data)
+
+    monkeypatch.setattr(SafetensorsWriter, "write_at", spy)
+    assert run_cli(capsys, "convert", tmp_path / "hf", tmp_path / "d.json", "--out", tmp_path / "out")[0] == 0
+    for rank in range(2):
+        f = PATTERN.format(rank=rank)
+        mine = [(o, n) for name, o, n in writes if name == f]
+        assert len(mine) == 1, mine  # 40 tensors, one write
+        hdr = read_header(tmp_path / "out" / f)
+        assert mine == [(hdr.data_start, hdr.file_size - hdr.data_start)]
+    assert validate_data(load_manifest(tmp_path / "out" / "manifest.json")) == []
+
+
+def test_contiguous_span() -> None:
+    from formats.box import Box
+    from streamer.convert import _contiguous_span
+
+    assert _contiguous_span(Box((1, 0), (2, 8)), (4, 8)) == (8, 16)  # whole rows
+    assert _contiguous_span(Box((1, 2), (1, 3)), (4, 8)) == (10, 3)  # part of one row
+    assert _contiguous_span(Box((1, 2), (2, 3)), (4, 8)) is None  # strided
+    assert _contiguous_span(Box((0, 1, 0), (1, 2, 5)), (2, 3, 5)) == (5, 10)
+    assert _contiguous_span(Box((0, 1, 0), (2, 2, 5)), (2, 3, 5)) is None
+
+
 # ------------------------------------------------------------------ checksums
 
 

@@ -142,8 +142,9 @@ def test_a_million_arrays_is_fast_enough() -> None:
 
 def test_with_real_files(tmp_path: Path) -> None:
     """Mutated manifests pointing at real (and hostile) files: --data never crashes."""
-    from formats.safetensors_io import save_tensors
     import numpy as np
+
+    from formats.safetensors_io import save_tensors
 
     save_tensors(tmp_path / "rank-00000.safetensors", {"w": np.zeros((4, 3), np.uint16)})
     (tmp_path / "shared.safetensors").write_bytes(b"\xff" * 64)

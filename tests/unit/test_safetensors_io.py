@@ -714,6 +714,49 @@ def test_writer_bounds(tmp_path: Path) -> None:
                                       np.array([[0, 0, 0, 0], [0, 2, 2, 0], [0, 2, 2, 0]], np.float32))
 
 
+def test_write_at_spans_tensors_and_stays_in_the_data_section(tmp_path: Path) -> None:
+    with SafetensorsWriter(tmp_path / "s.safetensors", [("a", U8, (3,)), ("b", U8, (2,))]) as w:
+        start = w.data_start
+        assert w.tensor_ranges["a"][0] == start
+        with pytest.raises(ValueError, match="outside the data section"):
+            w.write_at(start - 1, b"\x00")
+        with pytest.raises(ValueError, match="outside the data section"):
+            w.write_at(start + 4, b"\x00\x00")
+        w.write_at(start, b"\x01\x02\x03\x04\x05")  # one write across both tensors
+        assert w.bytes_written == 5
+        w.commit()
+    with SafetensorsReader(tmp_path / "s.safetensors") as r:
+        assert r.read("a").tolist() == [1, 2, 3] and r.read("b").tolist() == [4, 5]
+
+
+def test_sequential_writes_start_writeback_early(tmp_path: Path, monkeypatch: Any) -> None:
+    """A sequential stream gets its writeback started every WRITEBACK_BYTES (so commit's fsync
+    finds little left); scattered writes are left to fsync; the bytes are the same either way."""
+    import formats.safetensors_io as sio
+
+    if not hasattr(os, "posix_fadvise"):
+        pytest.skip("no posix_fadvise")
+    calls: list[tuple[int, int]] = []
+    real = os.posix_fadvise
+    monkeypatch.setattr(sio, "WRITEBACK_BYTES", 1000)
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, adv: (calls.append((off, n)), real(fd, off, n, adv)))
+    data = np.arange(4000, dtype=np.uint8)
+    with SafetensorsWriter(tmp_path / "q.safetensors", [("a", U8, (4000,))]) as w:
+        start = w.data_start
+        for off in range(0, 4000, 400):  # sequential, 400 bytes at a time
+            w.write("a", off, data[off:off + 400])
+        w.commit()
+    assert calls == [(start, 1200), (start + 1200, 1200), (start + 2400, 1200)]
+    calls.clear()
+    with SafetensorsWriter(tmp_path / "r.safetensors", [("a", U8, (4000,))]) as w:
+        for off in range(3600, -1, -400):  # backwards: never one sequential run
+            w.write("a", off, data[off:off + 400])
+        w.commit()
+    assert calls == []
+    with SafetensorsReader(tmp_path / "q.safetensors") as q, SafetensorsReader(tmp_path / "r.safetensors") as r:
+        assert q.read("a").tolist() == r.read("a").tolist() == data.tolist()
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(shape=st.lists(st.integers(1, 6), min_size=0, max_size=4), parts=st.integers(1, 7),
        seed=st.integers(0, 2**32 - 1))
