@@ -118,6 +118,8 @@ def _split_transfer(t: Transfer, bucket: int) -> list[Transfer]:
 
 #: contiguous transfers at least this large travel as their own message, zero-copy at both ends
 INPLACE_MIN_BYTES = 256 << 10
+#: messages one rank keeps in flight (packed ones are further limited by the bucket slots)
+MAX_INFLIGHT = 8
 
 
 def _bucket(ts: Sequence[Transfer], phase: int, s: int, d: int, bucket_size: int,
@@ -346,8 +348,12 @@ class Executor:
         last = time.monotonic()
         sleep = 0.0
         in_use = 0
+        # zero-copy messages cost no buffer: more of them may be in flight than there are bucket
+        # slots, so large contiguous regions overlap with the packed ones (memory stays bounded
+        # by the slots)
+        max_inflight = max(self.window, MAX_INFLIGHT)
         while i < len(self.mine) or active:
-            while len(active) < self.window and i < len(self.mine):
+            while len(active) < max_inflight and i < len(self.mine):
                 m = self.mine[i]
                 send = m.src == self.rank
                 if send and m.phase == 2 and not all(d in done for d in m.deps):
@@ -355,6 +361,8 @@ class Executor:
                 buf = self._inplace(m, send)
                 slot = -1
                 if buf is None:
+                    if not self._free:
+                        break  # every bucket slot is in use: wait for one
                     slot = self._free.pop()
                     buf = self._slots[slot][:m.nbytes]
                     in_use += m.nbytes
