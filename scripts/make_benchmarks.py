@@ -331,8 +331,9 @@ def render(seed: list[Row], m2n: list[Row], shipped: list[Row], mscale: list[Row
         "every generator GPU (one ring at one NIC's speed; \"8 rings\" = the same over 8 NICs). Both move "
         "**all** arrays (NeMo RL's reshard path moves only the ~93–98 % of bytes in FFN/expert weights)."),
         "",
-        "**Approximation.** A whole DeepSeek-V3 plan has 14 million transfers, too slow to make for every row in "
-        "Python, so each row plans one representative layer of each kind (plus the non-layer arrays) with the "
+        "**Approximation.** A whole DeepSeek-V3 plan has 14 million transfers (about a second to plan, see "
+        "*Runtimes*), but the scale tables go to 2.4T parameters and 1024 GPUs, so each row plans one "
+        "representative layer of each kind (plus the non-layer arrays) with the "
         "real planner and multiplies it over the identical layers, shifting source ranks by pipeline stage. "
         "That is exactly the union of independent per-layer plans; `tests/unit/test_simulate.py` checks the "
         "scaled figures against planning every layer (exactly equal) and against one whole-model plan (bytes "
