@@ -398,7 +398,7 @@ def bench_refit(work: str, *, senders: int = 4, receivers: int = 4, preset: str 
     return out
 
 
-def bench_plan(sizes: tuple[int, ...] = (1_200, 4_800, 19_200), *, model: str | None = None,
+def bench_plan(sizes: tuple[int, ...] = (1_200, 4_800, 19_200, 102_400), *, model: str | None = None,
                train: str = "pp=16,ep=16", serve: str = "dp=8,tp=32", domain: int = 8) -> dict[str, Any]:
     """Planner and validator time and peak memory vs the number of chunks.
 
@@ -415,6 +415,33 @@ def bench_plan(sizes: tuple[int, ...] = (1_200, 4_800, 19_200), *, model: str | 
 
     from .plan import plan_transfers
 
+    # the full-size plan first: its peak RSS is not masked by the sweep's traced pass
+    mres: dict[str, Any] | None = None
+    if model:
+        from formats.layouts import manifest_from_arrays as mfa
+        from formats.layouts.models import arrays_from_model, generic_rules
+
+        t0 = time.perf_counter()
+        arrays = arrays_from_model(model)
+        base = mfa(arrays)
+        ms, md = parse_mesh(train), parse_mesh(serve)
+        src = apply_layout(base, ms, [parse_rule(r, ms) for r in generic_rules(ms.axes)], file_pattern=None)
+        dst = apply_layout(base, md, [parse_rule(r, md) for r in generic_rules(md.axes)], file_pattern=None)
+        import resource
+
+        rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        t1 = time.perf_counter()
+        plan = plan_transfers(src, dst, src_domain_size=domain, dst_domain_size=domain)
+        t2 = time.perf_counter()
+        # peak RSS growth while planning (ru_maxrss: no tracing, which would slow the plan down)
+        grew = max(0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss0)
+        st = plan.stats()
+        mres = {"config": model, "train": train, "serve": serve, "arrays": len(arrays),
+                        "plan_peak_rss_growth_bytes": grew,
+                        "src_chunks": sum(len(a.chunks) for a in src.arrays.values()),
+                        "dst_chunks": sum(len(a.chunks) for a in dst.arrays.values()),
+                        "manifests_s": t1 - t0, "plan_s": t2 - t1, "transfers": (plan.stats()["transfers"] + plan.stats()["local_copies"]),
+                        "moved_bytes": st["moved_bytes"], "broadcast_moved_bytes": st["broadcast_moved_bytes"]}
     rows = []
     for n in sizes:
         # a distinct shape per array: no two arrays share a template (the planner's worst case)
@@ -445,25 +472,8 @@ def bench_plan(sizes: tuple[int, ...] = (1_200, 4_800, 19_200), *, model: str | 
         return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / den
 
     out: dict[str, Any] = {"sweep": rows, "plan_exponent": slope("plan_s"), "validate_exponent": slope("validate_s")}
-    if model:
-        from formats.layouts import manifest_from_arrays as mfa
-        from formats.layouts.models import arrays_from_model, generic_rules
-
-        t0 = time.perf_counter()
-        arrays = arrays_from_model(model)
-        base = mfa(arrays)
-        ms, md = parse_mesh(train), parse_mesh(serve)
-        src = apply_layout(base, ms, [parse_rule(r, ms) for r in generic_rules(ms.axes)], file_pattern=None)
-        dst = apply_layout(base, md, [parse_rule(r, md) for r in generic_rules(md.axes)], file_pattern=None)
-        t1 = time.perf_counter()
-        plan = plan_transfers(src, dst, src_domain_size=domain, dst_domain_size=domain)
-        t2 = time.perf_counter()
-        st = plan.stats()
-        out["model"] = {"config": model, "train": train, "serve": serve, "arrays": len(arrays),
-                        "src_chunks": sum(len(a.chunks) for a in src.arrays.values()),
-                        "dst_chunks": sum(len(a.chunks) for a in dst.arrays.values()),
-                        "manifests_s": t1 - t0, "plan_s": t2 - t1, "transfers": (plan.stats()["transfers"] + plan.stats()["local_copies"]),
-                        "moved_bytes": st["moved_bytes"], "broadcast_moved_bytes": st["broadcast_moved_bytes"]}
+    if mres is not None:
+        out["model"] = mres
     return out
 
 

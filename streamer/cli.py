@@ -428,7 +428,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             mm = r["model"]
             lines.append(f"  {mm['config']}: {mm['train']} -> {mm['serve']}: {mm['src_chunks']} + {mm['dst_chunks']} "
                          f"chunks, manifests {mm['manifests_s']:.2f} s, plan {mm['plan_s']:.2f} s (target <= 2 s), "
-                         f"{mm['transfers']} transfers")
+                         f"{mm['transfers']} transfers, peak RSS +{mm['plan_peak_rss_growth_bytes'] / 2**20:.0f} MiB")
         text = "\n".join(lines)
     elif args.what == "validate":
         r = bench.bench_validate(args.chunks)
@@ -566,7 +566,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="benchmarks: ratios measured side by side in one run")
     p.add_argument("what", choices=["plan", "convert", "refit", "validate"])
-    p.add_argument("--sweep", type=_positive_int, nargs="+", default=[1200, 4800, 19200],
+    p.add_argument("--sweep", type=_positive_int, nargs="+", default=[1200, 4800, 19200, 102400],
                    help="bench plan: chunk counts of the sweep")
     p.add_argument("--model", metavar="CFG", help="bench plan: also time the full plan of this HF config")
     p.add_argument("--plot", metavar="PNG", help="also draw the result (needs matplotlib)")
