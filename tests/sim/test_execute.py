@@ -495,3 +495,17 @@ def test_per_rank_schedule_matches_global_order(pair: LayoutPair, bucket: int) -
         want = [sig(m, by_uid) for m in glob if g in (m.src, m.dst)]
         got = [sig(m, loc_uid) for m in local if g in (m.src, m.dst)]
         assert got == want, g
+
+
+def test_poll_sleep_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from formats.errors import UsageError
+    from streamer.execute import MAX_POLL_SLEEP, _poll_sleep
+
+    monkeypatch.delenv("SHARDSTREAM_POLL_SLEEP", raising=False)
+    assert _poll_sleep() == MAX_POLL_SLEEP
+    monkeypatch.setenv("SHARDSTREAM_POLL_SLEEP", "5e-5")
+    assert _poll_sleep() == 5e-5
+    for bad in ("abc", "-1", "2", "nan"):
+        monkeypatch.setenv("SHARDSTREAM_POLL_SLEEP", bad)
+        with pytest.raises(UsageError, match="SHARDSTREAM_POLL_SLEEP"):
+            _poll_sleep()
