@@ -266,7 +266,9 @@ class Executor:
         self.dst_views = self.src_views if dst_tensors is None else {n: view(x) for n, x in dst_tensors.items()}
         self.mine = [m for m in schedule if m.src == self.rank or m.dst == self.rank]
         self._by_uid = {m.uid: m for m in schedule}
-        self.local = [t for t in plan.transfers_of(self.rank) if t.phase == 0 and t.dst_rank == self.rank]
+        # phase-0 copies exist only in a same-job reshard: skip the pass over the plan otherwise
+        self.local = ([t for t in plan.transfers_of(self.rank) if t.phase == 0 and t.dst_rank == self.rank]
+                      if plan.same_job else [])
         bucket = max((m.nbytes for m in self.mine), default=0)
         # at most `window` bucket buffers, allocated once and reused every push
         self._slots = [self._empty(bucket) for _ in range(min(self.window, len(self.mine)))]

@@ -331,10 +331,11 @@ class Plan:
         return max(self.src_world, self.dst_world) if self.same_job else self.src_world + self.dst_world
 
     # -- transfers
-    def _select(self, keep: Any) -> Iterator[Transfer]:
-        """Transfers whose (src ranks, dst ranks, phases) arrays pass ``keep`` (a mask maker)."""
-        for b in self._blocks:
-            src, dst = b.ranks()
+    def _select(self, keep: Any, ranks: Sequence[tuple[np.ndarray, np.ndarray]] | None = None) -> Iterator[Transfer]:
+        """Transfers whose (src ranks, dst ranks, phases) arrays pass ``keep`` (a mask maker);
+        ``ranks``: each block's ``ranks()``, when the caller already has them."""
+        for i, b in enumerate(self._blocks):
+            src, dst = b.ranks() if ranks is None else ranks[i]
             mask = keep(src, dst, np.broadcast_to(b.phase[None, :], src.shape))
             for a, t in zip(*np.nonzero(mask)):
                 yield b.materialise(int(a), int(t), int(src[a, t]), int(dst[a, t]))
@@ -360,13 +361,13 @@ class Plan:
             return [t for t in self._explicit
                     if rank in (t.src_rank, t.dst_rank) or (t.phase == 1 and t.dst_rank in ends)]
         fwd_set: set[int] = set()
-        for b in self._blocks:
-            src, dst = b.ranks_ta()
+        ranks = [b.ranks() for b in self._blocks]  # [A, T]; computed once for both passes
+        for b, (src, dst) in zip(self._blocks, ranks):
             p2 = b.phase == 2
             if p2.any():
-                fwd_set.update(np.unique(src[p2][dst[p2] == rank]).tolist())
+                fwd_set.update(np.unique(src[:, p2][dst[:, p2] == rank]).tolist())
         fwd = np.array(sorted(fwd_set), dtype=_I64)
-        return list(self._select(lambda s, d, p: (s == rank) | (d == rank) | ((p == 1) & np.isin(d, fwd))))
+        return list(self._select(lambda s, d, p: (s == rank) | (d == rank) | ((p == 1) & np.isin(d, fwd)), ranks))
 
     def sends(self, rank: int) -> list[Transfer]:
         if self._explicit is not None:
@@ -401,6 +402,13 @@ class Plan:
 
     def stats(self) -> dict[str, Any]:
         return dict(self._stats)
+
+    @property
+    def num_transfers(self) -> int:
+        """Transfers of every phase (local copies included), without materialising them."""
+        if self._explicit is not None:
+            return len(self._explicit)
+        return int(self._stats["transfers"] + self._stats["local_copies"])
 
     def digest(self) -> str:
         h = hashlib.sha256()
