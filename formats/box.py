@@ -15,7 +15,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from math import prod
 
-__all__ = ["Box", "row_major_strides", "contiguous_slabs", "uniform_runs", "split_box"]
+__all__ = ["Box", "row_major_strides", "contiguous_slabs", "uniform_runs", "split_box", "split_dim",
+           "cut_points", "slab"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,24 +179,49 @@ def contiguous_slabs(shape: Sequence[int], itemsize: int, budget: int) -> Iterat
                       (1,) * k + (b - a,) + tuple(shape[k + 1:]))
 
 
-def split_box(box: Box, parts: int) -> list[Box]:
+def cut_points(box: Box, d: int, grid: Sequence[int]) -> list[int]:
+    """Where ``box`` may be cut along dim ``d``, relative to its start, when cuts must fall on
+    multiples of ``grid[d]`` in array coordinates (or at the box's ends)."""
+    a, n = box.offsets[d], box.sizes[d]
+    g = grid[d]
+    if g <= 1:
+        return list(range(n + 1))
+    return [0] + [x - a for x in range((a // g + 1) * g, a + n, g)] + [n]
+
+
+def split_dim(box: Box, parts: int, grid: Sequence[int] | None = None) -> tuple[int, list[int] | None]:
+    """The dim :func:`split_box` cuts along (the first with room for ``parts`` pieces, else the
+    largest), and the cut points allowed there (None: anywhere)."""
+    if grid is None:
+        dim = next((d for d, s in enumerate(box.sizes) if s >= parts), None)
+        if dim is None:
+            dim = max(range(box.ndim), key=lambda d: box.sizes[d])
+        return dim, None
+    cells = [cut_points(box, d, grid) for d in range(box.ndim)]
+    dim = next((d for d in range(box.ndim) if len(cells[d]) - 1 >= parts), None)
+    if dim is None:
+        dim = max(range(box.ndim), key=lambda d: (len(cells[d]), -d))
+    return dim, cells[dim]
+
+
+def slab(box: Box, dim: int, lo: int, hi: int) -> Box:
+    """``box`` restricted to ``[lo, hi)`` (relative to its start) along ``dim``."""
+    offs, sizes = list(box.offsets), list(box.sizes)
+    offs[dim] += lo
+    sizes[dim] = hi - lo
+    return Box(tuple(offs), tuple(sizes))
+
+
+def split_box(box: Box, parts: int, grid: Sequence[int] | None = None) -> list[Box]:
     """Split ``box`` into at most ``parts`` non-empty pieces along its first dim with size >= parts
-    (else its largest dim), in row-major order; used to spread one region over several ranks."""
+    (else its largest dim), in row-major order; used to spread one region over several ranks.
+    With ``grid``, cuts fall only on multiples of ``grid[d]`` (FP8 weights: every piece carries
+    whole scale blocks)."""
     if parts <= 1 or box.volume <= 1 or box.ndim == 0:
         return [box]
-    dim = next((d for d, s in enumerate(box.sizes) if s >= parts), None)
-    if dim is None:
-        dim = max(range(box.ndim), key=lambda d: box.sizes[d])
+    dim, pts = split_dim(box, parts, grid)
     n = box.sizes[dim]
-    k = min(parts, n)
-    out = []
-    for i in range(k):
-        a = n * i // k
-        b = n * (i + 1) // k
-        if b > a:
-            offs = list(box.offsets)
-            sizes = list(box.sizes)
-            offs[dim] += a
-            sizes[dim] = b - a
-            out.append(Box(tuple(offs), tuple(sizes)))
-    return out
+    m = n if pts is None else len(pts) - 1
+    k = min(parts, m)
+    bounds = [n * i // k if pts is None else pts[m * i // k] for i in range(k + 1)]
+    return [slab(box, dim, lo, hi) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]

@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from formats.box import Box, split_box
+from formats.box import Box, slab, split_box, split_dim
 from formats.errors import PlanError
 from formats.manifest import ArraySpec, Chunk, Manifest
 
@@ -512,51 +512,10 @@ class _Template:
 Shares = Callable[[int, tuple[int, ...]], Sequence[float] | None]
 
 
-def _cut_points(box: Box, d: int, grid: Sequence[int] | None) -> list[int]:
-    """Where ``box`` may be cut along dim ``d``, relative to its start: anywhere, or only on the
-    block grid (FP8 weights: each slice must carry whole scale blocks)."""
-    a, n = box.offsets[d], box.sizes[d]
-    g = grid[d] if grid is not None else 1
-    if g <= 1:
-        return list(range(n + 1))
-    return [0] + [x - a for x in range((a // g + 1) * g, a + n, g)] + [n]
-
-
-def _slab(box: Box, d: int, lo: int, hi: int) -> Box:
-    offs, sizes = list(box.offsets), list(box.sizes)
-    offs[d] += lo
-    sizes[d] = hi - lo
-    return Box(tuple(offs), tuple(sizes))
-
-
-def _split_dim(box: Box, parts: int, grid: Sequence[int] | None) -> tuple[int, list[int]]:
-    if grid is None:  # split_box's choice; any point is a cut point
-        dim = next((d for d, n in enumerate(box.sizes) if n >= parts), None)
-        if dim is None:
-            dim = max(range(box.ndim), key=lambda d: box.sizes[d])
-        return dim, []
-    cells = [_cut_points(box, d, grid) for d in range(box.ndim)]
-    dim = next((d for d in range(box.ndim) if len(cells[d]) - 1 >= parts), None)
-    if dim is None:
-        dim = max(range(box.ndim), key=lambda d: (len(cells[d]), -d))
-    return dim, cells[dim]
-
-
-def _split(box: Box, parts: int, grid: Sequence[int] | None) -> list[Box]:
-    """:func:`formats.box.split_box`, with cuts only on ``grid`` when one is given."""
-    if grid is None or parts <= 1 or box.ndim == 0 or box.volume <= 1:
-        return split_box(box, parts)
-    dim, pts = _split_dim(box, parts, grid)
-    m = len(pts) - 1
-    k = min(parts, m)
-    bounds = [pts[m * i // k] for i in range(k + 1)]
-    return [_slab(box, dim, lo, hi) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
-
-
 def _split_weighted(box: Box, shares: Sequence[float], grid: Sequence[int] | None = None) -> list[Box | None]:
     """Cut ``box`` along split_box's dim into consecutive slabs proportional to ``shares``."""
     k = len(shares)
-    dim, pts = _split_dim(box, k, grid)
+    dim, pts = split_dim(box, k, grid)
     n = box.sizes[dim]
     total = sum(shares) or 1.0
     out: list[Box | None] = []
@@ -566,12 +525,12 @@ def _split_weighted(box: Box, shares: Sequence[float], grid: Sequence[int] | Non
         want = n * acc / total
         if j == k - 1:
             cut = n
-        elif grid is None:
+        elif pts is None:
             cut = max(prev, min(n, round(want)))
         else:  # the nearest grid point
             i = bisect.bisect_left(pts, want)
             cut = max(prev, min(pts[max(0, i - 1):i + 1], key=lambda x: (abs(x - want), x)))
-        out.append(_slab(box, dim, prev, cut) if cut > prev else None)
+        out.append(slab(box, dim, prev, cut) if cut > prev else None)
         prev = cut
     return out
 
@@ -617,7 +576,7 @@ def _build_template(sl: _Layout, dl: _Layout, runs: Sequence[Sequence[tuple[int,
                 tp.lower += pbytes * len(need)
                 rot += 1
                 # phase 1: the piece lands once in the domain, spread over `need`
-                parts = [inter] if len(need) == 1 or pbytes < split_bytes else _split(inter, len(need), grid)
+                parts = [inter] if len(need) == 1 or pbytes < split_bytes else split_box(inter, len(need), grid)
                 for i, part in enumerate(parts):
                     psz = part.volume * isz
                     tp.needed[(si, senders)] += psz
@@ -634,7 +593,7 @@ def _build_template(sl: _Layout, dl: _Layout, runs: Sequence[Sequence[tuple[int,
                             tp.add(part, 1, si, di, _SRC, (senders[j],), 0, need, i, rot)
                             given[(si, senders[j])] += psz
                     else:
-                        subs = [part] if len(senders) == 1 or psz < split_bytes else _split(part, len(senders), grid)
+                        subs = [part] if len(senders) == 1 or psz < split_bytes else split_box(part, len(senders), grid)
                         for j, sub in enumerate(subs):
                             tp.add(sub, 1, si, di, _SRC, senders, i + j, need, i, rot)
                     for m in range(1, len(need)):  # phase 2: forward inside the domain
