@@ -292,7 +292,7 @@ def refit_worker(argv: list[str]) -> int:
     rank = world.Get_rank()
     role = "send" if rank < S else "recv"
     role_comm = world.Split(0 if role == "send" else 1, rank)
-    group = Group(world, role_comm, role, S, world.Get_size() - S)
+    group = Group.from_mpi(world, role_comm, role, S, world.Get_size() - S)
     m = load_manifest(a.train if role == "send" else a.serve)
     rr = role_comm.Get_rank()
     tensors = load_local(m, rr) if role == "send" else alloc_local(m, rr)
@@ -300,7 +300,8 @@ def refit_worker(argv: list[str]) -> int:
     results: dict[str, Any] = {}
     sess = {}
     for strategy in ("reshard", "broadcast"):
-        sess[strategy] = RefitSession(m, role, group, bucket_size=a.bucket_size, strategy=strategy, timeout=600)
+        sess[strategy] = RefitSession.open(m, role, group=group, bucket_size=a.bucket_size, strategy=strategy,
+                                           timeout=600)
     plan = sess["reshard"].plan
     # the floor: one Alltoallv of exactly the planned bytes per (sender, receiver) pair
     W = world.Get_size()

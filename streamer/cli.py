@@ -312,98 +312,43 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_refit(args: argparse.Namespace) -> int:
-    """One side of a live refit. Under MPI, runtime failures abort every rank with exit 3."""
-    from formats.errors import TransportError
+    """One side of a live refit (a thin shell over ``streamer.refit_job.RefitJob``).
 
-    from .jobs import abort
+    Refusals that every rank agreed on (``RefusedError``, a plan mismatch, bad usage) are printed
+    once per job and end every rank with the same code. Anything else happened on this rank
+    alone: it tells the others (store plane) or aborts the MPI jobs, so no rank waits out the
+    timeout.
+    """
+    from formats.errors import PlanError, TransportError
 
+    from .jobs import abort, launched_by_mpi, launcher_rank
+    from .refit import RefusedError
+    from .refit_job import RefitJob
+
+    job = RefitJob(args.role, _load(args.manifest), rendezvous=args.rendezvous, transport=args.transport,
+                   control=args.control, timeout=args.timeout, steps=args.steps, save=args.save,
+                   options={"bucket_size": args.bucket_size, "verify": args.verify, "strategy": args.strategy,
+                            "src_domain_size": args.src_domain_size, "dst_domain_size": args.dst_domain_size,
+                            "allow_extra": args.allow_extra})
     try:
-        return _refit(args)
-    except TransportError as e:
-        abort("\n".join(e.problems or [str(e)]), 3)
-        return 3
-    except ShardstreamError as e:
-        # every rank computed the same verdict; let one rank per job say it
-        from mpi4py import MPI
-
-        if MPI.COMM_WORLD.Get_rank() == 0:
+        report = job.run()
+    except (RefusedError, PlanError, UsageError) as e:
+        if launcher_rank()[0] == 0:  # every rank has the same verdict: one line per problem per job
             for line in e.problems or [str(e)]:
                 print(line, file=sys.stderr)
         return e.exit_code
-
-
-def _refit(args: argparse.Namespace) -> int:
-    import time
-
-    from .jobs import connect
-    from .persist import alloc_local, finish_save, load_local, save_local
-    from .refit import RefitSession
-    from .transport.mpi import MPITransport
-
-    if args.save and args.role != "recv":
-        raise UsageError("--save is for the receiving side (refit recv)")
-    m = _load(args.manifest)
-    group = connect(args.role, rendezvous=args.rendezvous, timeout=args.timeout)
-    rank = group.role_rank
-    role_t = MPITransport(group.role_comm)
-    save = Path(args.save) if args.save else None
-    if save is not None and rank == 0:
-        save.mkdir(parents=True, exist_ok=True)
-        try:  # until this run finishes, the directory must not look complete
-            (save / "manifest.json").unlink()
-        except FileNotFoundError:
-            pass
-    tensors: dict[str, Any] = load_local(m, rank) if args.role == "send" else alloc_local(m, rank)
-    transport = None
-    if args.transport in ("gloo", "nccl"):
-        from .transport.torch_dist import TorchDistTransport
-
-        transport = TorchDistTransport(group.comm, args.transport, timeout=args.timeout)
-        if args.transport == "nccl":  # NCCL moves GPU memory: stage the local tensors on the device
-            import torch
-
-            tensors = {n: torch.from_numpy(v).to(transport.device) for n, v in tensors.items()}
-    session = RefitSession(m, args.role, group, transport=transport, timeout=args.timeout, bucket_size=args.bucket_size,
-                           verify=args.verify, strategy=args.strategy, src_domain_size=args.src_domain_size,
-                           dst_domain_size=args.dst_domain_size, allow_extra=args.allow_extra,
-                           planned_steps=args.steps)
-    steps = []
-    for _ in range(session.planned_steps):
-        role_t.barrier(args.timeout)
-        t0 = time.perf_counter()
-        st = session.push(tensors) if args.role == "send" else session.pull(tensors)
-        # the step ends when the slowest rank is done
-        times = role_t.allgather_bytes(f"{time.perf_counter() - t0:.9f}".encode(), args.timeout)
-        steps.append((max(float(x) for x in times), st))
-    if save is not None:
-        if args.transport == "nccl":
-            tensors = {n: v.cpu().numpy() for n, v in tensors.items()}
-        sums = save_local(save, session.dst, rank, tensors)
-        gathered = role_t.allgather_bytes(json.dumps(sums).encode(), args.timeout)
-        if rank == 0:
-            allsums: dict[str, str] = {}
-            for g in gathered:
-                allsums.update(json.loads(g))
-            finish_save(save, m, allsums)
-        role_t.barrier(args.timeout)
-    stats = session.plan.stats()
-    if transport is not None:
-        transport.close()
-    if rank == 0:
-        secs = [s for s, _ in steps]
-        best = min(secs)
-        med = sorted(secs)[len(secs) // 2]
-        moved = stats["moved_bytes"] if args.strategy == "reshard" else stats["broadcast_moved_bytes"]
-        obj = {"role": args.role, "strategy": args.strategy, "steps": len(steps), "seconds": secs,
-               "median_s": med, "moved_bytes": moved, "reshard_moved_bytes": stats["moved_bytes"],
-               "broadcast_moved_bytes": stats["broadcast_moved_bytes"], "gb_per_s": moved / med / 1e9 if med else 0,
-               "verified": session.verify, "transport": args.transport, "saved": str(save) if save else None,
-               "peak_buffer_bytes": max(st.peak_buffer_bytes for _, st in steps)}
-        text = (f"refit {args.role} ({args.strategy}): {len(steps)} step(s), median {med:.3f} s, best {best:.3f} s, "
-                f"{moved / 1e9:.3f} GB moved ({moved / med / 1e9 if med else 0:.2f} GB/s); reshard moves "
-                f"{stats['moved_bytes'] / 1e9:.3f} GB vs gather-broadcast {stats['broadcast_moved_bytes'] / 1e9:.3f} GB"
-                + ("; checksums verified" if session.verify else "") + (f"; saved to {save}" if save else ""))
-        _out(args, obj, text)
+    except ShardstreamError as e:
+        message = "\n".join(e.problems or [str(e)])
+        group = job.session.group if job.session is not None else None
+        # a transport failure means a peer is gone: MPI may block sending to it, and the peers
+        # see the failure themselves; any other failure is news to them
+        if group is not None and (group.plane == "store" or not isinstance(e, TransportError)):
+            group.control.post_abort(message, e.exit_code)
+        if launched_by_mpi():
+            abort(message, e.exit_code)
+        raise
+    if report.reporter:
+        _out(args, report.to_dict(), report.text())
     return 0
 
 
@@ -551,7 +496,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--manifest", required=True, metavar="M", help="this side's manifest (sender: with files)")
     p.add_argument("--rendezvous", metavar="FILE", help="join a separately launched job through this file")
     p.add_argument("--save", metavar="DIR", help="receivers also write what they received (safetensors + manifest)")
-    p.add_argument("--transport", choices=["mpi", "gloo", "nccl"], default="mpi")
+    p.add_argument("--transport", choices=["mpi", "gloo", "nccl"], default=None,
+                   help="mpi (default under mpiexec), gloo (CPU, default on the store plane), nccl (GPU)")
+    p.add_argument("--control", choices=["auto", "mpi", "store"], default="auto",
+                   help="control plane: mpi (mpiexec jobs), store (a TCPStore; any launcher, e.g. torchrun); "
+                        "auto: receivers pick mpi under mpiexec, else store; senders follow the rendezvous file")
     p.add_argument("--strategy", choices=["reshard", "broadcast"], default="reshard",
                    help="broadcast: the gather-broadcast baseline, for comparison")
     p.add_argument("--bucket-size", type=parse_size, default=256 << 20, metavar="SIZE")

@@ -30,9 +30,10 @@ from formats.box import Box, contiguous_slabs, uniform_runs
 from formats.errors import PeerTimeoutError, TransportError, UsageError
 
 from .plan import Plan, Transfer
-from .transport.base import Transport
+from .transport.base import ABORT_POLL_INTERVAL, Transport
 
-__all__ = ["DEFAULT_BUCKET", "ExecStats", "Executor", "Message", "build_schedule", "byte_view"]
+__all__ = ["DEFAULT_BUCKET", "ExecStats", "Executor", "Message", "build_schedule", "byte_view", "host_bytes",
+           "region_view", "torch_byte_view"]
 
 DEFAULT_BUCKET = 256 << 20
 _DIGEST_TAG = 7
@@ -81,10 +82,18 @@ def _copy(dst: Any, src: Any) -> None:
         dst.copy_(src)
 
 
-def _host_bytes(x: Any) -> np.ndarray:
+def host_bytes(x: Any) -> np.ndarray:
+    """The bytes of a (byte-view) region as a flat host numpy array (copied when needed)."""
     if isinstance(x, np.ndarray):
         return np.ascontiguousarray(x).reshape(-1)
     return x.contiguous().cpu().numpy().reshape(-1)
+
+
+def region_view(t: Any, box: Box) -> Any:
+    """A byte view (``sizes + (itemsize,)``) of ``box`` inside local tensor ``t``, on its device."""
+    on_host = isinstance(t, np.ndarray) or getattr(getattr(t, "device", None), "type", "cpu") == "cpu"
+    v = byte_view(t) if on_host else torch_byte_view(t)
+    return v[box.slices] if box.ndim else v
 
 
 def is_contiguous(box: Box, shape: Sequence[int]) -> bool:
@@ -259,9 +268,8 @@ class Executor:
         self.window = max(1, window)
         self.verify = verify
         self.peer_names = peer_names
-        #: torch.distributed transports move torch tensors (GPU memory for NCCL); others numpy
-        self.use_torch = getattr(transport, "name", "") in ("gloo", "nccl")
-        view = torch_byte_view if self.use_torch else byte_view
+        # buffers of the transport's own kind: numpy for MPI, torch (maybe on a GPU) for gloo/NCCL
+        view = transport.byte_view
         self.src_views = {name: view(x) for name, x in tensors.items()}
         self.dst_views = self.src_views if dst_tensors is None else {n: view(x) for n, x in dst_tensors.items()}
         self.mine = [m for m in schedule if m.src == self.rank or m.dst == self.rank]
@@ -271,17 +279,9 @@ class Executor:
                       if plan.same_job else [])
         bucket = max((m.nbytes for m in self.mine), default=0)
         # at most `window` bucket buffers, allocated once and reused every push
-        self._slots = [self._empty(bucket) for _ in range(min(self.window, len(self.mine)))]
+        self._slots = [transport.alloc(bucket) for _ in range(min(self.window, len(self.mine)))]
         self._free = list(range(len(self._slots)))
         self._check_tensors()
-
-    def _empty(self, n: int) -> Any:
-        if not self.use_torch:
-            return np.empty(n, dtype=np.uint8)
-        import torch
-
-        dev = getattr(self.t, "device", None) or torch.device("cpu")
-        return torch.empty(n, dtype=torch.uint8, device=dev)
 
     def _check_tensors(self) -> None:
         problems = []
@@ -374,6 +374,7 @@ class Executor:
         # by the slots)
         max_inflight = max(self.window, MAX_INFLIGHT)
         nap = _poll_sleep()
+        next_abort_poll = last + ABORT_POLL_INTERVAL
         while i < len(self.mine) or active:
             while len(active) < max_inflight and i < len(self.mine):
                 m = self.mine[i]
@@ -415,6 +416,11 @@ class Executor:
                 last = now
                 sleep = 0.0
                 continue
+            if now > next_abort_poll:  # another rank may have given up: end with its reason
+                next_abort_poll = now + ABORT_POLL_INTERVAL
+                err = self.t.poll_abort()
+                if err is not None:
+                    raise err
             if now - last > self.timeout:
                 peers = sorted({a.msg.src if a.is_recv else a.msg.dst for a in active})
                 name0 = self.peer_names or (lambda p: f"rank {p}")
@@ -444,7 +450,7 @@ class Executor:
     def _digest(self, region: Any) -> int:
         import xxhash
 
-        return xxhash.xxh64_intdigest(_host_bytes(region))
+        return xxhash.xxh64_intdigest(host_bytes(region))
 
     def _verify(self) -> int:
         """Senders hash the regions they sent (from their own tensors); receivers hash what landed
@@ -452,7 +458,7 @@ class Executor:
         reqs = []
         keep = []
         expect: list[tuple[Message, np.ndarray]] = []
-        ctrl = getattr(self.t, "ctrl", self.t)  # digests are host memory: NCCL cannot carry them
+        ctrl = self.t.control  # digests are host memory: NCCL cannot carry them
         for m in self.mine:
             if m.src == self.rank:
                 d = np.array([self._digest(self._src(tr)) for tr in m.transfers], dtype=np.uint64)
@@ -464,7 +470,7 @@ class Executor:
                 reqs.append(ctrl.irecv(d, m.src, _DIGEST_TAG))
         from .transport.base import wait_all
 
-        wait_all(reqs, self.timeout, "verify checksums", names=self.peer_names)
+        wait_all(reqs, self.timeout, "verify checksums", names=self.peer_names, transport=self.t)
         bad = []
         n = 0
         for m, d in expect:

@@ -1,32 +1,50 @@
 """RefitSession: plan once, push new weights every RL step over the same connection.
 
-    # trainer rank                                   # inference rank
-    s = RefitSession(train_manifest, role="send",    s = RefitSession(serve_manifest, role="recv",
-                     group=connect("send"))                           group=connect("recv"))
-    for step in ...:                                 for step in ...:
-        s.push(local_tensors)                            s.pull(local_tensors)  # written in place
+    # trainer rank (torchrun or mpiexec)             # inference rank
+    with RefitSession.open(train_manifest, "send",  with RefitSession.open(serve_manifest, "recv",
+                           rendezvous="rv.txt",                            rendezvous="rv.txt",
+                           transport="gloo") as s:                         transport="gloo") as s:
+        for step in ...:                                for step in ...:
+            s.push(model)  # DTensors: local shards         s.pull(local_tensors)  # in place
 
-At start the two sides exchange manifests (sender rank 0 and receiver rank 0 broadcast theirs),
-every rank computes the plan, and all ranks compare plan digests before any byte moves: a
-trainer and a server that disagree about the model are refused with the list of mismatches.
+``open`` is the one collective entry point: it joins the two jobs (``jobs.connect``), builds the
+transport, exchanges manifests (sender rank 0 and receiver rank 0 broadcast theirs), plans, and
+compares plan digests on every rank before any byte moves: a trainer and a server that disagree
+about the model are refused with the list of mismatches. Constructing the object does no
+communication.
+
+Every push starts with one small agreement round: each rank checks what it was handed (names,
+dtypes, shapes; with ``verify``, the checksums of replicated regions) and all ranks exchange
+their findings. A refusal anywhere is then raised on every rank of both jobs with the same
+message, before any byte moves, so receivers are never left half-updated by a refused push.
 """
 
 from __future__ import annotations
 
-import time
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-import numpy as np
+from formats.errors import PlanError, TransportError, UsageError, ValidationError
+from formats.manifest import Manifest, dumps_manifest, load_manifest, loads_manifest
 
-from formats.errors import PlanError, TransportError
-from formats.manifest import Manifest, dumps_manifest, loads_manifest
-
-from .execute import DEFAULT_BUCKET, Executor, build_schedule, byte_view
+from .execute import DEFAULT_BUCKET, Executor, build_schedule
+from .jobs import Group, connect
+from .local import check_local, collect_local
 from .plan import Plan, plan_transfers
+from .replicas import replica_digests, replica_problems
+from .transport.base import Transport
 
-__all__ = ["RefitSession", "StepStats"]
+__all__ = ["RefitSession", "RefusedError", "StepStats", "make_transport"]
+
+TRANSPORTS = ("mpi", "gloo", "nccl")
+STRATEGIES = ("reshard", "broadcast")
+
+
+class RefusedError(ValidationError):
+    """A push refused by the agreement round: raised on every rank with the same problems."""
 
 
 @dataclass
@@ -44,15 +62,31 @@ class StepStats:
         return dict(self.__dict__)
 
 
+def make_transport(kind: str | Transport | None, group: Group, timeout: float) -> Transport:
+    """The transport named ``kind`` over ``group`` (default: mpi on the MPI plane, else gloo)."""
+    if kind is not None and not isinstance(kind, str):
+        return kind
+    kind = kind or ("mpi" if group.plane == "mpi" else "gloo")
+    if kind not in TRANSPORTS:
+        raise UsageError(f"unknown transport {kind!r} (one of {', '.join(TRANSPORTS)})")
+    if kind == "mpi":
+        if group.plane != "mpi":
+            raise UsageError("--transport mpi needs jobs launched by mpiexec on the MPI control plane; "
+                             "use --transport gloo (CPU) or nccl (GPU)")
+        return group.control
+    from .transport.torch_dist import TorchDistTransport
+
+    return TorchDistTransport(group.control, kind, store=group.store, timeout=timeout)
+
+
 @dataclass
 class RefitSession:
-    """One side of a refit. ``group`` comes from ``streamer.jobs.connect`` (or any object with
-    ``comm``, ``n_send``, ``n_recv``, ``name``); ``transport`` defaults to MPI over ``group.comm``."""
+    """One side of a refit. Use ``RefitSession.open``; ``group`` comes from ``jobs.connect``."""
 
     manifest: Manifest
     role: str
-    group: Any
-    transport: Any = None
+    group: Group
+    transport: Transport | None = None
     timeout: float = 300.0
     bucket_size: int = DEFAULT_BUCKET
     verify: bool = False
@@ -60,35 +94,86 @@ class RefitSession:
     src_domain_size: int | None = None
     dst_domain_size: int | None = None
     allow_extra: bool = False
-    #: pushes the CLI runs over this session; both jobs agree on the largest asked for
+    #: pushes the caller will run over this session; both jobs agree on the largest asked for
     planned_steps: int = 1
     steps: list[StepStats] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if self.transport is None:
-            from .transport.mpi import MPITransport
+        if self.role not in ("send", "recv"):
+            raise UsageError(f"role must be send or recv, got {self.role!r}")
+        if self.strategy not in STRATEGIES:
+            raise UsageError(f"unknown strategy {self.strategy!r} (one of {', '.join(STRATEGIES)})")
+        self._started = False
+        self._executor: Executor | None = None
+        self._tensor_key: tuple[Any, ...] = ()
+        self._shapes: dict[tuple[int, bool], Any] = {}
 
-            self.transport = MPITransport(self.group.comm)
-        t = self.transport
+    # ------------------------------------------------------------------ opening
+    @classmethod
+    def open(cls, manifest: Manifest | str | Path, role: str, *, rendezvous: str | None = None,
+             transport: str | Transport | None = None, control: str = "auto", timeout: float = 300.0,
+             group: Group | None = None, **options: Any) -> RefitSession:
+        """Join the refit as ``role`` ("send" or "recv") and plan it: the one collective entry point.
+
+        ``transport``: "mpi" (default under mpiexec), "gloo" (default otherwise), "nccl", or a
+        ``Transport``. ``control``: "auto", "mpi" or "store" (see ``jobs.connect``). ``options``:
+        ``bucket_size``, ``verify``, ``strategy``, ``src_domain_size``, ``dst_domain_size``,
+        ``allow_extra``, ``planned_steps``.
+        """
+        m = manifest if isinstance(manifest, Manifest) else load_manifest(manifest)
+        group = group or connect(role, rendezvous=rendezvous, timeout=timeout, control=control)
+        t = make_transport(transport, group, timeout)
+        session = cls(m, role, group, t, timeout, **options)
+        session.start()
+        return session
+
+    def __enter__(self) -> RefitSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self) -> None:
+        """Exchange manifests and options, plan, and check that every rank planned the same."""
+        if self._started:
+            return
+        if self.transport is None:
+            self.transport = make_transport(None, self.group, self.timeout)
+        self.src, self.dst = self._exchange_manifests()
+        self._agree_options()
+        self.plan: Plan = plan_transfers(self.src, self.dst, src_domain_size=self.src_domain_size,
+                                         dst_domain_size=self.dst_domain_size, allow_extra=self.allow_extra)
+        digest = self.plan.digest() + f"|bucket={self.bucket_size}"
+        digests = self.transport.allgather_bytes(digest.encode(), self.timeout)
+        bad = [i for i, d in enumerate(digests) if d.decode() != digest]
+        if bad:
+            raise PlanError(f"ranks {bad} computed a different plan (digest mismatch): the two jobs run "
+                            "different shardstream versions or read different manifests")
+        # each rank orders only its own messages: a full-size plan has millions of transfers
+        self.schedule = build_schedule(self.plan, self.bucket_size, self._shape_of, rank=self.transport.rank)
+        self._started = True
+
+    def _exchange_manifests(self) -> tuple[Manifest, Manifest]:
+        t = self._t
         S = self.group.n_send
-        # exchange manifests: sender 0 and receiver 0 broadcast theirs to everyone
         mine = dumps_manifest(self.manifest).encode()
         src_txt = t.bcast_bytes(mine if t.rank == 0 else None, 0, self.timeout)
         dst_txt = t.bcast_bytes(mine if t.rank == S else None, S, self.timeout)
-        self.src = loads_manifest(src_txt, where="sender manifest")
-        self.dst = loads_manifest(dst_txt, where="receiver manifest")
+        src = loads_manifest(src_txt, where="sender manifest")
+        dst = loads_manifest(dst_txt, where="receiver manifest")
         problems = []
-        if self.src.world_size != S:
-            problems.append(f"sender manifest: world_size {self.src.world_size} but the sender job has {S} ranks")
-        if self.dst.world_size != self.group.n_recv:
-            problems.append(f"receiver manifest: world_size {self.dst.world_size} but the receiver job has "
+        if src.world_size != S:
+            problems.append(f"sender manifest: world_size {src.world_size} but the sender job has {S} ranks")
+        if dst.world_size != self.group.n_recv:
+            problems.append(f"receiver manifest: world_size {dst.world_size} but the receiver job has "
                             f"{self.group.n_recv} ranks")
         if problems:
             raise PlanError(problems=problems)
-        # both jobs must agree on how to move: verify if any side asks, the smallest bucket, one strategy
-        import json
+        return src, dst
 
-        cfgs = [json.loads(c) for c in t.allgather_bytes(json.dumps(
+    def _agree_options(self) -> None:
+        """Both jobs must agree on how to move: verify if any side asks, the smallest bucket, one strategy."""
+        cfgs = [json.loads(c) for c in self._t.allgather_bytes(json.dumps(
             {"verify": self.verify, "bucket": self.bucket_size, "strategy": self.strategy,
              "steps": self.planned_steps, "src_domain": self.src_domain_size,
              "dst_domain": self.dst_domain_size}).encode(), self.timeout)]
@@ -104,158 +189,135 @@ class RefitSession:
             if len(vals) > 1:
                 raise PlanError(f"the two jobs asked for different --{key.replace('_', '-')}-size values {vals}")
             setattr(self, attr, vals[0] if vals else None)
-        self.plan: Plan = plan_transfers(self.src, self.dst, src_domain_size=self.src_domain_size,
-                                         dst_domain_size=self.dst_domain_size, allow_extra=self.allow_extra)
-        digest = self.plan.digest() + f"|bucket={self.bucket_size}"
-        digests = t.allgather_bytes(digest.encode(), self.timeout)
-        bad = [i for i, d in enumerate(digests) if d.decode() != digest]
-        if bad:
-            raise PlanError(f"ranks {bad} computed a different plan (digest mismatch): the two jobs run "
-                            "different shardstream versions or read different manifests")
-        # each rank orders only its own messages: a full-size plan has millions of transfers
-        self.schedule = build_schedule(self.plan, self.bucket_size, self._shape_of, rank=t.rank)
-        self._executor: Executor | None = None
-        self._tensor_ids: tuple[int, ...] = ()
+
+    @property
+    def _t(self) -> Transport:
+        if self.transport is None:
+            raise UsageError("the session has no transport: use RefitSession.open(...)")
+        return self.transport
 
     def _shape_of(self, g: int, tensor: str, on_dst: bool) -> tuple[int, ...]:
         """Shape of local tensor ``tensor`` on global rank ``g`` (source or destination side)."""
-        cache = self.__dict__.setdefault("_shapes", {})
         key = (g, on_dst)
-        if key not in cache:
-            if on_dst:
-                cache[key] = self.dst.local_tensors(self.plan.dst_local(g))
-            else:
-                cache[key] = self.src.local_tensors(g)
-        return tuple(cache[key][tensor].shape)
+        if key not in self._shapes:
+            self._shapes[key] = (self.dst.local_tensors(self.plan.dst_local(g)) if on_dst
+                                 else self.src.local_tensors(g))
+        return tuple(self._shapes[key][tensor].shape)
 
+    # ------------------------------------------------------------------ pushing
     @property
     def local_rank(self) -> int:
-        return self.transport.rank if self.role == "send" else self.transport.rank - self.group.n_send
+        return self._t.rank if self.role == "send" else self._t.rank - self.group.n_send
 
     def local_tensors(self) -> dict[str, Any]:
         """Shapes/dtypes of this rank's local tensors (from its manifest)."""
         return dict(self.manifest.local_tensors(self.local_rank))
 
-    def _exec(self, tensors: Mapping[str, Any]) -> Executor:
-        ids = tuple(id(v) for v in tensors.values())
-        if self._executor is None or ids != self._tensor_ids:
-            self._executor = Executor(self.transport, self.plan, self.schedule, tensors, timeout=self.timeout,
-                                      verify=self.verify, peer_names=getattr(self.group, "name", None))
-            self._tensor_ids = ids
-        return self._executor
+    def push(self, tensors: Any) -> StepStats:
+        """Send this trainer rank's regions. ``tensors``: a state dict (DTensors send their local
+        shard, never gathered; plain tensors; numpy arrays) or an ``nn.Module``."""
+        if self.role != "send":
+            raise UsageError("push() is for the sending side; receivers call pull()")
+        return self._step(tensors)
 
-    def _step(self, tensors: Mapping[str, Any]) -> StepStats:
+    def pull(self, tensors: Any) -> StepStats:
+        """Receive into this inference rank's existing local tensors, in place."""
+        if self.role != "recv":
+            raise UsageError("pull() is for the receiving side; senders call push()")
+        return self._step(tensors)
+
+    def refuse(self, problems: list[str]) -> None:
+        """Join the next push's agreement with ``problems`` (e.g. this rank could not load its
+        weights): every rank of both jobs then raises ``RefusedError`` with them."""
+        self._agree(problems or ["refused"], {})
+        raise AssertionError("unreachable: the agreement raises")  # pragma: no cover
+
+    def _step(self, tensors: Any) -> StepStats:
+        self.start()
+        local, problems = collect_local(tensors)
+        who = self.group.name(self._t.rank)
+        problems = [f"{who}: {p}" for p in problems]
+        problems += check_local(local, self.manifest.local_tensors(self.local_rank), who)
+        digests = {}
+        if self.verify and self.role == "send" and not problems:
+            digests = replica_digests(self.src, self.local_rank, local)
+        self._agree(problems, digests)
         if self.strategy == "broadcast":
-            st = self._broadcast(tensors)
+            from .baseline import gather_broadcast
+
+            st = gather_broadcast(self, local, len(self.steps))
         else:
-            es = self._exec(tensors).run()
+            es = self._exec(local).run()
             st = StepStats(len(self.steps), es.seconds, es.bytes_sent, es.bytes_received, es.messages,
                            es.peak_buffer_bytes, es.verified_regions)
         self.steps.append(st)
         return st
 
-    def push(self, tensors: Mapping[str, Any]) -> StepStats:
-        """Send this trainer rank's regions (``tensors``: local name -> numpy / CPU torch tensor)."""
-        if self.role != "send":
-            raise TransportError("push() is for the sending side; receivers call pull()")
-        return self._step(tensors)
+    def _agree(self, problems: list[str], digests: Mapping[str, int]) -> None:
+        """One allgather: everyone's problems and replica checksums; raise the same verdict everywhere."""
+        payload = json.dumps({"problems": problems, "replicas": digests}).encode()
+        got = [json.loads(x) for x in self._t.allgather_bytes(payload, self.timeout)]
+        every: list[str] = [p for g in got for p in g["problems"]]
+        if self.verify:
+            every += replica_problems(self.src, [g["replicas"] for g in got[:self.group.n_send]], self.group.name)
+        if every:
+            raise RefusedError(problems=every[:200] + ([f"... and {len(every) - 200} more"] if len(every) > 200 else []))
 
-    def pull(self, tensors: Mapping[str, Any]) -> StepStats:
-        """Receive into this inference rank's existing local tensors, in place."""
+    def _exec(self, tensors: Mapping[str, Any]) -> Executor:
+        # a new executor when the caller hands other buffers (their views are made once)
+        key = tuple((id(v), _data_ptr(v)) for v in tensors.values())
+        if self._executor is None or key != self._tensor_key:
+            self._executor = Executor(self._t, self.plan, self.schedule, tensors, timeout=self.timeout,
+                                      verify=self.verify, peer_names=self.group.name)
+            self._tensor_key = key
+        return self._executor
+
+    # ------------------------------------------------------------------ after the steps
+    def save(self, out_dir: str | Path, tensors: Mapping[str, Any]) -> None:
+        """Receivers: write the received local tensors under ``out_dir`` (safetensors per rank,
+        manifest last, with checksums). A failure on any receiver fails all of them."""
+        from .persist import finish_save, save_local
+
         if self.role != "recv":
-            raise TransportError("pull() is for the receiving side; senders call push()")
-        return self._step(tensors)
-
-    # ---------------------------------------------------------- gather-broadcast baseline
-    def _broadcast(self, tensors: Mapping[str, Any]) -> StepStats:
-        """The baseline refit: sender 0 gathers every whole array, then broadcasts whole arrays in
-        packed buckets to every receiver (NeMo RL's packed broadcast). Receivers keep the regions
-        they hold."""
-        from mpi4py import MPI
-
-        from .transport.base import wait_all
-        from .transport.mpi import _Req
-
-        comm = self.group.comm
-        S = self.group.n_send
-        rank = comm.Get_rank()
-        if not hasattr(self, "_bcomm"):
-            self._bcomm = comm.Split(0 if (rank == 0 or rank >= S) else MPI.UNDEFINED, rank)
-        views = {n: byte_view(v) for n, v in tensors.items()}
-        t0 = time.perf_counter()
-        sent = recvd = msgs = 0
-        peak = 0
-        # 1. gather to global rank 0, array by array
-        reqs = []
-        if rank == 0:
-            bufs: dict[str, np.ndarray] = {}
-        for fqn, a in self.src.arrays.items():
-            if fqn not in self.dst.arrays:
-                continue
-            isz = a.dtype.itemsize
-            if rank == 0:
-                full = np.empty(a.shape + (isz,), dtype=np.uint8)
-                bufs[fqn] = full
-            for ci, c in enumerate(a.chunks):
-                owner = c.holders[0]
-                sl = c.region.slices
-                lsl = c.local_box.slices
-                if rank == 0 and 0 in c.holders:
-                    full[sl] = views[c.tensor(fqn)][lsl]
-                elif rank == 0:
-                    tmp = np.empty(c.region.sizes + (isz,), dtype=np.uint8)
-                    reqs.append((_Req(comm.Irecv([tmp.reshape(-1), MPI.BYTE], source=owner, tag=11), "recv", owner),
-                                 fqn, sl, tmp))
-                elif rank == owner and 0 not in c.holders:
-                    data = np.ascontiguousarray(views[c.tensor(fqn)][lsl])
-                    reqs.append((_Req(comm.Isend([data.reshape(-1), MPI.BYTE], dest=0, tag=11), "send", 0), fqn, sl,
-                                 data))
-                    sent += data.nbytes
-        wait_all([r for r, *_ in reqs], self.timeout, "gather", names=self.group.name)
-        if rank == 0:
-            for r, fqn, sl, tmp in reqs:
-                if r.kind == "recv":
-                    bufs[fqn][sl] = tmp
-                    recvd += tmp.nbytes
-        # 2. broadcast whole arrays in packed buckets to every receiver
-        if self._bcomm != MPI.COMM_NULL:
-            names = [f for f in self.dst.arrays]
-            i = 0
-            while i < len(names):
-                group = []
-                size = 0
-                while i < len(names) and (not group or size + self.dst.arrays[names[i]].nbytes <= self.bucket_size):
-                    group.append(names[i])
-                    size += self.dst.arrays[names[i]].nbytes
-                    i += 1
-                buf = np.empty(size, dtype=np.uint8)
-                peak = max(peak, size)
-                if rank == 0:
-                    off = 0
-                    for f in group:
-                        n = self.dst.arrays[f].nbytes
-                        buf[off:off + n] = bufs[f].reshape(-1)
-                        off += n
-                    sent += size * (self._bcomm.Get_size() - 1)
-                req = self._bcomm.Ibcast([buf, MPI.BYTE], root=0)
-                wait_all([_Req(req, "collective", -1)], self.timeout, "broadcast", names=lambda _p: "the broadcast group")
-                msgs += 1
-                if rank >= S:
-                    recvd += size
-                    off = 0
-                    for f in group:
-                        a = self.dst.arrays[f]
-                        n = a.nbytes
-                        full = buf[off:off + n].reshape(a.shape + (a.dtype.itemsize,))
-                        for c in a.chunks:
-                            if rank - S in c.holders:
-                                sl = c.region.slices
-                                lsl = c.local_box.slices
-                                views[c.tensor(f)][lsl] = full[sl]
-                        off += n
-        if rank == 0:
-            peak += sum(b.nbytes for b in bufs.values())
-        return StepStats(len(self.steps), time.perf_counter() - t0, sent, recvd, msgs, peak, 0, "broadcast")
+            raise UsageError("save() is for the receiving side")
+        role_t = self.group.role_control
+        out = Path(out_dir)
+        host = {n: _host(v) for n, v in tensors.items()}
+        error = ""
+        sums: dict[str, str] = {}
+        try:
+            sums = save_local(out, self.dst, self.local_rank, host)
+        except (OSError, ValueError) as e:
+            error = f"{self.group.name(self._t.rank)}: saving to {out} failed: {e}"
+        gathered = [json.loads(g) for g in role_t.allgather_bytes(
+            json.dumps({"error": error, "sums": sums}).encode(), self.timeout)]
+        errors = [g["error"] for g in gathered if g["error"]]
+        if errors:
+            raise TransportError(problems=errors)
+        if role_t.rank == 0:
+            allsums: dict[str, str] = {}
+            for g in gathered:
+                allsums.update(g["sums"])
+            finish_save(out, self.manifest, allsums)
+        role_t.barrier(self.timeout)
 
     def close(self) -> None:
         self._executor = None
+        t = self.transport
+        if t is not None and t is not self.group.control:
+            t.close()
+        self.group.close(self.timeout)
+
+
+def _data_ptr(v: Any) -> int:
+    if hasattr(v, "data_ptr"):
+        return int(v.data_ptr())
+    return int(v.__array_interface__["data"][0]) if hasattr(v, "__array_interface__") else 0
+
+
+def _host(v: Any) -> Any:
+    """Host memory for saving: GPU tensors are copied down, CPU ones are viewed."""
+    dev = getattr(v, "device", None)
+    if dev is not None and getattr(dev, "type", "cpu") != "cpu":
+        return v.cpu()
+    return v

@@ -9,12 +9,14 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from formats.errors import PeerTimeoutError
+
+from .base import HostBuffers
 
 __all__ = ["LoopbackHub", "LoopbackTransport"]
 
@@ -29,8 +31,8 @@ class LoopbackHub:
         self.posted: dict[tuple[int, int, int], deque[_Req]] = defaultdict(deque)
         self.log: list[tuple[int, int, int, int]] = []  # (src, dst, tag, nbytes)
         self.corrupt: Callable[[int, int, int, bytearray], None] | None = None
-        self._coll: dict[tuple[str, int], dict[int, bytes]] = defaultdict(dict)
-        self._coll_seq: dict[int, int] = defaultdict(int)
+        self._coll: dict[tuple[str, tuple[int, ...], int], dict[int, bytes]] = defaultdict(dict)
+        self._coll_seq: dict[tuple[int, str, tuple[int, ...]], int] = defaultdict(int)
         self.dead: set[int] = set()
 
     def endpoints(self) -> list[LoopbackTransport]:
@@ -73,7 +75,7 @@ class _Req:
         self.done = True
 
 
-class LoopbackTransport:
+class LoopbackTransport(HostBuffers):
     name = "loopback"
 
     def __init__(self, hub: LoopbackHub, rank: int) -> None:
@@ -99,19 +101,23 @@ class LoopbackTransport:
             self.hub.posted[(src, self.rank, tag)].append(req)
         return req
 
-    def _collective(self, kind: str, data: bytes, timeout: float) -> dict[int, bytes]:
+    def _collective(self, kind: str, data: bytes, timeout: float,
+                    members: Sequence[int] | None = None) -> dict[int, bytes]:
         hub = self.hub
-        seq = hub._coll_seq[self.rank]
-        hub._coll_seq[self.rank] += 1
-        key = (kind, seq)
+        group = tuple(sorted(members)) if members is not None else tuple(range(self.size))
+        # numbered per (rank, kind, members): a collective of a subset leaves the others' count alone
+        seq_key = (self.rank, kind, group)
+        seq = hub._coll_seq[seq_key]
+        hub._coll_seq[seq_key] += 1
+        key = (kind, group, seq)
         deadline = time.monotonic() + timeout
         with hub.lock:
             hub._coll[key][self.rank] = data
             hub.lock.notify_all()
-            while len(hub._coll[key]) < self.size:
+            while len(hub._coll[key]) < len(group):
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    missing = sorted(set(range(self.size)) - set(hub._coll[key]))
+                    missing = sorted(set(group) - set(hub._coll[key]))
                     raise PeerTimeoutError(f"timed out after {timeout:g} s waiting for rank(s) "
                                            f"{', '.join(map(str, missing))} in {kind}")
                 hub.lock.wait(min(left, 0.05))
@@ -127,6 +133,12 @@ class LoopbackTransport:
     def bcast_bytes(self, data: bytes | None, root: int, timeout: float) -> bytes:
         got = self._collective(f"bcast{root}", data or b"", timeout)
         return got[root]
+
+    def bcast_buffer(self, buf: Any, root: int, ranks: Sequence[int], timeout: float) -> None:
+        flat = buf.reshape(-1).view(np.uint8)
+        got = self._collective(f"bcast_buffer{root}", flat.tobytes() if self.rank == root else b"", timeout, ranks)
+        if self.rank != root:
+            flat[:] = np.frombuffer(got[root], dtype=np.uint8)
 
     def close(self) -> None:
         pass

@@ -6,16 +6,22 @@ peer becomes a ``PeerTimeoutError`` instead of a hang.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from .base import wait_all
+from .base import HostBuffers, RemoteAbortError, wait_all
 
-__all__ = ["MPITransport"]
+__all__ = ["ABORT_TAG", "MPIRequest", "MPITransport"]
+
+#: tag of the abort notice (data messages use their phase, 0..2; checksums 7; the baseline 11)
+ABORT_TAG = 0x5AB
 
 
-class _Req:
+class MPIRequest:
+    """An MPI request polled with ``Test``; an MPI error becomes a ``TransportError`` naming the peer."""
+
     def __init__(self, req: Any, kind: str, peer: int, keep: Any = None) -> None:
         self.req, self.kind, self.peer, self.keep = req, kind, peer, keep
 
@@ -49,7 +55,9 @@ def _bytes_view(buf: Any) -> Any:
     return memoryview(buf).cast("B")
 
 
-class MPITransport:
+class MPITransport(HostBuffers):
+    """Host (numpy) buffers over an mpi4py communicator."""
+
     name = "mpi"
 
     def __init__(self, comm: Any) -> None:
@@ -65,24 +73,26 @@ class MPITransport:
             pass
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
+        self._subcomms: dict[tuple[int, ...], Any] = {}
+        self._abort_sends: list[Any] = []
 
-    def isend(self, buf: Any, dst: int, tag: int) -> _Req:
+    def isend(self, buf: Any, dst: int, tag: int) -> MPIRequest:
         v = _bytes_view(buf)
         try:
-            return _Req(self.comm.Isend([v, self.MPI.BYTE], dest=dst, tag=tag), "send", dst, v)
+            return MPIRequest(self.comm.Isend([v, self.MPI.BYTE], dest=dst, tag=tag), "send", dst, v)
         except self.MPI.Exception as e:
             raise _broken("send", dst, e) from e
 
-    def irecv(self, buf: Any, src: int, tag: int) -> _Req:
+    def irecv(self, buf: Any, src: int, tag: int) -> MPIRequest:
         v = _bytes_view(buf)
         try:
-            return _Req(self.comm.Irecv([v, self.MPI.BYTE], source=src, tag=tag), "recv", src, v)
+            return MPIRequest(self.comm.Irecv([v, self.MPI.BYTE], source=src, tag=tag), "recv", src, v)
         except self.MPI.Exception as e:
             raise _broken("recv", src, e) from e
 
     def _wait(self, req: Any, timeout: float, what: str) -> None:
         # a collective has no single peer; name the whole group
-        wait_all([_Req(req, "collective", -1)], timeout, what,
+        wait_all([MPIRequest(req, "collective", -1)], timeout, what,
                  names=lambda _p: f"one or more of ranks 0..{self.size - 1}")
 
     def barrier(self, timeout: float) -> None:
@@ -110,5 +120,45 @@ class MPITransport:
             self._wait(self.comm.Ibcast([buf, self.MPI.BYTE], root=root), timeout, f"broadcast from rank {root}")
         return buf.tobytes()
 
+    def post_abort(self, message: str, exit_code: int) -> None:
+        """Tell every other rank why this one gives up (small eager sends; ``poll_abort`` reads them)."""
+        import json
+
+        data = np.frombuffer(json.dumps({"message": message, "exit_code": exit_code}).encode(), dtype=np.uint8)
+        for r in range(self.size):
+            if r != self.rank:
+                try:
+                    self._abort_sends.append(self.comm.Isend([data, self.MPI.BYTE], dest=r, tag=ABORT_TAG))
+                except self.MPI.Exception:
+                    pass  # that peer is gone already
+
+    def poll_abort(self) -> RemoteAbortError | None:
+        import json
+
+        status = self.MPI.Status()
+        try:
+            if not self.comm.Iprobe(source=self.MPI.ANY_SOURCE, tag=ABORT_TAG, status=status):
+                return None
+            buf = np.zeros(status.Get_count(self.MPI.BYTE), dtype=np.uint8)
+            self.comm.Recv([buf, self.MPI.BYTE], source=status.Get_source(), tag=ABORT_TAG)
+            info = json.loads(buf.tobytes())
+        except (self.MPI.Exception, ValueError):
+            return None
+        return RemoteAbortError(str(info["message"]), int(info["exit_code"]))
+
+    def bcast_buffer(self, buf: Any, root: int, ranks: Sequence[int], timeout: float) -> None:
+        """``MPI_Ibcast`` of ``buf`` from ``root`` inside ``ranks`` (a communicator made once per set,
+        by its members only: ``MPI_Comm_create_group``)."""
+        key = tuple(sorted(ranks))
+        sub = self._subcomms.get(key)
+        if sub is None:
+            sub = self.comm.Create_group(self.comm.Get_group().Incl(list(key)))
+            sub.Set_errhandler(self.MPI.ERRORS_RETURN)
+            self._subcomms[key] = sub
+        self._wait(sub.Ibcast([_bytes_view(buf), self.MPI.BYTE], root=key.index(root)), timeout,
+                   f"broadcast from rank {root}")
+
     def close(self) -> None:
-        pass
+        for sub in self._subcomms.values():
+            sub.Free()
+        self._subcomms.clear()

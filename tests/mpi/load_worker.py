@@ -31,12 +31,12 @@ def main(train: str, serve: str, expected: str, senders: int, steps: int) -> int
     rank = world.Get_rank()
     role = "send" if rank < senders else "recv"
     role_comm = world.Split(0 if role == "send" else 1, rank)
-    group = Group(world, role_comm, role, senders, world.Get_size() - senders)
+    group = Group.from_mpi(world, role_comm, role, senders, world.Get_size() - senders)
     rr = role_comm.Get_rank()
     m = load_manifest(train if role == "send" else serve)
     tensors = load_local(m, rr) if role == "send" else alloc_local(m, rr)
     want = load_local(load_manifest(expected), rr) if role == "recv" else {}
-    sess = RefitSession(m, role, group, timeout=60, bucket_size=1 << 16)
+    sess = RefitSession.open(m, role, group=group, timeout=60, bucket_size=1 << 16)
     bad = 0
     marks: dict[int, tuple[int, int]] = {}
     for step in range(1, steps + 1):

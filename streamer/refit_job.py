@@ -1,0 +1,130 @@
+"""One side of a refit run from files: what ``shardstream refit send|recv`` does, as a library call.
+
+Senders load their local tensors from the files their manifest names; receivers allocate
+theirs. Both open a ``RefitSession``, run ``steps`` pushes (each timed from a barrier of the
+job to its slowest rank), and receivers may save what they received. A rank that cannot load
+its files refuses the first push, so every rank of both jobs stops with its reason (exit 1)
+instead of waiting out the timeout.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from formats.errors import ShardstreamError, UsageError
+from formats.manifest import Manifest
+
+from .refit import RefitSession, StepStats
+
+__all__ = ["RefitJob", "RefitReport"]
+
+
+@dataclass
+class RefitReport:
+    """What one job did (filled on every rank; ``reporter`` is the job's rank 0)."""
+
+    role: str
+    strategy: str
+    transport: str
+    seconds: list[float]
+    steps: list[StepStats]
+    moved_bytes: int
+    reshard_moved_bytes: int
+    broadcast_moved_bytes: int
+    verified: bool
+    saved: str | None
+    reporter: bool
+
+    @property
+    def median_s(self) -> float:
+        return sorted(self.seconds)[len(self.seconds) // 2]
+
+    def to_dict(self) -> dict[str, Any]:
+        med = self.median_s
+        return {"role": self.role, "strategy": self.strategy, "steps": len(self.seconds), "seconds": self.seconds,
+                "median_s": med, "moved_bytes": self.moved_bytes, "reshard_moved_bytes": self.reshard_moved_bytes,
+                "broadcast_moved_bytes": self.broadcast_moved_bytes,
+                "gb_per_s": self.moved_bytes / med / 1e9 if med else 0, "verified": self.verified,
+                "transport": self.transport, "saved": self.saved,
+                "peak_buffer_bytes": max(st.peak_buffer_bytes for st in self.steps)}
+
+    def text(self) -> str:
+        med = self.median_s
+        rate = self.moved_bytes / med / 1e9 if med else 0
+        return (f"refit {self.role} ({self.strategy}): {len(self.seconds)} step(s), median {med:.3f} s, best "
+                f"{min(self.seconds):.3f} s, {self.moved_bytes / 1e9:.3f} GB moved ({rate:.2f} GB/s); reshard moves "
+                f"{self.reshard_moved_bytes / 1e9:.3f} GB vs gather-broadcast {self.broadcast_moved_bytes / 1e9:.3f} GB"
+                + ("; checksums verified" if self.verified else "") + (f"; saved to {self.saved}" if self.saved else ""))
+
+
+@dataclass
+class RefitJob:
+    role: str
+    manifest: Manifest
+    rendezvous: str | None = None
+    transport: str | None = None
+    control: str = "auto"
+    timeout: float = 300.0
+    steps: int = 1
+    save: str | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+    #: the open session (set by ``run``): the CLI posts an abort through its group on failure
+    session: RefitSession | None = None
+
+    def run(self) -> RefitReport:
+        from .persist import alloc_local, load_local
+
+        if self.save and self.role != "recv":
+            raise UsageError("--save is for the receiving side (refit recv)")
+        session = RefitSession.open(self.manifest, self.role, rendezvous=self.rendezvous, transport=self.transport,
+                                    control=self.control, timeout=self.timeout, planned_steps=self.steps,
+                                    **self.options)
+        self.session = session
+        with session:
+            rank = session.local_rank
+            save = Path(self.save) if self.save else None
+            if save is not None and rank == 0:
+                _mark_incomplete(save)
+            try:
+                tensors: dict[str, Any] = (load_local(self.manifest, rank) if self.role == "send"
+                                           else alloc_local(self.manifest, rank))
+            except ShardstreamError as e:
+                session.refuse(e.problems or [str(e)])
+            tensors = _on_device(tensors, session.transport)
+            seconds = [self._timed_step(session, tensors) for _ in range(session.planned_steps)]
+            if save is not None:
+                session.save(save, tensors)
+            stats = session.plan.stats()
+            reshard = int(stats["moved_bytes"])
+            broadcast = int(stats["broadcast_moved_bytes"])
+            return RefitReport(self.role, session.strategy, getattr(session.transport, "name", "?"), seconds,
+                               list(session.steps), reshard if session.strategy == "reshard" else broadcast,
+                               reshard, broadcast, session.verify, str(save) if save else None, rank == 0)
+
+    def _timed_step(self, session: RefitSession, tensors: dict[str, Any]) -> float:
+        """One push, timed from a barrier of this job to its slowest rank."""
+        role_t = session.group.role_control
+        role_t.barrier(self.timeout)
+        t0 = time.perf_counter()
+        session.push(tensors) if self.role == "send" else session.pull(tensors)
+        times = role_t.allgather_bytes(f"{time.perf_counter() - t0:.9f}".encode(), self.timeout)
+        return max(float(x) for x in times)
+
+
+def _mark_incomplete(save: Path) -> None:
+    """Until this run finishes, the directory must not look complete."""
+    save.mkdir(parents=True, exist_ok=True)
+    (save / "manifest.json").unlink(missing_ok=True)
+
+
+def _on_device(tensors: dict[str, Any], transport: Any) -> dict[str, Any]:
+    """NCCL moves GPU memory: stage the local tensors on the transport's device."""
+    device = getattr(transport, "device", None)
+    if device is None:
+        return tensors
+    import torch
+
+    return {n: torch.from_numpy(v).to(device) for n, v in tensors.items()}
