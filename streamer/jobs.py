@@ -21,6 +21,7 @@ their own, so a watchdog aborts with exit code 3 and a message naming what never
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -50,13 +51,9 @@ def launched_by_mpi() -> bool:
 
 def launcher_rank() -> tuple[int, int]:
     """(rank, size) of this process in its own job, from torch.distributed or the launcher."""
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank(), dist.get_world_size()
-    except ImportError:
-        pass
+    dist = sys.modules.get("torch.distributed")  # importing torch costs seconds: only if already loaded
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
     for r, n in (("RANK", "WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE"),
                  ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")):
         if r in os.environ and n in os.environ:

@@ -9,6 +9,7 @@ reinterpreted: a float16 tensor is not bfloat16 because both are 2 bytes.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,21 +22,15 @@ __all__ = ["collect_local", "check_local", "dtype_name"]
 
 
 def _is_module(obj: Any) -> bool:
-    try:
-        import torch
-
-        return isinstance(obj, torch.nn.Module)
-    except ImportError:
-        return False
+    # never import torch here: a caller with an nn.Module has imported it already
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.nn.Module)
 
 
 def _dtensor_type() -> Any:
-    try:
-        from torch.distributed.tensor import DTensor
-
-        return DTensor
-    except ImportError:
-        return None
+    # importing torch.distributed.tensor costs seconds; a caller with DTensors has done it
+    mod = sys.modules.get("torch.distributed.tensor")
+    return getattr(mod, "DTensor", None)
 
 
 def collect_local(obj: Any) -> tuple[dict[str, Any], list[str]]:

@@ -88,13 +88,15 @@ class RefitJob:
             save = Path(self.save) if self.save else None
             if save is not None and rank == 0:
                 _mark_incomplete(save)
+            tensors: dict[str, Any] = {}
+            problems: list[str] = []
             try:
-                tensors: dict[str, Any] = (load_local(self.manifest, rank) if self.role == "send"
-                                           else alloc_local(self.manifest, rank))
-            except ShardstreamError as e:
-                session.refuse(e.problems or [str(e)])
+                tensors = (load_local(self.manifest, rank) if self.role == "send"
+                           else alloc_local(self.manifest, rank))
+            except ShardstreamError as e:  # refused in the first push's agreement, on every rank
+                problems = [f"{session.group.name(session.group.rank)}: {p}" for p in e.problems or [str(e)]]
             tensors = _on_device(tensors, session.transport)
-            seconds = [self._timed_step(session, tensors) for _ in range(session.planned_steps)]
+            seconds = [self._timed_step(session, tensors, problems) for _ in range(session.planned_steps)]
             if save is not None:
                 session.save(save, tensors)
             stats = session.plan.stats()
@@ -104,10 +106,12 @@ class RefitJob:
                                list(session.steps), reshard if session.strategy == "reshard" else broadcast,
                                reshard, broadcast, session.verify, str(save) if save else None, rank == 0)
 
-    def _timed_step(self, session: RefitSession, tensors: dict[str, Any]) -> float:
+    def _timed_step(self, session: RefitSession, tensors: dict[str, Any], problems: list[str]) -> float:
         """One push, timed from a barrier of this job to its slowest rank."""
         role_t = session.group.role_control
         role_t.barrier(self.timeout)
+        if problems:
+            session.refuse(problems)
         t0 = time.perf_counter()
         session.push(tensors) if self.role == "send" else session.pull(tensors)
         times = role_t.allgather_bytes(f"{time.perf_counter() - t0:.9f}".encode(), self.timeout)

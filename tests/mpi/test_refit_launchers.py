@@ -1,0 +1,118 @@
+"""Refit without mpiexec on one side (issue: PyTorch-native refit): a trainer job started by
+``torchrun`` joins an inference job started by ``mpiexec`` (or another torchrun) through the
+rendezvous file, over the store control plane and the gloo transport; and failing fast
+together: a refusal on one sender rank ends every rank of both jobs within seconds, with exit 1
+and the reason, and leaves the receivers' output untouched."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+from mpi_helpers import BIN, Background, Ckpt, Saved, same_files
+
+SEND = ["shardstream", "refit", "send"]
+RECV = ["shardstream", "refit", "recv"]
+TORCHRUN = shutil.which("torchrun", path=str(BIN))
+
+pytestmark = pytest.mark.skipif(TORCHRUN is None, reason="torchrun not installed (the torch extra)")
+
+
+def _torchrun(n: int, *args: object) -> list[object]:
+    # the console script is a Python file: torchrun runs it like any training script
+    return [TORCHRUN, "--standalone", "--nproc-per-node", n, str(BIN / "shardstream"), *args]
+
+
+def _launch_pair(tmp: Path, recv_cmd: list[object], send_cmd: list[object],
+                 timeout: float = 90) -> tuple[Background, Background, int | None, int | None, float]:
+    rdv = tmp / "rdv"
+    recv = Background(recv_cmd, tmp, "recv")
+    try:
+        deadline = time.monotonic() + 30
+        while not rdv.exists() and recv.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert rdv.exists(), f"the receiver job never wrote {rdv} (rc {recv.poll()}):\n{recv.stderr[-2000:]}"
+        t0 = time.monotonic()
+        send = Background(send_cmd, tmp, "send")
+        try:
+            rc_send = send.wait(timeout)
+            rc_recv = recv.wait(timeout)
+        finally:
+            send.close()
+    finally:
+        recv.close()
+    return send, recv, rc_send, rc_recv, time.monotonic() - t0
+
+
+def test_torchrun_trainer_to_mpiexec_server(ckpt: Ckpt, mpmd_saved: Saved, tmp_path: Path) -> None:
+    """torchrun senders (no MPI at all) + mpiexec receivers started with --control store."""
+    rdv, out = tmp_path / "rdv", tmp_path / "saved"
+    send, recv, rc_s, rc_r, _ = _launch_pair(
+        tmp_path,
+        ["mpiexec", "-n", "4", *RECV, "--manifest", ckpt.serve, "--rendezvous", rdv, "--control", "store",
+         "--save", out, "--verify", "--timeout", "60", "--steps", "2"],
+        _torchrun(4, "refit", "send", "--manifest", ckpt.train / "manifest.json", "--rendezvous", rdv, "--timeout", "60",
+                  "--steps", "2"))
+    assert rc_s == 0 and rc_r == 0, f"send {rc_s} recv {rc_r}\n{send.stderr[-3000:]}\n{recv.stderr[-3000:]}"
+    assert "checksums verified" in recv.stdout and "(reshard)" in recv.stdout, recv.stdout
+    assert same_files(out, mpmd_saved.dir) == []
+    assert not rdv.exists()
+
+
+def test_torchrun_both_sides(ckpt: Ckpt, mpmd_saved: Saved, tmp_path: Path) -> None:
+    """Two torchrun jobs: the receivers pick the store plane by themselves (no MPI launcher)."""
+    rdv, out = tmp_path / "rdv", tmp_path / "saved"
+    send, recv, rc_s, rc_r, _ = _launch_pair(
+        tmp_path,
+        _torchrun(4, "refit", "recv", "--manifest", ckpt.serve, "--rendezvous", rdv, "--save", out,
+                  "--timeout", "60"),
+        _torchrun(4, "refit", "send", "--manifest", ckpt.train / "manifest.json", "--rendezvous", rdv, "--timeout", "60"))
+    assert rc_s == 0 and rc_r == 0, f"send {rc_s} recv {rc_r}\n{send.stderr[-3000:]}\n{recv.stderr[-3000:]}"
+    assert same_files(out, mpmd_saved.dir) == []
+
+
+def _float16_file(ckpt: Ckpt, tmp: Path) -> Path:
+    """A copy of the trainer checkpoint whose rank-1 file stores one bfloat16 tensor as float16
+    (the header's dtype changed, the bytes kept: a file that lies about nothing but its dtype)."""
+    import json
+    import struct
+
+    bad = tmp / "train-bad"
+    shutil.copytree(ckpt.train, bad)
+    f = bad / "rank-00001.safetensors"
+    raw = f.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    name = next(k for k, v in header.items() if k != "__metadata__" and v["dtype"] == "BF16")
+    header[name]["dtype"] = "F16"
+    text = json.dumps(header, separators=(",", ":")).encode()
+    assert len(text) <= n
+    f.write_bytes(raw[:8] + text.ljust(n, b" ") + raw[8 + n:])
+    return bad
+
+
+@pytest.mark.parametrize("launcher", ["mpiexec", "torchrun"])
+def test_refused_sender_ends_both_jobs_fast(ckpt: Ckpt, tmp_path: Path, launcher: str) -> None:
+    """One sender's file holds float16 where its manifest says bfloat16: every rank of both jobs
+    exits 1 within seconds (the timeout is 120 s), the reason on the console, no output saved."""
+    rdv, out = tmp_path / "rdv", tmp_path / "saved"
+    bad = _float16_file(ckpt, tmp_path)
+    send_args = ["--manifest", bad / "manifest.json", "--rendezvous", rdv, "--timeout", "120"]
+    if launcher == "mpiexec":
+        recv_cmd: list[object] = ["mpiexec", "-n", "4", *RECV]
+        send_cmd: list[object] = ["mpiexec", "-n", "4", *SEND, *send_args]
+    else:
+        recv_cmd = ["mpiexec", "-n", "4", *RECV, "--control", "store"]
+        send_cmd = _torchrun(4, "refit", "send", *send_args)
+    send, recv, rc_s, rc_r, took = _launch_pair(
+        tmp_path, [*recv_cmd, "--manifest", ckpt.serve, "--rendezvous", rdv, "--save", out, "--timeout", "120"],
+        send_cmd, timeout=60)
+    assert rc_s == 1 and rc_r == 1, f"send {rc_s} recv {rc_r}\n{send.stderr[-3000:]}\n{recv.stderr[-3000:]}"
+    assert took < 45, f"took {took:.1f} s: someone waited for a timeout"
+    for job in (send, recv):
+        assert "sender rank 1" in job.stderr and "float16" in job.stderr, job.stderr[-3000:]
+        # (torchrun prints its own ChildFailedError traceback for any child exit code but 0)
+        assert "streamer/" not in job.stderr and "formats/" not in job.stderr, job.stderr[-3000:]
+    assert not (out / "manifest.json").exists()
