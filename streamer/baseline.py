@@ -12,6 +12,7 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from .cast_view import cast_view
 from .execute import _copy
 
 if TYPE_CHECKING:
@@ -46,21 +47,28 @@ def _gather(s: RefitSession, views: Mapping[str, Any]) -> tuple[dict[str, Any], 
     for fqn, a in s.src.arrays.items():
         if fqn not in s.dst.arrays:
             continue
-        isz = a.dtype.itemsize
+        d = s.dst.arrays[fqn]
+        isz = d.dtype.itemsize  # senders cast before the gather, as a trainer would
+        cast = s.plan.casts.get(fqn)
+
+        def held(c: Any, fqn: str = fqn, cast: Any = cast) -> Any:
+            v = views[c.tensor(fqn)][c.local_box.slices]
+            return cast_view(v, *cast) if cast else v
+
         if rank == 0:
-            full[fqn] = t.alloc(a.nbytes).reshape(tuple(a.shape) + (isz,))
+            full[fqn] = t.alloc(d.nbytes).reshape(tuple(a.shape) + (isz,))
         for c in a.chunks:
             owner = c.holders[0]
-            sl, lsl = c.region.slices, c.local_box.slices
+            sl = c.region.slices
             if rank == 0 and 0 in c.holders:
-                _copy(full[fqn][sl], views[c.tensor(fqn)][lsl])
+                _copy(full[fqn][sl], held(c))
             elif rank == 0:
                 tmp = t.alloc(c.region.volume * isz).reshape(tuple(c.region.sizes) + (isz,))
                 reqs.append((t.irecv(tmp, owner, _GATHER_TAG), fqn, sl, tmp))
                 recvd += c.region.volume * isz
             elif rank == owner and 0 not in c.holders:
                 data = t.alloc(c.region.volume * isz).reshape(tuple(c.region.sizes) + (isz,))
-                _copy(data, views[c.tensor(fqn)][lsl])
+                _copy(data, held(c))
                 reqs.append((t.isend(data, 0, _GATHER_TAG), fqn, sl, data))
                 sent += c.region.volume * isz
     from .transport.base import wait_all

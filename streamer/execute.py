@@ -27,8 +27,10 @@ from typing import Any
 import numpy as np
 
 from formats.box import Box, contiguous_slabs, uniform_runs
+from formats.dtypes import DTYPES
 from formats.errors import PeerTimeoutError, TransportError, UsageError
 
+from .cast_view import cast_view
 from .plan import Plan, Transfer
 from .transport.base import ABORT_POLL_INTERVAL, Transport
 
@@ -268,6 +270,7 @@ class Executor:
         self.window = max(1, window)
         self.verify = verify
         self.peer_names = peer_names
+        self.casts: Mapping[str, tuple[str, str]] = plan.casts
         # buffers of the transport's own kind: numpy for MPI, torch (maybe on a GPU) for gloo/NCCL
         view = transport.byte_view
         self.src_views = {name: view(x) for name, x in tensors.items()}
@@ -300,10 +303,11 @@ class Executor:
                         problems.append(f"rank {self.rank}: local tensor {name!r} (for {tr.fqn}) was not provided")
                     need[name] = box
                     continue
-                if v.shape[-1] != tr.itemsize or not box.fits_in(v.shape[:-1]):
+                isz = self._src_itemsize(tr) if m.src == self.rank else tr.itemsize
+                if v.shape[-1] != isz or not box.fits_in(v.shape[:-1]):
                     problems.append(f"rank {self.rank}: local tensor {name!r} has shape {list(v.shape[:-1])} "
                                     f"x {v.shape[-1]} B, too small for {tr.fqn} region at {list(box.offsets)} "
-                                    f"size {list(box.sizes)} x {tr.itemsize} B")
+                                    f"size {list(box.sizes)} x {isz} B")
         if problems:
             from formats.errors import ValidationError
 
@@ -318,6 +322,19 @@ class Executor:
         # phase-2 forwards read what the forwarder received into its destination tensors
         return self._region(tr.src_tensor, tr.src_box, tr.phase == 2)
 
+    def _cast_of(self, tr: Transfer) -> tuple[str, str] | None:
+        """(source, destination) data_type when this transfer reads source-typed bytes to cast."""
+        return self.casts.get(tr.fqn) if tr.phase != 2 else None
+
+    def _src_itemsize(self, tr: Transfer) -> int:
+        cast = self._cast_of(tr)
+        return DTYPES[cast[0]].itemsize if cast else tr.itemsize
+
+    def _src_bytes(self, tr: Transfer) -> Any:
+        """What goes on the wire for ``tr``: the source region, cast to the destination's type."""
+        cast = self._cast_of(tr)
+        return self._src(tr) if cast is None else cast_view(self._src(tr), *cast)
+
     def _dst(self, tr: Transfer) -> Any:
         return self._region(tr.dst_tensor, tr.dst_box, True)
 
@@ -326,7 +343,7 @@ class Executor:
         for tr in m.transfers:
             n = tr.nbytes
             dst = buf[off:off + n].reshape(tr.region.sizes + (tr.itemsize,))
-            _copy(dst, self._src(tr))
+            _copy(dst, self._src_bytes(tr))
             off += n
 
     def _unpack(self, m: Message, buf: np.ndarray) -> None:
@@ -340,6 +357,8 @@ class Executor:
         if len(m.transfers) != 1:
             return None
         tr = m.transfers[0]
+        if send and self._cast_of(tr) is not None:
+            return None  # cast while packing: the wire carries other bytes than the tensor
         name, box = (tr.src_tensor, tr.src_box) if send else (tr.dst_tensor, tr.dst_box)
         on_dst = (not send) or tr.phase == 2
         v = (self.dst_views if on_dst else self.src_views)[name]
@@ -360,7 +379,7 @@ class Executor:
         for tr in self.local:  # same-job reshard: bytes already on this rank
             if (self.dst_views is not self.src_views or tr.src_tensor != tr.dst_tensor
                     or tr.src_offsets != tr.dst_offsets):
-                src = self._src(tr)
+                src = self._src_bytes(tr)
                 _copy(self._dst(tr), src.copy() if isinstance(src, np.ndarray) else src.clone())
             st.local_copies += 1
         done: set[int] = set()
@@ -461,7 +480,7 @@ class Executor:
         ctrl = self.t.control  # digests are host memory: NCCL cannot carry them
         for m in self.mine:
             if m.src == self.rank:
-                d = np.array([self._digest(self._src(tr)) for tr in m.transfers], dtype=np.uint64)
+                d = np.array([self._digest(self._src_bytes(tr)) for tr in m.transfers], dtype=np.uint64)
                 keep.append(d)
                 reqs.append(ctrl.isend(d, m.dst, _DIGEST_TAG))
             else:

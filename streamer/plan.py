@@ -55,6 +55,8 @@ __all__ = [
     "Plan",
     "Transfer",
     "match_arrays",
+    "array_casts",
+    "CASTABLE",
     "plan_transfers",
     "validate_plan",
 ]
@@ -311,6 +313,8 @@ class Plan:
         self.src_domain_size = src_domain_size
         self.dst_domain_size = dst_domain_size
         self._stats = dict(stats or {})
+        #: arrays the sender casts while packing: fqn -> (source, destination data_type)
+        self.casts: dict[str, tuple[str, str]] = {}
         self._explicit = tuple(explicit) if explicit is not None else None
         self._all: tuple[Transfer, ...] | None = self._explicit
 
@@ -425,6 +429,18 @@ class Plan:
 
 # --------------------------------------------------------------------------- matching
 
+#: data types cast into one another on the way when source and destination differ (the sender
+#: casts while it packs, so the wire carries destination-sized bytes). FP8 is not among them:
+#: it needs scales, not a cast.
+CASTABLE = ("float16", "bfloat16", "float32", "float64")
+
+
+def array_casts(src: Manifest, dst: Manifest) -> dict[str, tuple[str, str]]:
+    """``fqn -> (source data_type, destination data_type)`` for every array cast on the way."""
+    return {f: (src.arrays[f].data_type, d.data_type) for f, d in dst.arrays.items()
+            if f in src.arrays and src.arrays[f].data_type != d.data_type}
+
+
 def match_arrays(src: Manifest, dst: Manifest, *, allow_extra: bool = False) -> list[str]:
     """Every problem matching ``dst`` arrays to ``src`` arrays (missing, extra, shape, dtype)."""
     problems = []
@@ -435,8 +451,9 @@ def match_arrays(src: Manifest, dst: Manifest, *, allow_extra: bool = False) -> 
             continue
         if s.shape != d.shape:
             problems.append(f"{fqn}: shape mismatch (source {list(s.shape)}, destination {list(d.shape)})")
-        if s.data_type != d.data_type:
-            problems.append(f"{fqn}: data_type mismatch (source {s.data_type}, destination {d.data_type})")
+        if s.data_type != d.data_type and not (s.data_type in CASTABLE and d.data_type in CASTABLE):
+            problems.append(f"{fqn}: data_type mismatch (source {s.data_type}, destination {d.data_type}): only "
+                            f"floating-point pairs ({', '.join(CASTABLE)}) are cast on the way")
     if not allow_extra:
         for fqn in src.arrays:
             if fqn not in dst.arrays:
@@ -900,7 +917,9 @@ def plan_transfers(src: Manifest, dst: Manifest, *, src_domain_size: int | None 
         "unpaired_scales": unpaired,
     })
     stats.update(_broadcast_baseline(src, dst, lays, same_job=same_job, S=S, sds=sds, dds=dds))
-    return Plan(blocks, S, D, same_job, sds, dds, stats)
+    plan = Plan(blocks, S, D, same_job, sds, dds, stats)
+    plan.casts = array_casts(src, dst)
+    return plan
 
 
 def _replica_shares(blocks: Sequence[tuple[_Block, tuple[np.ndarray, np.ndarray]]],
@@ -1073,9 +1092,8 @@ def _broadcast_baseline(src: Manifest, dst: Manifest, lays: Mapping[str, tuple[_
     dst_memo: dict[int, tuple[np.ndarray, int]] = {}  # layout id -> (receiving ranks, how many off-domain)
     weight: dict[int, int] = defaultdict(int)
     for fqn, d in dst.arrays.items():
-        s = src.arrays[fqn]
-        isz = s.dtype.itemsize
-        nbytes = s.nbytes
+        isz = d.dtype.itemsize  # a cast happens before the gather: destination-sized bytes
+        nbytes = d.nbytes
         sl, dl = lays[fqn]
         hit = src_memo.get(id(sl))
         if hit is None:

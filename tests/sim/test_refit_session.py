@@ -171,3 +171,39 @@ def test_partial_dtensor_refused_by_name() -> None:
         if mine:
             dist.destroy_process_group()
     assert len(problems) == 1 and "'grad_like'" in problems[0] and "Partial" in problems[0]
+
+
+@pytest.mark.parametrize("strategy", ["reshard", "broadcast"])
+def test_fp32_masters_cast_to_bf16_on_the_way(strategy: str) -> None:
+    """Source float32, destination bfloat16: the sender casts while packing (the wire carries
+    2-byte elements) and receivers hold exactly what ``convert --cast`` would write."""
+    from streamer.convert import cast_bytes
+
+    arrays32 = {"w": ((6, 4), "float32"), "b": ((6,), "float32"), "s": ((), "float32")}
+    arrays16 = {"w": ((6, 4), "bfloat16"), "b": ((6,), "bfloat16"), "s": ((), "float32")}
+    src = lay_out(arrays32, Mesh(("dp", "tp"), (2, 2)),
+                  {"w": (Replicate(), Shard(0)), "b": (Replicate(), Shard(0)), "s": (Replicate(), Replicate())})
+    dst = lay_out(arrays16, Mesh(("tp",), (3,)), {"w": (Shard(0),), "b": (Shard(0),), "s": (Replicate(),)})
+    rng = np.random.default_rng(0)
+    full32 = {n: rng.standard_normal(shape).astype(np.float32) for n, (shape, _) in arrays32.items()}
+    want = {n: cast_bytes(v.reshape(-1).view(np.uint8), "float32", arrays16[n][1]).view(
+        "<u2" if arrays16[n][1] == "bfloat16" else "<f4").reshape(v.shape) for n, v in full32.items()}
+    srcs = make_source_tensors(src, full32)
+    dsts = empty_dest_tensors(dst)
+    results, errors = _run(src, dst, _push_pull(srcs, dsts), verify=True, strategy=strategy)
+    assert not errors, errors
+    assert check_dest_tensors(dst, dsts, want) == []
+    if strategy == "reshard":
+        # destination-sized bytes on the wire: w and b are bf16 (2 B), s float32 (4 B) x 3 receivers
+        assert sum(r.bytes_received for g, r in results.items() if g >= 4) == (24 + 6) * 2 + 3 * 4
+
+
+def test_int_to_float_refused_at_plan_time() -> None:
+    from formats.errors import PlanError
+    from streamer.plan import plan_transfers
+
+    src = lay_out({"w": ((4,), "int32")}, Mesh(("tp",), (2,)), {"w": (Shard(0),)})
+    dst = lay_out({"w": ((4,), "float32")}, Mesh(("tp",), (2,)), {"w": (Shard(0),)})
+    with pytest.raises(PlanError) as e:
+        plan_transfers(src, dst)
+    assert "w: data_type mismatch (source int32, destination float32)" in str(e.value)
