@@ -239,7 +239,7 @@ def _torch_placement(p: Any) -> _Pl | str:
     """A torch placement as a rank-independent tuple, or the reason it is refused."""
     from torch.distributed.tensor import Partial, Replicate, Shard
 
-    strided: type | None
+    strided: Any
     try:
         from torch.distributed.tensor.placement_types import _StridedShard as strided
     except ImportError:  # pragma: no cover - every torch with DTensor has it
