@@ -163,8 +163,8 @@ def case_refusals(rank: int) -> dict[str, Any]:
     try:
         manifest_from_state_dict({"ok": ok, "odd": odd})
     except StateDictError as e:
-        assert e.problems == [f"rank 2: odd: local tensor is not contiguous (shape [4, 3], stride [1, 4]); "
-                              f"make it contiguous before describing or pushing it"], e.problems
+        assert e.problems == ["rank 2: odd: local tensor is not contiguous (shape [4, 3], stride [1, 4]); "
+                              "make it contiguous before describing or pushing it"], e.problems
     else:
         raise AssertionError("a non-contiguous tensor on rank 2 was not refused on every rank")
     return {"refused": 2}
@@ -181,7 +181,7 @@ def main() -> int:
         out["fsdp_tp_bf16"] = case_fsdp_tp(rank, torch.bfloat16)
         out["pipeline"] = case_pipeline(rank)
         out["refusals"] = case_refusals(rank)
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - any failure: report it and leave at once
         traceback.print_exc()
         sys.stdout.flush()
         sys.stderr.flush()
