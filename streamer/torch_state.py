@@ -79,7 +79,6 @@ from typing import Any
 from formats.box import Box
 from formats.dtypes import DTYPES, from_torch
 from formats.errors import FormatError, ValidationError
-from formats.layouts.mesh import shard_ranges
 from formats.manifest import ArraySpec, Chunk, Manifest, Source
 
 __all__ = ["StateDictError", "manifest_from_state_dict"]
@@ -144,6 +143,12 @@ def _concat(parts: Iterable[Sequence[_Seg]]) -> list[_Seg]:
     return out
 
 
+def _piece(n: int, k: int, i: int) -> tuple[int, int]:
+    """Piece ``i`` of ``formats.layouts.mesh.shard_ranges(n, k)`` (torch.chunk), without the list."""
+    c = -(-n // k)
+    return (min(i * c, n), min((i + 1) * c, n))
+
+
 def _length(segs: Sequence[_Seg]) -> int:
     return sum(n for _, _, n in segs)
 
@@ -167,26 +172,44 @@ def local_segments(shape: Sequence[int], mesh_shape: Sequence[int], placements: 
         cur = segs[d]
         n = _length(cur)
         if p[0] == "S":
-            lo, hi = shard_ranges(n, k)[c]
+            lo, hi = _piece(n, k, c)
             segs[d] = _restrict(cur, lo, hi)
         else:  # "SS": split into sf pieces, each into k pieces, keep piece c of each
             parts = []
-            for a, b in shard_ranges(n, p[2]):
-                lo, hi = shard_ranges(b - a, k)[c]
+            for j in range(p[2]):
+                a, b = _piece(n, p[2], j)
+                lo, hi = _piece(b - a, k, c)
                 parts.append(_restrict(cur, a + lo, a + hi))
             segs[d] = _concat(parts)
     return [_concat([s]) for s in segs]
 
 
-def _dtensor_chunks(rec: _Record, copies: Sequence[Sequence[int]]) -> list[Chunk]:
-    """The chunks of a DTensor record held by the given mesh copies (flat global-rank tuples)."""
+#: (region offsets, region sizes, local offsets, holders) of one chunk
+_Geo = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...]]
+_GeoKey = tuple[tuple[int, ...], tuple[_Pl, ...], tuple[int, ...], tuple[tuple[int, ...], ...]]
+
+
+def _dtensor_chunks(rec: _Record, copies: Sequence[tuple[int, ...]],
+                    cache: dict[_GeoKey, list[_Geo]] | None = None) -> list[Chunk]:
+    """The chunks of a DTensor record held by the given mesh copies (flat global-rank tuples).
+    ``cache`` shares the geometry between arrays of one shape, placements and mesh (layers)."""
     assert rec.placements is not None
-    mshape = rec.mesh_shape
+    key = (rec.shape, rec.placements, rec.mesh_shape, tuple(copies))
+    geo = cache.get(key) if cache is not None else None
+    if geo is None:
+        geo = _geometry(rec.shape, rec.placements, rec.mesh_shape, copies)
+        if cache is not None:
+            cache[key] = geo
+    return [Chunk(Box(offs, sizes), holders, _source(rec, loffs)) for offs, sizes, loffs, holders in geo]
+
+
+def _geometry(shape: tuple[int, ...], placements: Sequence[_Pl], mshape: tuple[int, ...],
+              copies: Sequence[tuple[int, ...]]) -> list[_Geo]:
     strides = [1] * len(mshape)
     for i in range(len(mshape) - 2, -1, -1):
         strides[i] = strides[i + 1] * mshape[i + 1]
-    split_axes = [a for a, p in enumerate(rec.placements) if p[0] != "R"]
-    rep_axes = [a for a, p in enumerate(rec.placements) if p[0] == "R"]
+    split_axes = [a for a, p in enumerate(placements) if p[0] != "R"]
+    rep_axes = [a for a, p in enumerate(placements) if p[0] == "R"]
     rep_offsets = [0]
     for a in rep_axes:
         rep_offsets = [o + c * strides[a] for o in rep_offsets for c in range(mshape[a])]
@@ -198,7 +221,7 @@ def _dtensor_chunks(rec: _Record, copies: Sequence[Sequence[int]]) -> list[Chunk
         for a, c in zip(split_axes, combo):
             coords[a] = c
             base += c * strides[a]
-        segs = local_segments(rec.shape, mshape, rec.placements, coords)
+        segs = local_segments(shape, mshape, placements, coords)
         if any(not s for s in segs):
             continue
         holders = [copy[base + o] for copy in copies for o in rep_offsets]
@@ -210,12 +233,7 @@ def _dtensor_chunks(rec: _Record, copies: Sequence[Sequence[int]]) -> list[Chunk
                 order.append(key)
             else:  # pragma: no cover - valid placements give disjoint regions per coordinate
                 hs.extend(holders)
-    out = []
-    for key in sorted(order):
-        offs, sizes, loffs = key
-        out.append(Chunk(Box(offs, sizes), tuple(sorted(set(found[key]))),
-                         _source(rec, loffs)))
-    return out
+    return [(k[0], k[1], k[2], tuple(sorted(set(found[k])))) for k in sorted(order)]
 
 
 def _source(rec: _Record, loffs: tuple[int, ...]) -> Source | None:
@@ -313,7 +331,8 @@ def _root_info(mesh: Any) -> tuple[tuple[str, ...], tuple[int, ...]] | None:
     return (tuple(str(n) for n in names), tuple(int(n) for n in root.mesh.shape))
 
 
-def _record(key: str, name: str, value: Any) -> _Record:
+def _record(key: str, name: str, value: Any,
+            meshes: dict[int, tuple[Any, tuple[tuple[int, ...], ...]]] | None = None) -> _Record:
     """Describe one state-dict entry, or record why it is refused."""
     import torch
     from torch.distributed.tensor import DTensor
@@ -342,10 +361,16 @@ def _record(key: str, name: str, value: Any) -> _Record:
             pls.append(q)
         mesh = value.device_mesh
         mshape = tuple(int(n) for n in mesh.mesh.shape)
-        try:
-            copies = _mesh_copies(mesh)
-        except (RuntimeError, AttributeError) as e:
-            return refuse(f"cannot list the ranks of its device mesh {mesh}: {e}", shape, dt)
+        hit = meshes.get(id(mesh)) if meshes is not None else None
+        if hit is not None and hit[0] is mesh:
+            copies = hit[1]
+        else:
+            try:
+                copies = _mesh_copies(mesh)
+            except (RuntimeError, AttributeError) as e:
+                return refuse(f"cannot list the ranks of its device mesh {mesh}: {e}", shape, dt)
+            if meshes is not None:
+                meshes[id(mesh)] = (mesh, copies)
         rec = _Record(key, name, shape, dt, tuple(pls), mshape, copies, _root_info(mesh))
         coord = _my_coordinate(mesh, mshape, copies)
         if coord is not None:  # this rank is in the mesh: its local tensor must match
@@ -428,6 +453,7 @@ def manifest_from_state_dict(state_dict: Mapping[str, Any], *, name: str | None 
     records: list[_Record] = []
     problems: list[str] = []
     names: dict[str, str] = {}
+    meshes: dict[int, tuple[Any, tuple[tuple[int, ...], ...]]] = {}  # id -> (mesh, copies)
     for key, value in state_dict.items():
         published = rename(key) if rename is not None else key
         if published is None:
@@ -439,7 +465,7 @@ def manifest_from_state_dict(state_dict: Mapping[str, Any], *, name: str | None 
             problems.append(f"{key}: renamed to {published!r}, which {names[published]!r} is renamed to too")
             continue
         names[published] = key
-        rec = _record(key, published, value)
+        rec = _record(key, published, value, meshes)
         records.append(rec)
     errors = problems + [r.error for r in records if r.error]
 
@@ -477,8 +503,9 @@ def manifest_from_state_dict(state_dict: Mapping[str, Any], *, name: str | None 
         group_ranks = list(range(world_size))
 
     if gathered is None:
+        cache: dict[_GeoKey, list[_Geo]] = {}
         arrays = {rec.name: ArraySpec(rec.shape, rec.data_type,
-                                      tuple(_dtensor_chunks(rec, rec.copies) if rec.placements is not None
+                                      tuple(_dtensor_chunks(rec, rec.copies, cache) if rec.placements is not None
                                             else _plain_chunks(rec, group_ranks)))
                   for rec in records}
         all_records = records
@@ -536,6 +563,7 @@ def _merge(gathered: Sequence[tuple[int, list[_Record], list[str]]]
                                 f"({_describe(f)} vs {_describe(rec)})")
     gathered_ranks = {r for r, _, _ in gathered}
     arrays: dict[str, ArraySpec] = {}
+    cache: dict[_GeoKey, list[_Geo]] = {}
     for nm, rec in first.items():
         hs = set(holders[nm])
         if rec.placements is None:
@@ -551,7 +579,7 @@ def _merge(gathered: Sequence[tuple[int, list[_Record], list[str]]]
                                     f"{list(copy)} holds it on ranks {held}")
                 if held or not inside:
                     copies.append(copy)
-            chunks = _dtensor_chunks(rec, copies)
+            chunks = _dtensor_chunks(rec, copies, cache)
         arrays[nm] = ArraySpec(rec.shape, rec.data_type, tuple(chunks))
     if problems:
         raise StateDictError(problems=problems)
