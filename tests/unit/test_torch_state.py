@@ -278,6 +278,77 @@ def test_fsdp_tp_module_on_fake_group() -> None:
     assert [(c.region.offsets, c.holders) for c in norm] == [((0,), (0, 1)), ((3,), (2, 3))]
 
 
+def _same_on_every_rank(world: int, build: Callable[[], dict[str, Any]]) -> Manifest:
+    """Simulate every rank: the manifests are byte-identical, valid, and agree with each rank's
+    local tensor shapes (values need a real group: the mpi tier)."""
+    jsons = []
+    for rank in range(world):
+        with fake_rank(rank, world):
+            sd = build()
+            m = manifest_from_state_dict(sd)
+            lt = m.local_tensors(rank)
+            for k, v in sd.items():
+                local = v.to_local() if isinstance(v, DTensor) else v
+                if local.numel():
+                    assert lt[k].shape == tuple(local.shape), (rank, k)
+                else:
+                    assert k not in lt, (rank, k)
+        assert_valid(m)
+        jsons.append(dumps_manifest(m))
+    assert len(set(jsons)) == 1
+    return m
+
+
+def test_flattened_dp_shard_cp_mesh_with_tp() -> None:
+    """TorchTitan style: fully_shard on mesh["dp_shard", "cp"]._flatten("dp_shard_cp") over TP."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    def build() -> dict[str, Any]:
+        mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp_shard", "cp", "tp"))
+        flat = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        from torch import nn
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        model = nn.Module()
+        model.up = nn.Linear(6, 13)
+        model.down = nn.Linear(13, 6)
+        model.norm = nn.LayerNorm(6)
+        parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        fully_shard(model, mesh=flat)
+        return dict(model.state_dict())
+
+    m = _same_on_every_rank(8, build)
+    assert m.mesh == {"axes": ["dp_shard", "cp", "tp"], "shape": [2, 2, 2]}
+    # norm (6 rows) over the 4 dp_shard_cp ranks; tp ranks (neighbours) are replicas
+    assert [c.holders for c in m.arrays["norm.weight"].chunks] == [(0, 1), (2, 3), (4, 5)]
+
+
+def test_hsdp_mesh() -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    def build() -> dict[str, Any]:
+        from torch import nn
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        model = nn.Linear(3, 5)
+        fully_shard(model, mesh=mesh)
+        return dict(model.state_dict())
+
+    m = _same_on_every_rank(4, build)
+    assert [c.holders for c in m.arrays["weight"].chunks] == [(0, 2), (1, 3)]
+
+
+def test_piece_is_shard_ranges() -> None:
+    from formats.layouts.mesh import shard_ranges
+    from streamer.torch_state import _piece
+
+    for n in range(12):
+        for k in range(1, 6):
+            assert [_piece(n, k, i) for i in range(k)] == shard_ranges(n, k)
+
+
 def test_mesh_not_covering_world() -> None:
     """An 8-rank world whose trainer mesh is ranks 4..7: holders are global ranks, world_size is
     the world's, plain tensors are held by the ranks of ``group`` (here: the whole world)."""
@@ -385,3 +456,12 @@ def test_merge_refuses_disagreement_and_half_held_copies() -> None:
     d = _rec("d", (4,), placements=(("S", 0),), mesh_shape=(2,), copies=((0, 1),))
     with pytest.raises(StateDictError, match=r"d: ranks \[1\] lack it although their mesh copy"):
         _merge([(0, [d], []), (1, [], [])])
+
+
+def test_import_does_not_load_torch() -> None:
+    """``from streamer import manifest_from_state_dict`` must stay cheap: torch loads on call."""
+    import subprocess
+    import sys
+
+    code = "import sys, streamer.torch_state; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
