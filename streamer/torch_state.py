@@ -279,18 +279,23 @@ def _mesh_copies(mesh: Any) -> tuple[tuple[int, ...], ...]:
     """Every parallel copy of ``mesh`` inside its root mesh, as flat (row-major) tuples of
     global ranks; the copy holding this rank is ``mesh.mesh``. Uses the private CuTe layout of
     torch >= 2.9 DeviceMesh; without it, only a mesh that spans its root works."""
-    own = tuple(int(r) for r in mesh.mesh.flatten().tolist())
+    try:
+        own: tuple[int, ...] | None = tuple(int(r) for r in mesh.mesh.flatten().tolist())
+    except RuntimeError:  # a sub-mesh that does not contain this rank
+        own = None
     layout = getattr(mesh, "_layout", None)
     rank_map = getattr(mesh, "_rank_map", None)
     if layout is not None and rank_map is not None and hasattr(layout, "remap_to_tensor"):
         full = layout.remap_to_tensor(rank_map)
-        shape = tuple(mesh.mesh.shape)
-        full = full.reshape(-1, *shape) if shape else full.reshape(-1, 1)
+        full = full.reshape(-1, *tuple(mesh.shape))
         copies = tuple(tuple(int(r) for r in c.flatten().tolist()) for c in full)
-        if own not in copies:
+        if own is not None and own not in copies:
             raise RuntimeError(f"the mesh copies {copies} read from the root mesh do not include "
                                f"this rank's mesh {own}")
         return copies
+    if own is None:
+        raise RuntimeError("this rank is outside the mesh and this torch's DeviceMesh has no "
+                           "_layout/_rank_map to list its copies")
     root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
     if root is mesh or root.size() == mesh.size():
         return (own,)
@@ -328,7 +333,7 @@ def _root_info(mesh: Any) -> tuple[tuple[str, ...], tuple[int, ...]] | None:
     names = root.mesh_dim_names
     if not names:
         return None
-    return (tuple(str(n) for n in names), tuple(int(n) for n in root.mesh.shape))
+    return (tuple(str(n) for n in names), tuple(int(n) for n in root.shape))
 
 
 def _record(key: str, name: str, value: Any,
@@ -350,7 +355,7 @@ def _record(key: str, name: str, value: Any,
         return refuse(f"dtype {value.dtype} has no shardstream data_type (supported: "
                       f"{', '.join(DTYPES)})", shape)
     if isinstance(value, DTensor):
-        local = value._local_tensor
+        local = value.to_local()
         pls: list[_Pl] = []
         for p in value.placements:
             q = _torch_placement(p)
@@ -360,7 +365,7 @@ def _record(key: str, name: str, value: Any,
                 return refuse(f"placement {p!r} shards dim {q[1]} of a {len(shape)}-d tensor", shape, dt)
             pls.append(q)
         mesh = value.device_mesh
-        mshape = tuple(int(n) for n in mesh.mesh.shape)
+        mshape = tuple(int(n) for n in mesh.shape)
         hit = meshes.get(id(mesh)) if meshes is not None else None
         if hit is not None and hit[0] is mesh:
             copies = hit[1]

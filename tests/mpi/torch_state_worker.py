@@ -6,7 +6,8 @@ Run under ``mpiexec -n 4 python torch_state_worker.py PORT`` (RANK / WORLD_SIZE 
 every case, so torch is imported once per rank:
 
 * ``fsdp``: ``fully_shard`` on a 1-D mesh of 4: uneven 7x5 and 7, a 3-D parameter, a 0-D buffer,
-  an fp32 master and a bf16 submodule (6x3: the last rank holds nothing of it);
+  an fp32 master, a bf16 submodule (6x3: the last rank holds nothing of it), and a submodule
+  sharded on dim 1 (``shard_placement_fn``);
 * ``fsdp_tp`` / ``fsdp_tp_bf16``: ``parallelize_module`` (colwise / rowwise) on the ``tp`` axis of a
   dp x tp = 2 x 2 mesh, then ``fully_shard`` on ``mesh["dp"]``: ``_StridedShard(0, sf=2)`` on dp;
 * ``pipeline``: pp x dp = 2 x 2; each stage holds other keys (FSDP on its dp sub-mesh, and a
@@ -99,6 +100,8 @@ def case_fsdp(rank: int) -> dict[str, Any]:
     model = Block()
     model.half_sub = nn.Linear(3, 6, dtype=torch.bfloat16)
     fully_shard(model.half_sub, mesh=mesh)
+    model.wide = nn.Linear(8, 3)  # FSDP2 on dim 1 (shard_placement_fn): weight 3 x 8 -> 3 x 2 per rank
+    fully_shard(model.wide, mesh=mesh, shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 else None)
     fully_shard(model, mesh=mesh)
     sd = model.state_dict()
     m = manifest_from_state_dict(sd, name="fsdp")
@@ -107,6 +110,8 @@ def case_fsdp(rank: int) -> dict[str, Any]:
     assert m.arrays["steps"].shape == ()
     assert [c.holders for c in m.arrays["up.weight"].chunks] == [(0,), (1,), (2,), (3,)]
     assert [c.region.sizes[0] for c in m.arrays["half_sub.weight"].chunks] == [2, 2, 2]
+    assert sd["wide.weight"].placements == (Shard(1),)
+    assert [c.region.offsets for c in m.arrays["wide.weight"].chunks] == [(0, 0), (0, 2), (0, 4), (0, 6)]
     return check(m, sd, rank, "fsdp")
 
 
