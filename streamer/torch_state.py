@@ -460,7 +460,12 @@ def manifest_from_state_dict(state_dict: Mapping[str, Any], *, name: str | None 
     names: dict[str, str] = {}
     meshes: dict[int, tuple[Any, tuple[tuple[int, ...], ...]]] = {}  # id -> (mesh, copies)
     for key, value in state_dict.items():
-        published = rename(key) if rename is not None else key
+        # nothing may raise on one rank before the collectives below: errors travel with the digest
+        try:
+            published = rename(key) if rename is not None else key
+        except Exception as e:  # noqa: BLE001 - reported on every rank, named
+            problems.append(f"{key}: rename raised {type(e).__name__}: {e}")
+            continue
         if published is None:
             continue
         if not isinstance(published, str) or not published:
@@ -470,7 +475,10 @@ def manifest_from_state_dict(state_dict: Mapping[str, Any], *, name: str | None 
             problems.append(f"{key}: renamed to {published!r}, which {names[published]!r} is renamed to too")
             continue
         names[published] = key
-        rec = _record(key, published, value, meshes)
+        try:
+            rec = _record(key, published, value, meshes)
+        except Exception as e:  # noqa: BLE001 - reported on every rank, named
+            rec = _Record(key, published, (), "", error=f"{key}: cannot describe it ({type(e).__name__}: {e})")
         records.append(rec)
     errors = problems + [r.error for r in records if r.error]
 

@@ -389,6 +389,14 @@ def test_plain_state_dict_without_distributed() -> None:
     check_rank(m, 0, sd, sd, rename=lambda k: k.removeprefix("model."))
 
 
+def test_rename_that_raises_is_reported_by_name() -> None:
+    def bad(k: str) -> str:
+        raise KeyError(k)
+
+    with pytest.raises(StateDictError, match=r"a: rename raised KeyError: 'a'"):
+        manifest_from_state_dict({"a": torch.zeros(1)}, rename=bad)
+
+
 def test_rename_none_drops_and_collision_is_refused() -> None:
     sd = {"a": torch.zeros(2), "b": torch.zeros(2), "skip": torch.zeros(1)}
     m = manifest_from_state_dict(sd, rename=lambda k: None if k == "skip" else k)
@@ -465,3 +473,40 @@ def test_import_does_not_load_torch() -> None:
 
     code = "import sys, streamer.torch_state; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_plan_and_execute_from_the_manifest() -> None:
+    """The manifest drives a real plan + executor (loopback threads): 4 FSDP2+TP-style ranks
+    (strided, uneven, several chunks per rank, bf16 and fp32) gathered into one full rank."""
+    from helpers import run_plan_loopback
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from formats.layouts import manifest_from_arrays
+    from streamer.plan import plan_transfers
+
+    specs = {
+        "w": ((11, 3), [_StridedShard(0, split_factor=2), Shard(0)], torch.float32),
+        "v": ((17,), [_StridedShard(0, split_factor=2), _StridedShard(0, split_factor=2)], torch.bfloat16),
+        "n": ((5,), [Shard(0), Replicate()], torch.float32),
+        "s": ((), [Replicate(), Replicate()], torch.float32),
+    }
+    gen = torch.Generator().manual_seed(1)
+    full = {k: torch.randn(shape, generator=gen).to(dt) for k, (shape, _, dt) in specs.items()}
+    src_tensors: dict[int, dict[str, Any]] = {}
+    jsons = set()
+    for rank in range(4):
+        with fake_rank(rank, 4):
+            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+            sd = {k: distribute_tensor(full[k], mesh, pls, src_data_rank=None) for k, (_, pls, _) in specs.items()}
+            m = manifest_from_state_dict(sd, rename=lambda k: "model." + k)
+            src_tensors[rank] = {k: v.to_local().contiguous() for k, v in sd.items()}
+        jsons.add(dumps_manifest(m))
+    assert len(jsons) == 1
+    dst = manifest_from_arrays({"model." + k: (shape, str(dt).removeprefix("torch."))
+                                for k, (shape, _, dt) in specs.items()})
+    plan = plan_transfers(m, dst)
+    out = {"model." + k: torch.zeros_like(v) for k, v in full.items()}
+    res = run_plan_loopback(plan, m, dst, src_tensors, {0: out})
+    res.raise_first()
+    for k, v in full.items():
+        assert torch.equal(out["model." + k], v), k
