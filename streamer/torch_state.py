@@ -508,7 +508,8 @@ def manifest_from_state_dict(state_dict: Mapping[str, Any], *, name: str | None 
             errors.extend(f"rank {r}: {e}" for e in errs)
         errors = list(dict.fromkeys(errors))
     if errors:
-        raise StateDictError(problems=_dedupe_rank_prefix(errors))
+        n = len(gathered) if gathered is not None else 1
+        raise StateDictError(problems=_dedupe_rank_prefix(errors, n))
 
     if not initialised:
         ranks = [r for rec in records for c in rec.copies for r in c]
@@ -529,8 +530,9 @@ def manifest_from_state_dict(state_dict: Mapping[str, Any], *, name: str | None 
     return Manifest(world_size=world_size, arrays=arrays, name=name, mesh=mesh)
 
 
-def _dedupe_rank_prefix(errors: list[str]) -> list[str]:
-    """``rank R: X`` lines that differ only by R become one ``ranks R1, R2: X`` line."""
+def _dedupe_rank_prefix(errors: list[str], nranks: int) -> list[str]:
+    """``rank R: X`` lines that differ only by R become one ``ranks R1, R2: X`` line, or plain
+    ``X`` when all ``nranks`` ranks report it."""
     by_msg: dict[str, list[str]] = {}
     for e in errors:
         head, sep, msg = e.partition(": ")
@@ -540,12 +542,13 @@ def _dedupe_rank_prefix(errors: list[str]) -> list[str]:
             by_msg.setdefault(e, [])
     out = []
     for msg, rs in by_msg.items():
-        if not rs:
+        if not rs or len(rs) == nranks:
             out.append(msg)
         elif len(rs) == 1:
             out.append(f"rank {rs[0]}: {msg}")
         else:
-            out.append(f"ranks {', '.join(rs)}: {msg}")
+            shown = ", ".join(rs[:8]) + (f", ... ({len(rs)} ranks)" if len(rs) > 8 else "")
+            out.append(f"ranks {shown}: {msg}")
     return out
 
 
