@@ -49,7 +49,7 @@ Different keys on different ranks (pipeline stages)
 ---------------------------------------------------
 When torch.distributed is initialised and ``group`` has more than one rank, every rank first
 computes a digest of its key list and metadata and all-gathers it (one ``all_gather_object`` of
-a ~70-byte string). Equal digests mean every rank holds the same keys with the same metadata:
+a sha256 hex digest and an error flag). Equal digests mean every rank holds the same keys with the same metadata:
 each rank builds the manifest on its own, and the JSON is byte-identical on every rank. When the
 digests differ, one more ``all_gather_object`` carries every rank's metadata (names, shapes,
 dtypes, placements, mesh copies; never tensor data); an array is then held only by the ranks
@@ -58,6 +58,10 @@ digest (no communication at all: the caller promises that every rank holds every
 ``same_keys=False`` always gathers the metadata. Errors found on any rank (a ``Partial``, a
 non-contiguous local tensor...) travel with the digest, so every rank raises the same
 :class:`StateDictError` instead of some ranks waiting in a collective.
+
+A key held by several ranks is one array: its copies are taken as replicas (for plain tensors)
+or as the mesh copies of one DTensor; ranks that disagree about its shape, dtype or placements
+are refused.
 
 Tied weights
 ------------
