@@ -49,8 +49,9 @@ Different keys on different ranks (pipeline stages)
 ---------------------------------------------------
 When torch.distributed is initialised and ``group`` has more than one rank, every rank first
 computes a digest of its key list and metadata and all-gathers it (one ``all_gather_object`` of
-a sha256 hex digest and an error flag). Equal digests mean every rank holds the same keys with the same metadata:
-each rank builds the manifest on its own, and the JSON is byte-identical on every rank. When the
+a sha256 hex digest and an error flag). Equal digests mean every rank holds the same keys with
+the same metadata: each rank builds the manifest on its own, and the JSON is byte-identical on
+every rank. When the
 digests differ, one more ``all_gather_object`` carries every rank's metadata (names, shapes,
 dtypes, placements, mesh copies; never tensor data); an array is then held only by the ranks
 (for DTensors: the mesh copies) whose state dict has its key. ``same_keys=True`` skips the
