@@ -1,6 +1,27 @@
-"""shardstream planning and byte movement."""
+"""shardstream planning and byte movement.
+
+The public API for trainers and servers::
+
+    from streamer import RefitSession, manifest_from_state_dict
+
+Names are imported on first use, so ``import streamer`` stays cheap (no torch, no MPI).
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
 __version__ = "0.1.0"
-__all__ = ["__version__"]
+__all__ = ["RefitSession", "RefusedError", "StateDictError", "StepStats", "__version__", "manifest_from_state_dict"]
+
+_LAZY = {"RefitSession": "refit", "RefusedError": "refit", "StepStats": "refit",
+         "manifest_from_state_dict": "torch_state", "StateDictError": "torch_state"}
+
+
+def __getattr__(name: str) -> Any:
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'streamer' has no attribute {name!r}")
+    from importlib import import_module
+
+    return getattr(import_module(f".{mod}", __name__), name)
