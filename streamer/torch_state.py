@@ -66,9 +66,10 @@ are refused.
 
 Tied weights
 ------------
-Two keys that share one storage (tied embeddings) are two arrays: each chunk's
-``source.tensor`` is its own key. Whether a sender packs the shared bytes once is the refit
-session's business; the manifest says what a reader of each name needs.
+Two keys that share one storage (tied embeddings: ``lm_head.weight`` is
+``model.embed_tokens.weight``) are one array, under the first key, as HF checkpoints store
+them: the shared bytes are described, and so sent, once. Every preset reads a tied weight from
+that name. ``keep_tied=True`` lists every key as its own array instead.
 
 torch is imported lazily: importing this module costs nothing.
 """
@@ -422,9 +423,21 @@ def _digest(records: Sequence[_Record]) -> str:
 # ---------------------------------------------------------------- the entry point
 
 
+def _alias_key(value: Any) -> tuple[Any, ...] | None:
+    """Identity of the bytes behind a tensor (DTensors: their local shard), or None."""
+    try:
+        t = value.to_local() if hasattr(value, "to_local") else value
+        if not hasattr(t, "untyped_storage") or t.numel() == 0:
+            return None
+        return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), str(t.dtype))
+    except Exception:  # noqa: BLE001 - anything odd is described (or refused) by _record
+        return None
+
+
 def manifest_from_state_dict(state_dict: Mapping[str, Any], *, name: str | None = None,
                              rename: Callable[[str], str | None] | None = None,
-                             group: Any = None, same_keys: bool | None = None) -> Manifest:
+                             group: Any = None, same_keys: bool | None = None,
+                             keep_tied: bool = False) -> Manifest:
     """The manifest of a live SPMD state dict; call it on every rank, with that rank's dict.
 
     Parameters
@@ -449,6 +462,10 @@ def manifest_from_state_dict(state_dict: Mapping[str, Any], *, name: str | None 
         one rank). ``True``: no communication at all; every rank must hold every key.
         ``False``: always gather the metadata.
 
+    keep_tied:
+        List each key of a tied (storage-sharing) weight as its own array (default: only the
+        first key, so the shared bytes move once).
+
     Returns a full (non-partial) manifest: the chunks of every array tile it exactly. Every
     rank gets the same manifest (``dumps_manifest`` is byte-identical).
 
@@ -464,7 +481,13 @@ def manifest_from_state_dict(state_dict: Mapping[str, Any], *, name: str | None 
     problems: list[str] = []
     names: dict[str, str] = {}
     meshes: dict[int, tuple[Any, tuple[tuple[int, ...], ...]]] = {}  # id -> (mesh, copies)
+    seen: set[tuple[Any, ...]] = set()
     for key, value in state_dict.items():
+        alias = None if keep_tied else _alias_key(value)
+        if alias is not None:
+            if alias in seen:
+                continue  # a tied weight's second name: the bytes are listed (and sent) once
+            seen.add(alias)
         # nothing may raise on one rank before the collectives below: errors travel with the digest
         try:
             published = rename(key) if rename is not None else key

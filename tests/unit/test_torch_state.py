@@ -375,7 +375,7 @@ def test_plain_state_dict_without_distributed() -> None:
     w = torch.randn(4, 3, dtype=torch.bfloat16)
     sd = {"model.embed.weight": w, "model.lm_head.weight": w, "model.scale": torch.tensor(2.0),
           "model.empty": torch.zeros(0, 3), "model.master": torch.randn(2, 2, dtype=torch.float32)}
-    m = manifest_from_state_dict(sd, name="x", rename=lambda k: k.removeprefix("model."))
+    m = manifest_from_state_dict(sd, name="x", rename=lambda k: k.removeprefix("model."), keep_tied=True)
     assert_valid(m)
     assert m.world_size == 1 and m.name == "x" and m.mesh is None
     assert list(m.arrays) == ["embed.weight", "lm_head.weight", "scale", "empty", "master"]
@@ -387,6 +387,12 @@ def test_plain_state_dict_without_distributed() -> None:
     assert m.arrays["embed.weight"].chunks[0].tensor("embed.weight") == "model.embed.weight"
     assert m.arrays["lm_head.weight"].chunks[0].tensor("lm_head.weight") == "model.lm_head.weight"
     check_rank(m, 0, sd, sd, rename=lambda k: k.removeprefix("model."))
+    # by default a tied weight is one array under its first key: its bytes move once
+    tied = manifest_from_state_dict(sd, rename=lambda k: k.removeprefix("model."))
+    assert list(tied.arrays) == ["embed.weight", "scale", "empty", "master"]
+    # equal values in separate storage are not tied
+    sd["model.lm_head.weight"] = w.clone()
+    assert "lm_head.weight" in manifest_from_state_dict(sd, rename=lambda k: k.removeprefix("model.")).arrays
 
 
 def test_rename_that_raises_is_reported_by_name() -> None:
