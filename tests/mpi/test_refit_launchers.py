@@ -116,3 +116,17 @@ def test_refused_sender_ends_both_jobs_fast(ckpt: Ckpt, tmp_path: Path, launcher
         # (torchrun prints its own ChildFailedError traceback for any child exit code but 0)
         assert "streamer/" not in job.stderr and "formats/" not in job.stderr, job.stderr[-3000:]
     assert not (out / "manifest.json").exists()
+
+
+def test_gather_broadcast_baseline_over_gloo(ckpt: Ckpt, mpmd_saved: Saved, tmp_path: Path) -> None:
+    """The baseline runs over the Transport protocol: on gloo it gives the reshard's bytes too."""
+    from mpi_helpers import run
+
+    out = tmp_path / "saved"
+    rc, so, se = run(["mpiexec", "-n", "4", *SEND, "--manifest", ckpt.train, "--transport", "gloo",
+                      "--strategy", "broadcast", "--timeout", "60", ":",
+                      "-n", "4", *RECV, "--manifest", ckpt.serve, "--transport", "gloo", "--strategy", "broadcast",
+                      "--save", out, "--timeout", "60"], timeout=120)
+    assert rc == 0, se[-3000:]
+    assert "(broadcast)" in so
+    assert same_files(out, mpmd_saved.dir) == []
