@@ -21,32 +21,26 @@ from mpi_helpers import BIN, Background, ok
 
 pytest.importorskip("transformers")
 TORCHRUN = shutil.which("torchrun", path=str(BIN))
-HERE = Path(__file__).resolve().parent
-
-CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
-          "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
-          "vocab_size": 250, "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
-          "torch_dtype": "float32", "head_dim": 16}
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "fsdp2_refit"
 
 
 @pytest.mark.skipif(TORCHRUN is None, reason="torchrun not installed (the torch extra)")
 def test_fsdp2_trainer_refits_bf16_tp2_server(tmp_path: Path) -> None:
-    cfg = tmp_path / "config.json"
-    cfg.write_text(json.dumps(CONFIG))
+    cfg = EXAMPLE / "config.json"
     serve = tmp_path / "serve.json"
     ok(["shardstream", "layout", "--preset", "vllm", "--model", cfg, "--mesh", "tp=2", "--dtype", "bfloat16",
         "--no-files", "-o", serve])
     rdv = tmp_path / "rdv"
     python = str(BIN / "python")
-    server = Background(["mpiexec", "-n", "2", python, HERE / "fsdp_refit_server.py", cfg, serve, rdv, tmp_path, "2"],
-                        tmp_path, "server")
+    server = Background(["mpiexec", "-n", "2", python, EXAMPLE / "server.py", cfg, serve, rdv, "--reference",
+                         tmp_path], tmp_path, "server")
     try:
         deadline = time.monotonic() + 60
         while not rdv.exists() and server.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
         assert rdv.exists(), f"the server never wrote {rdv}:\n{server.stderr[-3000:]}"
-        trainer = Background([TORCHRUN, "--standalone", "--nproc-per-node", "2", HERE / "fsdp_refit_trainer.py", cfg,
-                              rdv, tmp_path, "2"], tmp_path, "trainer")
+        trainer = Background([TORCHRUN, "--standalone", "--nproc-per-node", "2", EXAMPLE / "trainer.py", cfg, rdv,
+                              "--reference", tmp_path], tmp_path, "trainer")
         try:
             rc_t = trainer.wait(240)
             rc_s = server.wait(60)
@@ -59,7 +53,7 @@ def test_fsdp2_trainer_refits_bf16_tp2_server(tmp_path: Path) -> None:
     assert [s["step"] for s in steps] == [0, 1], server.stdout
     for s in steps:
         assert s["arrays"] == 21 and s["same_weights"] == 21, s
-        assert s["logits_equal"] and s["max_abs_diff"] == 0.0, s
+        assert s["logits_equal"] and s["max_abs_diff"] == 0.0 and s["logits_finite"], s
     assert steps[1]["arrays_changed_since_last"] >= 18, steps[1]  # the second push carried new weights
     losses = [json.loads(line)["loss"] for line in trainer.stdout.splitlines() if line.startswith("{")]
     assert len(losses) == 4 and losses[2] < losses[0], trainer.stdout

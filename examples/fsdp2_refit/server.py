@@ -1,0 +1,104 @@
+"""A bf16 inference job that receives the FSDP2 trainer's weights (``mpiexec`` or ``torchrun``).
+
+Its local tensors are laid out by the vLLM preset (fused ``qkv_proj`` / ``gate_up_proj``, padded
+vocab) and written in place by each pull. To show that what arrived is right, after each pull it
+rebuilds every HF array from its ranks' chunks and runs a bf16 ``transformers`` model on them;
+with ``--reference DIR`` (the trainer's) it also compares the weights bit for bit with the
+trainer's ``full_tensor()`` cast to bf16, and the logits of the two models. Rank 0 prints one
+JSON line per step.
+
+    mpiexec -n 2 python server.py config.json serve.json RENDEZVOUS [--steps N] [--reference DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from formats.dtypes import np_storage
+from formats.manifest import Manifest, load_manifest
+from streamer import RefitSession
+from streamer.persist import alloc_local
+
+
+def assemble(m: Manifest, rank: int, tensors: dict[str, np.ndarray], role: object) -> dict[str, torch.Tensor]:
+    """Every array whole, from the chunks each rank holds (first holder only), over the job's plane."""
+    parts = []
+    for fqn, a in m.arrays.items():
+        full = np.zeros(a.shape, dtype=np_storage(a.dtype))
+        for c in a.chunks:
+            if c.holders[0] == rank:
+                full[c.region.slices] = tensors[c.tensor(fqn)][c.local_box.slices]
+        parts.append(full.reshape(-1).view(np.uint8))
+    mine = np.concatenate(parts).tobytes()
+    every = [np.frombuffer(b, dtype=np.uint8) for b in role.allgather_bytes(mine, 60)]  # type: ignore[attr-defined]
+    merged = np.bitwise_or.reduce(np.stack(every), axis=0)  # regions are disjoint: OR puts them together
+    out = {}
+    off = 0
+    for fqn, a in m.arrays.items():
+        n = a.nbytes
+        raw = torch.from_numpy(merged[off:off + n].copy())
+        out[fqn] = raw.view(torch.bfloat16).reshape(a.shape)
+        off += n
+    return out
+
+
+def logits(config: LlamaConfig, weights: dict[str, torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.load_state_dict(weights, strict=True)
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def main(cfg_path: str, manifest: str, rendezvous: str, steps: int, reference: str | None) -> int:
+    config = LlamaConfig(**json.loads(Path(cfg_path).read_text()))
+    m = load_manifest(manifest)
+    ids = torch.randint(0, config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(2))
+    with RefitSession.open(m, "recv", rendezvous=rendezvous, control="store", transport="gloo",
+                           timeout=120) as session:
+        rank = session.local_rank
+        tensors = alloc_local(m, rank)  # the engine's weight buffers, updated in place
+        before = None
+        for step in range(steps):
+            session.pull(tensors)
+            got = assemble(m, rank, tensors, session.group.role_control)
+            out: dict[str, object] = {"step": step, "arrays": len(got)}
+            a = logits(config, got, ids)
+            out["logits_finite"] = bool(torch.isfinite(a.float()).all())
+            if reference is not None:
+                ref = wait_reference(Path(reference) / f"ref-{step}.pt")
+                out["same_weights"] = sum(torch.equal(ref[k].view(torch.int16), got[k].view(torch.int16)) for k in ref)
+                b = logits(config, ref, ids)
+                out["logits_equal"] = bool(torch.equal(a, b))
+                out["max_abs_diff"] = float((a.float() - b.float()).abs().max())
+            out["arrays_changed_since_last"] = None if before is None else sum(
+                not torch.equal(before[k], got[k]) for k in got)
+            before = got
+            if rank == 0:
+                print(json.dumps(out), flush=True)
+    return 0
+
+
+def wait_reference(path: Path, timeout: float = 60) -> dict[str, torch.Tensor]:
+    deadline = time.monotonic() + timeout
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return dict(torch.load(path))
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("config")
+    ap.add_argument("manifest")
+    ap.add_argument("rendezvous")
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--reference", metavar="DIR")
+    a = ap.parse_args()
+    sys.exit(main(a.config, a.manifest, a.rendezvous, a.steps, a.reference))

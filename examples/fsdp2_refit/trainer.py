@@ -1,0 +1,78 @@
+"""A TorchTitan-style FSDP2 trainer that refits a bf16 inference job after every step.
+
+It owns its process group (gloo here; the default group), builds a ``transformers`` Llama from
+a config (random init, nothing downloaded) with fp32 master weights, shards it with
+``fully_shard``, and trains with AdamW. After each step it pushes the module itself: DTensors
+send their local shards (nothing is gathered), cast to bf16 on the way. The trainer's own
+collectives run before and after every push. Adopting shardstream is the three marked lines.
+
+    torchrun --standalone --nproc-per-node 2 trainer.py config.json RENDEZVOUS [--steps N] [--reference DIR]
+
+``--reference DIR``: also write every parameter's ``full_tensor()`` cast to bf16 to
+``DIR/ref-STEP.pt`` before each push (rank 0), so the server can check what it received.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from streamer import RefitSession, manifest_from_state_dict
+
+
+def main(cfg_path: str, rendezvous: str, steps: int, reference: str | None) -> int:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    config = LlamaConfig(**json.loads(Path(cfg_path).read_text()))
+    model = LlamaForCausalLM(config).float()
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    manifest = manifest_from_state_dict(model.state_dict(), name="fsdp2-trainer")  # shardstream 1/3
+    assert {a.data_type for a in manifest.arrays.values()} == {"float32"}, "fp32 masters stay float32"
+    data = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    with RefitSession.open(manifest, "send", rendezvous=rendezvous, transport="gloo", timeout=120,
+                           verify=True) as session:  # shardstream 2/3
+        for step in range(steps):
+            loss = model(input_ids=data, labels=data).loss
+            loss.backward()  # FSDP2's own reduce-scatters on the trainer's group
+            opt.step()
+            opt.zero_grad()
+            if reference is not None:
+                write_reference(model, Path(reference), step, rank)
+            st = session.push(model)  # shardstream 3/3
+            dist.all_reduce(torch.ones(1))  # the trainer's group still works after a push
+            print(json.dumps({"rank": rank, "step": step, "loss": float(loss), "bytes_sent": st.bytes_sent}),
+                  flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+def write_reference(model: torch.nn.Module, out: Path, step: int, rank: int) -> None:
+    full = {k: (v.full_tensor() if isinstance(v, DTensor) else v).to(torch.bfloat16)
+            for k, v in model.state_dict().items()}  # collective: every rank
+    if rank == 0:
+        tmp = out / f".ref-{step}.pt"
+        torch.save(full, tmp)
+        os.replace(tmp, out / f"ref-{step}.pt")
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("config")
+    ap.add_argument("rendezvous")
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--reference", metavar="DIR")
+    a = ap.parse_args()
+    sys.exit(main(a.config, a.rendezvous, a.steps, a.reference))
