@@ -212,8 +212,9 @@ BAD = [
         ("'a.weight'", "needs 192"), None, "st", "validate --data"),
     Bad("dst-array-missing-in-src", _dst(_dst_extra_array), ("missing in source",), "zzz.weight", "dst", "plan"),
     Bad("shape-mismatch", _dst(_dst_shape), ("shape mismatch", "[5]", "[6]"), "b.bias", "dst", "plan"),
-    Bad("dtype-mismatch", _dst(lambda o: o["arrays"]["b.bias"].update(data_type="float16")),
-        ("data_type mismatch", "bfloat16", "float16"), "b.bias", "dst", "plan"),
+    # float pairs are cast on the way; a float/int pair is refused
+    Bad("dtype-mismatch", _dst(lambda o: o["arrays"]["b.bias"].update(data_type="int16")),
+        ("data_type mismatch", "bfloat16", "int16"), "b.bias", "dst", "plan"),
 ]
 
 
@@ -527,7 +528,7 @@ GOLDEN = {
         '--resume', '--zarr-compressor{zstd,none}', '<dst>', '<src>'],
     'refit': ['--allow-extra', '--bucket-size', '--dst-domain-size', '--json', '--manifest!',
         '--rendezvous', '--save', '--src-domain-size', '--steps', '--strategy{reshard,broadcast}',
-        '--timeout', '--transport{mpi,gloo,nccl}', '--verify', '<role>{send,recv}'],
+        '--timeout', '--transport{mpi,gloo,nccl}', '--verify', '<role>{send,recv}', '--control{auto,mpi,store}'],
     'bench': ['--bucket-size', '--chunks', '--dst-tp', '--json', '--memory-limit', '--model', '--no-dcp', '--plot',
         '--preset{qwen3-tiny,qwen3-small,qwen3-2g}', '--receivers', '--repeats', '--senders',
         '--serve-mesh', '--src-tp', '--sweep', '--train-mesh', '--work', '<what>{plan,convert,refit,validate}'],
@@ -557,4 +558,4 @@ def test_golden_cli_contract() -> None:
     assert d["format"].default == "safetensors"
     refit = {a.dest: a for a in sub.choices["refit"]._actions}
     assert refit["bucket_size"].default == 256 << 20 and refit["timeout"].default == 300.0
-    assert refit["transport"].default == "mpi"
+    assert refit["transport"].default is None  # mpi on the MPI control plane (as before), gloo on the store plane

@@ -609,8 +609,9 @@ def test_shape_and_dtype_mismatch() -> None:
     src = _one(A)
     with pytest.raises(PlanError, match=r"w: shape mismatch \(source \[8, 4\], destination \[8, 6\]\)"):
         plan_transfers(src, _one({"w": ((8, 6), "float32"), "b": A["b"]}))
-    with pytest.raises(PlanError, match=r"b: data_type mismatch \(source bfloat16, destination float16\)"):
-        plan_transfers(src, _one({"w": A["w"], "b": ((4,), "float16")}))
+    assert plan_transfers(src, _one({"w": A["w"], "b": (A["b"][0], "float16")})).casts == {"b": ("bfloat16", "float16")}
+    with pytest.raises(PlanError, match=r"b: data_type mismatch \(source bfloat16, destination int16\)"):
+        plan_transfers(src, _one({"w": A["w"], "b": (A["b"][0], "int16")}))
 
 
 def test_every_matching_problem_reported_at_once() -> None:
