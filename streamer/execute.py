@@ -236,6 +236,8 @@ class ExecStats:
     seconds: float = 0.0
     peak_buffer_bytes: int = 0
     verified_regions: int = 0
+    #: destination-sized bytes this rank cast while packing (fp32 masters -> bf16, ...)
+    cast_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -338,13 +340,17 @@ class Executor:
     def _dst(self, tr: Transfer) -> Any:
         return self._region(tr.dst_tensor, tr.dst_box, True)
 
-    def _pack(self, m: Message, buf: np.ndarray) -> None:
-        off = 0
+    def _pack(self, m: Message, buf: np.ndarray) -> int:
+        """Pack ``m``'s regions into ``buf``; return the bytes that were cast on the way."""
+        off = cast = 0
         for tr in m.transfers:
             n = tr.nbytes
+            if self._cast_of(tr) is not None:
+                cast += n
             dst = buf[off:off + n].reshape(tr.region.sizes + (tr.itemsize,))
             _copy(dst, self._src_bytes(tr))
             off += n
+        return cast
 
     def _unpack(self, m: Message, buf: np.ndarray) -> None:
         off = 0
@@ -409,7 +415,7 @@ class Executor:
                     buf = self._slots[slot][:m.nbytes]
                     in_use += m.nbytes
                     if send:
-                        self._pack(m, buf)
+                        st.cast_bytes += self._pack(m, buf)
                 st.peak_buffer_bytes = max(st.peak_buffer_bytes, in_use)
                 req = self.t.isend(buf, m.dst, m.phase) if send else self.t.irecv(buf, m.src, m.phase)
                 active.append(_Active(m, req, buf, not send, slot))

@@ -57,6 +57,8 @@ class StepStats:
     peak_buffer_bytes: int
     verified_regions: int = 0
     strategy: str = "reshard"
+    #: destination-sized bytes this rank cast while packing (a float32 source, a bfloat16 destination)
+    cast_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -249,7 +251,7 @@ class RefitSession:
         else:
             es = self._exec(local).run()
             st = StepStats(len(self.steps), es.seconds, es.bytes_sent, es.bytes_received, es.messages,
-                           es.peak_buffer_bytes, es.verified_regions)
+                           es.peak_buffer_bytes, es.verified_regions, cast_bytes=es.cast_bytes)
         self.steps.append(st)
         return st
 

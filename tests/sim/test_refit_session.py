@@ -196,6 +196,7 @@ def test_fp32_masters_cast_to_bf16_on_the_way(strategy: str) -> None:
     if strategy == "reshard":
         # destination-sized bytes on the wire: w and b are bf16 (2 B), s float32 (4 B) x 3 receivers
         assert sum(r.bytes_received for g, r in results.items() if g >= 4) == (24 + 6) * 2 + 3 * 4
+        assert sum(r.cast_bytes for g, r in results.items() if g < 4) == (24 + 6) * 2  # s is not cast
 
 
 def test_int_to_float_refused_at_plan_time() -> None:
