@@ -12,11 +12,12 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from .buffers import _copy
 from .cast_view import cast_view
-from .execute import _copy
+from .execute import ExecStats
 
 if TYPE_CHECKING:
-    from .refit import RefitSession, StepStats
+    from .refit import RefitSession
 
 __all__ = ["gather_broadcast"]
 
@@ -80,9 +81,7 @@ def _gather(s: RefitSession, views: Mapping[str, Any]) -> tuple[dict[str, Any], 
     return full, sent, recvd
 
 
-def gather_broadcast(s: RefitSession, tensors: Mapping[str, Any], step: int) -> StepStats:
-    from .refit import StepStats
-
+def gather_broadcast(s: RefitSession, tensors: Mapping[str, Any]) -> ExecStats:
     t = s._t
     rank = t.rank
     S = s.group.n_send
@@ -111,7 +110,8 @@ def gather_broadcast(s: RefitSession, tensors: Mapping[str, Any], step: int) -> 
                 _keep_held(s, buf, group, sizes, rank - S, views)
     if rank == 0:
         peak += sum(int(v.nbytes) for v in full.values())
-    return StepStats(step, time.perf_counter() - t0, sent, recvd, msgs, peak, 0, "broadcast")
+    return ExecStats(bytes_sent=sent, bytes_received=recvd, messages=msgs, seconds=time.perf_counter() - t0,
+                     peak_buffer_bytes=peak)
 
 
 def _keep_held(s: RefitSession, buf: Any, group: list[str], sizes: Mapping[str, int], local: int,

@@ -30,6 +30,7 @@ from typing import Any
 from formats.errors import PlanError, TransportError, UsageError, ValidationError
 from formats.manifest import Manifest, dumps_manifest, load_manifest, loads_manifest
 
+from .baseline import gather_broadcast
 from .execute import DEFAULT_BUCKET, Executor, build_schedule
 from .jobs import Group, connect
 from .local import check_local, collect_local
@@ -244,14 +245,9 @@ class RefitSession:
         if self.verify and self.role == "send" and not problems:
             digests = replica_digests(self.src, self.local_rank, local)
         self._agree(problems, digests)
-        if self.strategy == "broadcast":
-            from .baseline import gather_broadcast
-
-            st = gather_broadcast(self, local, len(self.steps))
-        else:
-            es = self._exec(local).run()
-            st = StepStats(len(self.steps), es.seconds, es.bytes_sent, es.bytes_received, es.messages,
-                           es.peak_buffer_bytes, es.verified_regions, cast_bytes=es.cast_bytes)
+        es = gather_broadcast(self, local) if self.strategy == "broadcast" else self._exec(local).run()
+        st = StepStats(len(self.steps), es.seconds, es.bytes_sent, es.bytes_received, es.messages,
+                       es.peak_buffer_bytes, es.verified_regions, self.strategy, es.cast_bytes)
         self.steps.append(st)
         return st
 

@@ -24,7 +24,7 @@ def replica_digests(src: Manifest, rank: int, tensors: Mapping[str, Any]) -> dic
     """xxh64 of every chunk with two or more holders that ``rank`` holds, keyed ``fqn|chunk``."""
     import xxhash
 
-    from .execute import host_bytes, region_view
+    from .buffers import host_bytes, region_view
 
     out: dict[str, int] = {}
     for fqn, a in src.arrays.items():

@@ -135,7 +135,7 @@ class TorchDistTransport:
 
     # -- buffers
     def byte_view(self, tensor: Any) -> Any:
-        from ..execute import torch_byte_view
+        from ..buffers import torch_byte_view
 
         return torch_byte_view(tensor)
 
