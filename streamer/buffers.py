@@ -59,6 +59,16 @@ def _copy(dst: Any, src: Any) -> None:
         dst.copy_(src)
 
 
+def _xor_into(dst: Any, src: np.ndarray) -> None:
+    """``dst ^= src`` in place (a numpy or CPU torch byte view; ``src`` host bytes)."""
+    if isinstance(dst, np.ndarray):
+        np.bitwise_xor(dst, src, out=dst)
+    else:
+        import torch
+
+        dst.bitwise_xor_(torch.from_numpy(np.ascontiguousarray(src)).to(dst.device))
+
+
 def host_bytes(x: Any) -> np.ndarray:
     """The bytes of a (byte-view) region as a flat host numpy array (copied when needed)."""
     if isinstance(x, np.ndarray):

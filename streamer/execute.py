@@ -21,7 +21,7 @@ import os
 import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -30,8 +30,20 @@ from formats.box import Box, contiguous_slabs, uniform_runs
 from formats.dtypes import DTYPES
 from formats.errors import PeerTimeoutError, TransportError, UsageError
 
-from .buffers import _copy, byte_view, host_bytes, region_view, torch_byte_view
+from .buffers import _copy, _xor_into, byte_view, host_bytes, region_view, torch_byte_view
 from .cast_view import cast_view
+from .delta import (
+    ENCODINGS,
+    RAW,
+    SAME,
+    DeltaChecksumError,
+    DeltaPush,
+    DeltaRecv,
+    DeltaSend,
+    decode_into,
+    encode,
+    host_array,
+)
 from .plan import Plan, Transfer
 from .transport.base import ABORT_POLL_INTERVAL, Transport
 
@@ -182,6 +194,17 @@ class ExecStats:
     verified_regions: int = 0
     #: destination-sized bytes this rank cast while packing (fp32 masters -> bf16, ...)
     cast_bytes: int = 0
+    #: what the messages would have carried un-encoded (equal to bytes_sent/received without delta)
+    full_bytes_sent: int = 0
+    full_bytes_received: int = 0
+    #: delta pushes: elements in the messages sent as deltas, and how many of them changed
+    delta_elements: int = 0
+    changed_elements: int = 0
+    encode_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    #: messages per encoding (delta pushes; "full" counts messages sent without a header)
+    encodings: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -296,12 +319,64 @@ class Executor:
             off += n
         return cast
 
-    def _unpack(self, m: Message, buf: np.ndarray) -> None:
+    def _unpack(self, m: Message, buf: np.ndarray, apply: Any = _copy) -> None:
         off = 0
         for tr in m.transfers:
             n = tr.nbytes
-            _copy(self._dst(tr), buf[off:off + n].reshape(tr.region.sizes + (tr.itemsize,)))
+            apply(self._dst(tr), buf[off:off + n].reshape(tr.region.sizes + (tr.itemsize,)))
             off += n
+
+    # -- delta messages (a delta session; see streamer/delta.py)
+    def _delta_send(self, m: Message, buf: Any, delta: DeltaPush, st: ExecStats) -> DeltaSend:
+        """``buf`` holds the packed new bytes: XOR them with the base, keep them as the next base,
+        and encode the change in ``buf``."""
+        t0 = time.perf_counter()
+        new = host_array(buf)
+        base = delta.state.bases.get(m.uid)
+        if base is None:  # is_delta promised the previous push recorded it
+            raise UsageError(f"rank {self.rank}: no base for a delta to rank {m.dst} (a bug: please report)")
+        x = delta.state.xor_buffer(m.nbytes)
+        np.bitwise_xor(new, base, out=x)
+        base[:] = new
+        off = 0
+        for tr in m.transfers:
+            st.changed_elements += _changed(x[off:off + tr.nbytes], tr.itemsize)
+            st.delta_elements += tr.nbytes // tr.itemsize
+            off += tr.nbytes
+        enc, n = encode(x, new)
+        st.encodings[ENCODINGS[enc]] = st.encodings.get(ENCODINGS[enc], 0) + 1
+        st.encode_seconds += time.perf_counter() - t0
+        return DeltaSend(self.t, m, enc, buf[:n], delta.version)
+
+    def _keep_base(self, m: Message, buf: Any, delta: DeltaPush) -> None:
+        """A full message of a delta session: what it carries is the base of the next delta."""
+        delta.state.base(m.uid, m.nbytes)[:] = host_array(buf).reshape(-1)
+
+    def _delta_apply(self, m: Message, r: DeltaRecv, delta: DeltaPush, st: ExecStats) -> list[str]:
+        """Decode a delta message and apply it to this rank's tensors; problems name the regions."""
+        t0 = time.perf_counter()
+        enc = r.encoding
+        st.encodings[ENCODINGS[enc] if enc < len(ENCODINGS) else "?"] = st.encodings.get(
+            ENCODINGS[enc] if enc < len(ENCODINGS) else "?", 0) + 1
+        why = ""
+        if r.versions != (delta.version, delta.version - 1):
+            why = f"carries version {r.versions[0]} over base {r.versions[1]}, expected {delta.version} over " \
+                  f"{delta.version - 1}"
+        elif int(r.hdr[1]) != r.payload.shape[0]:
+            why = f"announces {int(r.hdr[1])} bytes for a {m.nbytes}-byte message"
+        elif enc == RAW:
+            self._unpack(m, r.payload)
+        elif enc != SAME:
+            x = delta.state.xor_buffer(m.nbytes)
+            try:
+                decode_into(enc, host_array(r.payload), x)
+            except ValueError as e:
+                why = f"does not decode ({e})"
+            else:
+                self._unpack(m, x, _xor_into)
+        st.decode_seconds += time.perf_counter() - t0
+        return [f"{tr.fqn}: region {tr.region} received by rank {self.rank} from rank {m.src}: the delta {why}"
+                for tr in m.transfers] if why else []
 
     def _inplace(self, m: Message, send: bool) -> np.ndarray | None:
         if len(m.transfers) != 1:
@@ -323,8 +398,12 @@ class Executor:
             return None
 
     # -- main loop
-    def run(self) -> ExecStats:
+    def run(self, delta: DeltaPush | None = None) -> ExecStats:
+        """One push. With ``delta`` (a delta session), messages between ranks at the previous
+        version travel as encoded deltas through the bucket slots; the others travel full, and
+        what senders send is kept as their next base."""
         st = ExecStats()
+        problems: list[str] = []
         t0 = time.perf_counter()
         for tr in self.local:  # same-job reshard: bytes already on this rank
             if (self.dst_views is not self.src_views or tr.src_tensor != tr.dst_tensor
@@ -350,7 +429,8 @@ class Executor:
                 send = m.src == self.rank
                 if send and m.phase == 2 and not all(d in done for d in m.deps):
                     break  # its bytes are still arriving (earlier in the global order)
-                buf = self._inplace(m, send)
+                is_delta = delta is not None and delta.is_delta(m.src, m.dst)
+                buf = None if is_delta else self._inplace(m, send)
                 slot = -1
                 if buf is None:
                     if not self._free:
@@ -361,19 +441,31 @@ class Executor:
                     if send:
                         st.cast_bytes += self._pack(m, buf)
                 st.peak_buffer_bytes = max(st.peak_buffer_bytes, in_use)
-                req = self.t.isend(buf, m.dst, m.phase) if send else self.t.irecv(buf, m.src, m.phase)
+                if is_delta:
+                    assert delta is not None
+                    req = self._delta_send(m, buf, delta, st) if send else DeltaRecv(self.t, m, buf)
+                else:
+                    req = self.t.isend(buf, m.dst, m.phase) if send else self.t.irecv(buf, m.src, m.phase)
+                    if send and delta is not None:
+                        self._keep_base(m, buf, delta)
                 active.append(_Active(m, req, buf, not send, slot))
                 i += 1
             progressed = False
             for a in list(active):
                 if a.req.test():
+                    wire = getattr(a.req, "wire", a.msg.nbytes)
                     if a.is_recv:
-                        if a.slot >= 0:
+                        if isinstance(a.req, DeltaRecv):
+                            assert delta is not None
+                            problems += self._delta_apply(a.msg, a.req, delta, st)
+                        elif a.slot >= 0:
                             self._unpack(a.msg, a.buf)  # type: ignore[arg-type]
-                        st.bytes_received += a.msg.nbytes
+                        st.bytes_received += wire
+                        st.full_bytes_received += a.msg.nbytes
                         done.add(a.msg.uid)
                     else:
-                        st.bytes_sent += a.msg.nbytes
+                        st.bytes_sent += wire
+                        st.full_bytes_sent += a.msg.nbytes
                     if a.slot >= 0:
                         self._free.append(a.slot)
                         in_use -= a.msg.nbytes
@@ -411,8 +503,14 @@ class Executor:
                 time.sleep(sleep)
             sleep = min(nap, sleep + 2e-5)
         if self.verify:
-            st.verified_regions = self._verify()
+            t1 = time.perf_counter()
+            st.verified_regions, bad = self._verify()
+            problems += bad
+            st.verify_seconds = time.perf_counter() - t1
         st.seconds = time.perf_counter() - t0
+        if problems:
+            # after a delta push a wrong region is wrong data (exit 1), else a transport failure
+            raise (TransportError if delta is None else DeltaChecksumError)(problems=problems)
         return st
 
     # -- integrity without gathering
@@ -421,9 +519,10 @@ class Executor:
 
         return xxhash.xxh64_intdigest(host_bytes(region))
 
-    def _verify(self) -> int:
+    def _verify(self) -> tuple[int, list[str]]:
         """Senders hash the regions they sent (from their own tensors); receivers hash what landed
-        in theirs; each receiver compares. Only 8 bytes per region cross the wire."""
+        in theirs; each receiver compares. Only 8 bytes per region cross the wire. Returns the
+        regions checked and one problem per corrupt region."""
         reqs = []
         keep = []
         expect: list[tuple[Message, np.ndarray]] = []
@@ -449,6 +548,11 @@ class Executor:
                 if got != want:
                     bad.append(f"{tr.fqn}: region {tr.region} received by rank {self.rank} from rank {tr.src_rank} "
                                f"is corrupt (xxh64 expected {want:016x}, got {got:016x})")
-        if bad:
-            raise TransportError(problems=bad)
-        return n
+        return n, bad
+
+
+def _changed(x: np.ndarray, itemsize: int) -> int:
+    """Elements of ``itemsize`` bytes with a nonzero byte in the XOR ``x`` (flat uint8)."""
+    if itemsize in (2, 4, 8) and x.size:
+        return int(np.count_nonzero(x.view(f"<u{itemsize}")))
+    return int(np.count_nonzero(x.reshape(-1, itemsize).any(axis=1))) if x.size else 0

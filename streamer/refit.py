@@ -31,6 +31,7 @@ from formats.errors import PlanError, TransportError, UsageError, ValidationErro
 from formats.manifest import Manifest, dumps_manifest, load_manifest, loads_manifest
 
 from .baseline import gather_broadcast
+from .delta import DeltaPush, DeltaState
 from .execute import DEFAULT_BUCKET, Executor, build_schedule
 from .jobs import Group, connect
 from .local import check_local, collect_local
@@ -60,6 +61,21 @@ class StepStats:
     strategy: str = "reshard"
     #: destination-sized bytes this rank cast while packing (a float32 source, a bfloat16 destination)
     cast_bytes: int = 0
+    #: the push's number in its session (1, 2, ...); delta sessions only, else 0
+    version: int = 0
+    #: what this rank's messages would carry un-encoded (bytes_sent/received are what went on the wire)
+    full_bytes_sent: int = 0
+    full_bytes_received: int = 0
+    #: of the elements this rank sent as deltas, the fraction that changed (None: no delta sent)
+    changed_fraction: float | None = None
+    encode_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    #: the time verify spent checksumming and comparing regions
+    verify_seconds: float = 0.0
+    #: this rank's copy of the bytes it last sent (the memory price of delta)
+    base_bytes: int = 0
+    #: messages per encoding ("raw", "same", "sparse", "zstd"), delta pushes only
+    encodings: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -99,6 +115,8 @@ class RefitSession:
     allow_extra: bool = False
     #: pushes the caller will run over this session; both jobs agree on the largest asked for
     planned_steps: int = 1
+    #: after the first push, send what changed since the last one (on if either job asks)
+    delta: bool = False
     steps: list[StepStats] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -110,6 +128,13 @@ class RefitSession:
         self._executor: Executor | None = None
         self._tensor_key: tuple[Any, ...] = ()
         self._shapes: dict[tuple[int, bool], Any] = {}
+        # delta sessions: the last version pushed here, and the one this rank's tensors (and,
+        # when it sends, its bases) are known to hold -- None when unknown (never pushed, new
+        # buffers handed in, or a push that failed half-way)
+        self._attempted = 0
+        self._synced: int | None = None
+        self._synced_ptrs: tuple[int, ...] = ()
+        self._delta_state: DeltaState | None = None
 
     # ------------------------------------------------------------------ opening
     @classmethod
@@ -121,7 +146,7 @@ class RefitSession:
         ``transport``: "mpi" (default under mpiexec), "gloo" (default otherwise), "nccl", or a
         ``Transport``. ``control``: "auto", "mpi" or "store" (see ``jobs.connect``). ``options``:
         ``bucket_size``, ``verify``, ``strategy``, ``src_domain_size``, ``dst_domain_size``,
-        ``allow_extra``, ``planned_steps``.
+        ``allow_extra``, ``planned_steps``, ``delta``.
         """
         m = manifest if isinstance(manifest, Manifest) else load_manifest(manifest)
         group = group or connect(role, rendezvous=rendezvous, timeout=timeout, control=control)
@@ -179,7 +204,8 @@ class RefitSession:
         cfgs = [json.loads(c) for c in self._t.allgather_bytes(json.dumps(
             {"verify": self.verify, "bucket": self.bucket_size, "strategy": self.strategy,
              "steps": self.planned_steps, "src_domain": self.src_domain_size,
-             "dst_domain": self.dst_domain_size}).encode(), self.timeout)]
+             "dst_domain": self.dst_domain_size, "delta": self.delta,
+             "host": getattr(self.transport, "device", None) is None}).encode(), self.timeout)]
         strategies = sorted({c["strategy"] for c in cfgs})
         if len(strategies) > 1:
             raise PlanError(f"the two jobs asked for different strategies ({', '.join(strategies)}); pass the same "
@@ -187,6 +213,11 @@ class RefitSession:
         self.verify = any(c["verify"] for c in cfgs)
         self.bucket_size = min(c["bucket"] for c in cfgs)
         self.planned_steps = max(c["steps"] for c in cfgs)
+        self.delta = any(c["delta"] for c in cfgs)
+        if self.delta and strategies != ["reshard"]:
+            raise UsageError("--delta works with --strategy reshard only")
+        if self.delta and not all(c["host"] for c in cfgs):
+            raise UsageError("--delta encodes on the host: use --transport mpi or gloo (nccl: not yet)")
         for key, attr in (("src_domain", "src_domain_size"), ("dst_domain", "dst_domain_size")):
             vals = sorted({c[key] for c in cfgs if c[key] is not None})
             if len(vals) > 1:
@@ -244,22 +275,55 @@ class RefitSession:
         digests = {}
         if self.verify and self.role == "send" and not problems:
             digests = replica_digests(self.src, self.local_rank, local)
-        self._agree(problems, digests)
-        es = gather_broadcast(self, local) if self.strategy == "broadcast" else self._exec(local).run()
+        if not self.delta:
+            self._agree(problems, digests)
+            es = gather_broadcast(self, local) if self.strategy == "broadcast" else self._exec(local).run()
+        else:
+            es = self._delta_step(local, problems, digests)
         st = StepStats(len(self.steps), es.seconds, es.bytes_sent, es.bytes_received, es.messages,
-                       es.peak_buffer_bytes, es.verified_regions, self.strategy, es.cast_bytes)
+                       es.peak_buffer_bytes, es.verified_regions, self.strategy, es.cast_bytes,
+                       self._attempted if self.delta else 0, es.full_bytes_sent, es.full_bytes_received,
+                       es.changed_elements / es.delta_elements if es.delta_elements else None,
+                       es.encode_seconds, es.decode_seconds, es.verify_seconds,
+                       self._delta_state.base_bytes if self._delta_state else 0, es.encodings)
         self.steps.append(st)
         return st
 
-    def _agree(self, problems: list[str], digests: Mapping[str, int]) -> None:
-        """One allgather: everyone's problems and replica checksums; raise the same verdict everywhere."""
-        payload = json.dumps({"problems": problems, "replicas": digests}).encode()
+    def _delta_step(self, local: Mapping[str, Any], problems: list[str], digests: Mapping[str, int]) -> Any:
+        """A delta push: the agreement also exchanges each rank's version, so every rank takes the
+        same full-or-delta decision per pair of ranks; this rank's version is unknown until the
+        push completes here (verified, with verify)."""
+        ptrs = tuple(_data_ptr(v) for v in local.values())
+        if self.role == "recv" and ptrs != self._synced_ptrs:
+            self._synced = None  # other buffers: nothing says they hold the last version
+        got = self._agree(problems, digests, {"attempted": self._attempted, "synced": self._synced})
+        version = max(g["attempted"] for g in got) + 1
+        stale = frozenset(r for r, g in enumerate(got) if g["synced"] != version - 1)
+        self._attempted, self._synced = version, None
+        if self._delta_state is None:
+            self._delta_state = DeltaState()
+        es = self._exec(local).run(DeltaPush(self._delta_state, version, stale))
+        self._synced, self._synced_ptrs = version, ptrs
+        return es
+
+    def forget_base(self) -> None:
+        """Say this rank's tensors no longer hold the last version pushed (e.g. the engine reloaded
+        them): its next pull receives full bytes. Buffers other than last time's count as unknown
+        without calling this."""
+        self._synced = None
+
+    def _agree(self, problems: list[str], digests: Mapping[str, int],
+               state: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
+        """One allgather: everyone's problems, replica checksums (and delta versions); raise the
+        same verdict everywhere."""
+        payload = json.dumps({"problems": problems, "replicas": digests, **(state or {})}).encode()
         got = [json.loads(x) for x in self._t.allgather_bytes(payload, self.timeout)]
         every: list[str] = [p for g in got for p in g["problems"]]
         if self.verify:
             every += replica_problems(self.src, [g["replicas"] for g in got[:self.group.n_send]], self.group.name)
         if every:
             raise RefusedError(problems=every[:200] + ([f"... and {len(every) - 200} more"] if len(every) > 200 else []))
+        return got
 
     def _exec(self, tensors: Mapping[str, Any]) -> Executor:
         # a new executor when the caller hands other buffers (their views are made once)

@@ -1,0 +1,205 @@
+"""Delta refit: what a sender keeps, how a message's change is encoded, and the wire header.
+
+A delta message carries the change of one packed message since the previous push: the XOR of
+its new bytes (destination dtype, after any cast) with the bytes the sender sent last time,
+which the receiver's tensors still hold. The data picks the encoding, per message:
+
+- ``SAME``: nothing changed; the header alone travels.
+- ``SPARSE``: the positions (uint32) of the changed bytes, then their XOR bytes. Chosen when
+  it is smaller than the compressed XOR (changes few and scattered).
+- ``ZSTD``: the XOR compressed with numcodecs Zstd level 1. Measured on bf16 weights where 2%
+  of the elements changed: 2.6% of the full size at about 0.3-1 GB/s on one core, where LZ4
+  gave 5.5% and Blosc (byte or bit shuffle) 3.6-7.5% at lower speed, so Zstd alone is kept.
+- ``RAW``: the new bytes themselves, when no encoding is smaller (most elements changed).
+
+Sizes vary, and gloo, NCCL and the loopback transport receive exactly the posted size, so a
+delta message travels as a fixed 32-byte header (``HEADER_WORDS`` uint64: encoding, payload
+bytes, version, base version) followed by the payload, which the receiver posts once the header
+told it the size. A payload is never larger than the message's raw bytes, so it fits the
+receiver's bucket slot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from formats.errors import TransportError
+
+__all__ = ["ENCODINGS", "HEADER_WORDS", "DeltaChecksumError", "DeltaPush", "DeltaRecv", "DeltaSend", "DeltaState",
+           "decode_into", "encode", "host_array"]
+
+RAW, SAME, SPARSE, ZSTD = 0, 1, 2, 3
+ENCODINGS = ("raw", "same", "sparse", "zstd")
+HEADER_WORDS = 4
+#: headers of phase p travel on tag HEADER_TAG + p; each payload on its own tag (see payload_tag)
+HEADER_TAG = 16
+_PAYLOAD_TAG = 4096  # above the abort tag (0x5AB); the largest stays under MPI's minimum TAG_UB
+_PAYLOAD_TAGS = 8192
+#: below this many changed bytes, skip the Zstd attempt: the sparse form is already tiny
+_SPARSE_ONLY = 64
+#: positions are uint32: larger messages never use the sparse form
+_SPARSE_MAX = 1 << 32
+
+
+class DeltaChecksumError(TransportError):
+    """After a delta push a region differs from the sender's (its checksum, or a delta that does
+    not decode). The bytes arrived; what they were applied to, or what they said, was wrong: the
+    weights are not served, and this exits 1 like any data error. The receiver's base becomes
+    unknown, so the next push sends it full bytes."""
+
+    exit_code = 1
+
+
+def payload_tag(phase: int, index: int) -> int:
+    """A tag per in-flight payload: receivers post payloads as headers arrive, in any order."""
+    return _PAYLOAD_TAG + 2 * (index % _PAYLOAD_TAGS) + (phase - 1)
+
+
+def host_array(buf: Any) -> np.ndarray:
+    """A numpy view of a host buffer (numpy, or a CPU torch tensor from gloo's ``alloc``)."""
+    return buf if isinstance(buf, np.ndarray) else buf.numpy()
+
+
+class DeltaSend:
+    """A delta message going out: its header, then its payload (none for ``SAME``)."""
+
+    kind = "send"
+
+    def __init__(self, t: Any, m: Any, encoding: int, payload: Any, version: int) -> None:
+        self.peer = m.dst
+        self.hdr = np.array([encoding, payload.shape[0], version, version - 1], dtype=np.uint64)
+        self.wire = self.hdr.nbytes + payload.shape[0]
+        self.reqs = [t.isend(self.hdr, m.dst, HEADER_TAG + m.phase)]
+        if payload.shape[0]:
+            self.reqs.append(t.isend(payload, m.dst, payload_tag(m.phase, m.index)))
+
+    def test(self) -> bool:
+        self.reqs = [r for r in self.reqs if not r.test()]
+        return not self.reqs
+
+    def cancel(self) -> None:
+        for r in self.reqs:
+            r.cancel()
+
+
+class DeltaRecv:
+    """A delta message coming in: the header first, then a payload of the size it announces,
+    received into ``buf`` (the message's bucket slot)."""
+
+    kind = "recv"
+
+    def __init__(self, t: Any, m: Any, buf: Any) -> None:
+        self.t, self.m, self.buf, self.peer = t, m, buf, m.src
+        self.hdr = np.zeros(HEADER_WORDS, dtype=np.uint64)
+        self.req = t.irecv(self.hdr, m.src, HEADER_TAG + m.phase)
+        self.payload: Any = None
+        self.wire = self.hdr.nbytes
+
+    @property
+    def encoding(self) -> int:
+        return int(self.hdr[0])
+
+    @property
+    def versions(self) -> tuple[int, int]:
+        return int(self.hdr[2]), int(self.hdr[3])
+
+    def test(self) -> bool:
+        if self.payload is None:
+            if not self.req.test():
+                return False
+            # a header damaged in flight cannot overrun the slot: the message then reads as empty
+            n = int(self.hdr[1]) if int(self.hdr[1]) <= self.m.nbytes else 0
+            self.payload = self.buf[:n]
+            self.wire += n
+            if not n:
+                return True
+            self.req = self.t.irecv(self.payload, self.m.src, payload_tag(self.m.phase, self.m.index))
+        return bool(self.req.test())
+
+    def cancel(self) -> None:
+        self.req.cancel()
+
+
+def _zstd() -> Any:
+    from numcodecs import Zstd
+
+    return Zstd(level=1)
+
+
+def encode(xor: np.ndarray, new: np.ndarray) -> tuple[int, int]:
+    """Encode a message whose change is ``xor`` (flat uint8) and whose new bytes are ``new`` (a
+    buffer of the same size, overwritten with the payload). Return (encoding, payload bytes)."""
+    n = xor.size
+    changed = int(np.count_nonzero(xor))
+    if changed == 0:
+        return SAME, 0
+    sparse = 5 * changed if n < _SPARSE_MAX else n + 1
+    if sparse > _SPARSE_ONLY:
+        z = _zstd().encode(xor)
+        if len(z) < min(sparse, n):
+            new[:len(z)] = np.frombuffer(z, dtype=np.uint8)
+            return ZSTD, len(z)
+    if sparse < n:
+        pos = np.flatnonzero(xor).astype(np.uint32)
+        new[:4 * changed] = pos.view(np.uint8)
+        new[4 * changed:sparse] = xor[pos]
+        return SPARSE, sparse
+    return RAW, n
+
+
+def decode_into(encoding: int, payload: np.ndarray, xor: np.ndarray) -> None:
+    """The XOR of a ``SPARSE`` or ``ZSTD`` payload, written into ``xor`` (flat uint8, full size).
+    Raises ``ValueError`` when the payload cannot be what a sender encoded."""
+    if encoding == ZSTD:
+        _zstd().decode(payload, out=xor)
+    elif encoding == SPARSE:
+        if payload.size % 5:
+            raise ValueError(f"a sparse delta of {payload.size} bytes is not whole (5 bytes per change)")
+        k = payload.size // 5
+        pos = np.frombuffer(payload[:4 * k].tobytes(), dtype=np.uint32)
+        if k and int(pos.max()) >= xor.size:
+            raise ValueError(f"a sparse delta names byte {int(pos.max())} of a {xor.size}-byte message")
+        xor[:] = 0
+        xor[pos] = payload[4 * k:]
+    else:
+        raise ValueError(f"unknown delta encoding {encoding}")
+
+
+@dataclass
+class DeltaState:
+    """What one rank keeps between pushes: the bytes it last sent per message (its *bases*, the
+    memory price of delta) and one scratch message for XORs."""
+
+    bases: dict[int, np.ndarray] = field(default_factory=dict)
+    scratch: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.uint8))
+
+    def base(self, uid: int, nbytes: int) -> np.ndarray:
+        b = self.bases.get(uid)
+        if b is None:
+            b = self.bases[uid] = np.empty(nbytes, dtype=np.uint8)
+        return b
+
+    def xor_buffer(self, nbytes: int) -> np.ndarray:
+        if self.scratch.size < nbytes:
+            self.scratch = np.empty(nbytes, dtype=np.uint8)
+        return self.scratch[:nbytes]
+
+    @property
+    def base_bytes(self) -> int:
+        return sum(b.nbytes for b in self.bases.values())
+
+
+@dataclass
+class DeltaPush:
+    """One push of a delta session: its version, and the ranks not at ``version - 1`` (they
+    send and receive full bytes: a delta is never applied to, or computed from, a wrong base)."""
+
+    state: DeltaState
+    version: int
+    stale: frozenset[int]
+
+    def is_delta(self, src: int, dst: int) -> bool:
+        return self.version > 1 and src not in self.stale and dst not in self.stale
