@@ -328,6 +328,7 @@ def cmd_refit(args: argparse.Namespace) -> int:
     job = RefitJob(args.role, _load(args.manifest), rendezvous=args.rendezvous, transport=args.transport,
                    control=args.control, timeout=args.timeout, steps=args.steps, save=args.save,
                    options={"bucket_size": args.bucket_size, "verify": args.verify, "strategy": args.strategy,
+                            "delta": args.delta,
                             "src_domain_size": args.src_domain_size, "dst_domain_size": args.dst_domain_size,
                             "allow_extra": args.allow_extra})
     try:
@@ -507,6 +508,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=300.0, metavar="S")
     p.add_argument("--steps", type=_positive_int, default=1, help="pushes to run over one session")
     p.add_argument("--verify", action="store_true", help="compare per-region checksums with the senders'")
+    p.add_argument("--delta", action="store_true",
+                   help="after the first push, send only what changed (encoded); senders keep a copy of what they sent")
     p.add_argument("--src-domain-size", type=_positive_int)
     p.add_argument("--dst-domain-size", type=_positive_int)
     p.add_argument("--allow-extra", action="store_true")

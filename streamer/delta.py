@@ -154,7 +154,14 @@ def decode_into(encoding: int, payload: np.ndarray, xor: np.ndarray) -> None:
     """The XOR of a ``SPARSE`` or ``ZSTD`` payload, written into ``xor`` (flat uint8, full size).
     Raises ``ValueError`` when the payload cannot be what a sender encoded."""
     if encoding == ZSTD:
-        _zstd().decode(payload, out=xor)
+        try:
+            raw = _zstd().decode(payload)
+        except RuntimeError as e:  # numcodecs' word for a damaged frame
+            raise ValueError(str(e)) from e
+        # a frame may decode to fewer bytes than its message: decoding into ``xor`` would hide it
+        if len(raw) != xor.size:
+            raise ValueError(f"a Zstd delta of {len(raw)} bytes for a {xor.size}-byte message")
+        xor[:] = np.frombuffer(raw, dtype=np.uint8)
     elif encoding == SPARSE:
         if payload.size % 5:
             raise ValueError(f"a sparse delta of {payload.size} bytes is not whole (5 bytes per change)")

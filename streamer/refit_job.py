@@ -9,6 +9,7 @@ instead of waiting out the timeout.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +38,8 @@ class RefitReport:
     verified: bool
     saved: str | None
     reporter: bool
+    #: delta sessions: per step, this job's totals (see ``_delta_totals``)
+    delta: list[dict[str, Any]] | None = None
 
     @property
     def median_s(self) -> float:
@@ -49,7 +52,7 @@ class RefitReport:
                 "broadcast_moved_bytes": self.broadcast_moved_bytes,
                 "gb_per_s": self.moved_bytes / med / 1e9 if med else 0, "verified": self.verified,
                 "transport": self.transport, "saved": self.saved,
-                "peak_buffer_bytes": max(st.peak_buffer_bytes for st in self.steps)}
+                "peak_buffer_bytes": max(st.peak_buffer_bytes for st in self.steps), "delta": self.delta}
 
     def text(self) -> str:
         med = self.median_s
@@ -57,7 +60,8 @@ class RefitReport:
         return (f"refit {self.role} ({self.strategy}): {len(self.seconds)} step(s), median {med:.3f} s, best "
                 f"{min(self.seconds):.3f} s, {self.moved_bytes / 1e9:.3f} GB moved ({rate:.2f} GB/s); reshard moves "
                 f"{self.reshard_moved_bytes / 1e9:.3f} GB vs gather-broadcast {self.broadcast_moved_bytes / 1e9:.3f} GB"
-                + ("; checksums verified" if self.verified else "") + (f"; saved to {self.saved}" if self.saved else ""))
+                + ("; checksums verified" if self.verified else "") + (f"; saved to {self.saved}" if self.saved else "")
+                + (_delta_text(self.delta) if self.delta else ""))
 
 
 @dataclass
@@ -99,12 +103,13 @@ class RefitJob:
             seconds = [self._timed_step(session, tensors, problems) for _ in range(session.planned_steps)]
             if save is not None:
                 session.save(save, tensors)
+            delta = _delta_totals(session) if session.delta else None
             stats = session.plan.stats()
             reshard = int(stats["moved_bytes"])
             broadcast = int(stats["broadcast_moved_bytes"])
             return RefitReport(self.role, session.strategy, getattr(session.transport, "name", "?"), seconds,
                                list(session.steps), reshard if session.strategy == "reshard" else broadcast,
-                               reshard, broadcast, session.verify, str(save) if save else None, rank == 0)
+                               reshard, broadcast, session.verify, str(save) if save else None, rank == 0, delta)
 
     def _timed_step(self, session: RefitSession, tensors: dict[str, Any], problems: list[str]) -> float:
         """One push, timed from a barrier of this job to its slowest rank."""
@@ -116,6 +121,39 @@ class RefitJob:
         session.push(tensors) if self.role == "send" else session.pull(tensors)
         times = role_t.allgather_bytes(f"{time.perf_counter() - t0:.9f}".encode(), self.timeout)
         return max(float(x) for x in times)
+
+
+def _delta_totals(session: RefitSession) -> list[dict[str, Any]]:
+    """Per step, over this job's ranks: bytes on the wire against full bytes, the fraction of
+    elements changed (weighted by the bytes each sender sent), the slowest rank's encode, decode
+    and checksum seconds, and the senders' base copies."""
+    side = "sent" if session.role == "send" else "received"
+    mine = [{"wire": getattr(st, f"bytes_{side}"), "full": getattr(st, f"full_bytes_{side}"),
+             "changed": st.changed_fraction, "encode_s": st.encode_seconds, "decode_s": st.decode_seconds,
+             "verify_s": st.verify_seconds, "base": st.base_bytes} for st in session.steps]
+    ranks = [json.loads(x) for x in session.group.role_control.allgather_bytes(json.dumps(mine).encode(),
+                                                                               session.timeout)]
+    out = []
+    for i in range(len(mine)):
+        rows = [r[i] for r in ranks]
+        weighed = [(r["changed"], r["full"]) for r in rows if r["changed"] is not None]
+        weight = sum(w for _, w in weighed)
+        out.append({"step": i, "wire_bytes": sum(r["wire"] for r in rows), "full_bytes": sum(r["full"] for r in rows),
+                    "changed_fraction": sum(c * w for c, w in weighed) / weight if weight else None,
+                    "encode_s": max(r["encode_s"] for r in rows), "decode_s": max(r["decode_s"] for r in rows),
+                    "verify_s": max(r["verify_s"] for r in rows), "base_bytes": sum(r["base"] for r in rows)})
+    return out
+
+
+def _delta_text(delta: list[dict[str, Any]]) -> str:
+    parts = []
+    for d in delta:
+        ratio = d["wire_bytes"] / d["full_bytes"] if d["full_bytes"] else 0.0
+        changed = "" if d["changed_fraction"] is None else f", {d['changed_fraction']:.2%} of elements changed"
+        parts.append(f"step {d['step']}: {d['wire_bytes'] / 1e6:.3f} of {d['full_bytes'] / 1e6:.3f} MB "
+                     f"({ratio:.1%}){changed}, encode {d['encode_s']:.3f} s, decode {d['decode_s']:.3f} s")
+    base = max(d["base_bytes"] for d in delta)
+    return "\ndelta: " + "; ".join(parts) + (f"; senders keep {base / 1e6:.3f} MB of last-sent bytes" if base else "")
 
 
 def _mark_incomplete(save: Path) -> None:

@@ -120,6 +120,27 @@ def test_broadcast_strategy_same_bytes(ckpt: Ckpt, mpmd_saved: Saved, tmp_path: 
     assert same_files(out, mpmd_saved.dir) == []
 
 
+def test_delta_refit_same_bytes(ckpt: Ckpt, mpmd_saved: Saved, tmp_path: Path) -> None:
+    """``--delta --verify`` over 3 steps saves what a full refit saves. The senders push the same
+    weights each step, so after the full first push every delta is a header alone."""
+    out = tmp_path / "saved"
+    rc, so, se = run(["mpiexec", "-n", "4", *SEND, "--manifest", ckpt.train, "--timeout", "30", "--steps", "3",
+                      "--delta", "--verify", ":",
+                      "-n", "4", *RECV, "--manifest", ckpt.serve, "--save", out, "--timeout", "30", "--steps", "3",
+                      "--delta"], timeout=90)
+    assert rc == 0, f"rc {rc}\nstdout:\n{so}\nstderr:\n{se}"
+    assert "checksums verified" in so
+    assert mpmd_saved.rc == 0
+    assert same_files(out, mpmd_saved.dir) == []
+    sent = re.search(r"refit send .*\ndelta: (.*)", so)
+    assert sent, so
+    steps = re.findall(r"step (\d): ([\d.]+) of ([\d.]+) MB \(([\d.]+)%\)", sent.group(1))
+    assert [s[0] for s in steps] == ["0", "1", "2"], steps
+    assert steps[0][1] == steps[0][2] and float(steps[0][2]) > 0  # the first push is full
+    assert all(float(s[3]) < 1 for s in steps[1:]), steps  # then headers alone
+    assert "0.00% of elements changed" in sent.group(1) and "senders keep" in sent.group(1)
+
+
 # --------------------------------------------------------------------------- 4. no peer: timeouts
 
 def test_receiver_without_sender_times_out(ckpt: Ckpt, tmp_path: Path) -> None:

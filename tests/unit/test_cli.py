@@ -526,7 +526,7 @@ GOLDEN = {
     'convert': ['--allow-extra', '--cast{float16,bfloat16,float32,float64}',
         '--format{safetensors,zarr}', '--json', '--max-shard-size', '--memory-limit', '--out!',
         '--resume', '--zarr-compressor{zstd,none}', '<dst>', '<src>'],
-    'refit': ['--allow-extra', '--bucket-size', '--dst-domain-size', '--json', '--manifest!',
+    'refit': ['--allow-extra', '--bucket-size', '--delta', '--dst-domain-size', '--json', '--manifest!',
         '--rendezvous', '--save', '--src-domain-size', '--steps', '--strategy{reshard,broadcast}',
         '--timeout', '--transport{mpi,gloo,nccl}', '--verify', '<role>{send,recv}', '--control{auto,mpi,store}'],
     'bench': ['--bucket-size', '--chunks', '--dst-tp', '--json', '--memory-limit', '--model', '--no-dcp', '--plot',
