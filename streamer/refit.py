@@ -262,8 +262,9 @@ class RefitSession:
             raise RefusedError(problems=every[:200] + ([f"... and {len(every) - 200} more"] if len(every) > 200 else []))
 
     def _exec(self, tensors: Mapping[str, Any]) -> Executor:
-        # a new executor when the caller hands other buffers (their views are made once)
-        key = tuple((id(v), _data_ptr(v)) for v in tensors.values())
+        # a new executor only when the caller hands other memory: ``model.state_dict()`` makes new
+        # tensor objects every call over the same storage, and the views stay valid for those
+        key = tuple((n, _data_ptr(v), tuple(v.shape)) for n, v in tensors.items())
         if self._executor is None or key != self._tensor_key:
             self._executor = Executor(self._t, self.plan, self.schedule, tensors, timeout=self.timeout,
                                       verify=self.verify, peer_names=self.group.name)
