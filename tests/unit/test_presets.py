@@ -700,7 +700,7 @@ def test_fsdp2_nests_fsdp_inside_tp() -> None:
 # ------------------------------------------------------------------ errors
 
 
-@pytest.mark.parametrize("cfg,preset,mesh,kw,match", [
+ERROR_CASES: list[tuple[dict[str, Any], str, str, dict[str, Any], str | None]] = [
     (QWEN3, "megatron", "tp=4", {}, r"num_query_groups \(num_key_value_heads = 2\) must be divisible by tp \(4\)"),
     (dict(LLAMA_ODD, num_attention_heads=3, num_key_value_heads=1), "megatron", "tp=2", {},
      r"num_attention_heads \(3\) must be divisible by tp \(2\)"),
@@ -750,7 +750,10 @@ def test_fsdp2_nests_fsdp_inside_tp() -> None:
      r"model\.layers\.0\.mlp\.gate_proj\.weight: its shard \[0, 40\)"),
     (DSV3_FP8, "vllm", "tp=2", {"fp8": True, "expert_parallel": False}, None),
     (QWEN3, "tpu", "tp=1", {}, r"unknown preset 'tpu'"),
-])
+]
+
+
+@pytest.mark.parametrize("cfg,preset,mesh,kw,match", ERROR_CASES)
 def test_preset_errors(cfg: dict[str, Any], preset: str, mesh: str, kw: dict[str, Any], match: str | None) -> None:
     if match is None:
         m = preset_manifest(cfg, preset, parse_mesh(mesh), **kw)
