@@ -35,9 +35,11 @@ from typing import Any
 from .box import Box
 from .dtypes import DTYPES, DType
 from .errors import FormatError
+from .files import read_bounded
+from .limits import INT64_MAX
 from .manifest import ArraySpec, Chunk, Manifest, Source
 
-__all__ = ["MAX_METADATA_BYTES", "is_dcp_dir", "read_dcp"]
+__all__ = ["MAX_METADATA_BYTES", "read_dcp"]
 
 METADATA_FILE = ".metadata"
 #: refuse to unpickle a ``.metadata`` bigger than this
@@ -46,11 +48,6 @@ MAX_METADATA_BYTES = 1 << 30
 MAX_DATA_PKL_BYTES = 1 << 20
 #: no single read of a torch.save archive's structure may exceed this (central directory etc.)
 MAX_ZIP_READ = 16 << 20
-INT64_MAX = (1 << 63) - 1
-
-
-def is_dcp_dir(path: str | os.PathLike[str]) -> bool:
-    return (Path(path) / METADATA_FILE).is_file()
 
 
 # ------------------------------------------------------------------ stand-ins for DCP's classes
@@ -534,8 +531,6 @@ class _Item:
 
 
 def _load_metadata(path: Path) -> _Metadata:
-    from .store import read_bounded
-
     where = str(path)
     data = read_bounded(path, MAX_METADATA_BYTES, ".metadata")
     try:

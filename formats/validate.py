@@ -32,11 +32,11 @@ from .box import Box, contiguous_slabs
 from .checksum import new_hasher
 from .dtypes import DTYPES, DType
 from .errors import FormatError, ShardNotFoundError, ShardstreamError, UsageError
+from .limits import INT64_MAX
 from .manifest import Chunk, Manifest
 
 __all__ = ["INT64_MAX", "MAX_PER_KIND", "check_file_path", "validate_data", "validate_manifest"]
 
-INT64_MAX = (1 << 63) - 1
 #: at most this many problems of one kind are printed per array; the rest are counted
 MAX_PER_KIND = 20
 #: overlap enumeration stops after this many pairs per array (the summary then says "more than")

@@ -11,10 +11,10 @@ import sys
 from typing import Any
 
 import pytest
+from test_presets import CASES, ERROR_CASES, QWEN3_TIED
 
 from formats.layouts import LayoutError, parse_mesh
 from formats.layouts.presets import preset_manifest
-from test_presets import CASES, ERROR_CASES, QWEN3_TIED
 
 
 def _cases() -> dict[str, tuple[dict[str, Any], str, str, dict[str, Any]]]:
