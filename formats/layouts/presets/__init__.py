@@ -94,6 +94,24 @@ Presets
       replicated, ``mlp.shared_experts.gate_up_proj`` / ``down_proj`` TP-split like the dense MLP
       (shared experts not fused into the routed ones: SGLang's ``--disable-shared-experts-fusion``).
 
+Tied embeddings (``tie_word_embeddings: true``): every preset names the shared weight
+``model.embed_tokens.weight`` and has no ``lm_head.weight`` array, as Hugging Face does:
+``lm_head.weight`` is the same tensor as ``model.embed_tokens.weight`` and ``save_pretrained``
+stores only the latter, so an HF checkpoint, an ``hf`` / ``fsdp2`` layout and the fused presets
+agree with no flag. Megatron holds it as ``embedding.word_embeddings.weight`` and has no
+``output_layer`` (pp = 1; pp > 1 is refused, see below); vLLM / SGLang hold it as
+``model.embed_tokens.weight``, on the last pipeline stage too (their ``lm_head`` shares it).
+
+>>> tied = dict(cfg, tie_word_embeddings=True)
+>>> sorted({p: [n for n in preset_manifest(tied, p, Mesh(("tp",), (1,))).arrays if "embed" in n or "lm_head" in n]
+...         for p in PRESETS}.items())[:2]
+[('fsdp2', ['model.embed_tokens.weight']), ('hf', ['model.embed_tokens.weight'])]
+>>> sorted(n for n in preset_manifest(tied, "megatron", Mesh(("tp",), (1,))).local_tensors(0) if "embed" in n or "output" in n)
+['embedding.word_embeddings.weight']
+
+Dtypes: the weights take ``dtype`` when given, else the config's ``torch_dtype`` / ``dtype``, else
+bfloat16 (:func:`preset_dtype`); fp32 master weights are ``dtype="float32"``.
+
 Block FP8 (``fp8=True``, megatron / vllm / sglang): each ``weight_scale_inv`` is laid out like its
 weight, in block units: a chunk of rows ``[r0, r1)`` at local row ``l0`` brings scale rows
 ``[r0/b, ceil(r1/b))`` at local row ``l0/b`` of the local scale tensor, named after the local
@@ -129,7 +147,7 @@ from ..mesh import LayoutError, Mesh
 from ..rules import check_file_pattern
 from . import fsdp2, hf, megatron, vllm
 from .builder import Builder
-from .engine import Framework, ModelInfo, Options, check_axes, model_info
+from .engine import PRESET_DTYPES, Framework, ModelInfo, Options, check_axes, model_info, preset_dtype
 from .geometry import pp_partition
 from .megatron import MEGATRON_VOCAB_DIVISOR, megatron_padded_vocab
 from .vllm import VLLM_VOCAB_PADDING, vllm_expert_range, vllm_padded_vocab
@@ -138,12 +156,15 @@ __all__ = [
     "FRAMEWORKS",
     "MEGATRON_VOCAB_DIVISOR",
     "PRESETS",
+    "PRESET_DTYPES",
+    "TIED_EMBEDDING",
     "VLLM_VOCAB_PADDING",
     "Framework",
     "ModelInfo",
     "megatron_padded_vocab",
     "model_info",
     "pp_partition",
+    "preset_dtype",
     "preset_manifest",
     "vllm_expert_range",
     "vllm_padded_vocab",
@@ -153,11 +174,13 @@ __all__ = [
 FRAMEWORKS: dict[str, Framework] = {f.name: f for f in (megatron.FRAMEWORK, vllm.VLLM, vllm.SGLANG, fsdp2.FRAMEWORK,
                                                          hf.FRAMEWORK)}
 PRESETS = tuple(FRAMEWORKS)
+#: with ``tie_word_embeddings``, the one array that holds the shared embedding / output weight
+TIED_EMBEDDING = "model.embed_tokens.weight"
 
 
 def preset_manifest(cfg: Mapping[str, Any] | str | os.PathLike[str], preset: str, mesh: Mesh, *,
                     file_pattern: str | None = None, domain_size: int | None = None, name: str | None = None,
-                    dtype: str | None = "bfloat16", expert_parallel: bool | None = None,
+                    dtype: str | None = None, expert_parallel: bool | None = None,
                     expert_tensor_parallel: int | None = None, moe_grouped_gemm: bool = False,
                     fp8: bool = False, first_stage_layers: int | None = None,
                     last_stage_layers: int | None = None) -> Manifest:
@@ -170,8 +193,9 @@ def preset_manifest(cfg: Mapping[str, Any] | str | os.PathLike[str], preset: str
     (:func:`~.models.arrays_from_config` ``fp8=True``); each scale is laid out like its weight, in
     block units.
     ``file_pattern``: ``source.file`` of every chunk (``{rank}`` for per-rank files); None gives a
-    live, in-memory manifest (and for ``hf`` leaves file naming to ``convert``). ``dtype``
-    replaces the config's ``torch_dtype`` (None keeps it). ``expert_parallel`` (vllm / sglang):
+    live, in-memory manifest (and for ``hf`` leaves file naming to ``convert``). ``dtype``: the
+    weights' data_type (bfloat16, float16 or float32, e.g. fp32 master weights); None: the
+    config's ``torch_dtype`` / ``dtype``, else bfloat16 (:func:`preset_dtype` says which). ``expert_parallel`` (vllm / sglang):
     experts whole over the EP ranks (default: when the mesh has an ``ep`` axis);
     ``expert_tensor_parallel`` (megatron): 1 or tp (default tp); ``moe_grouped_gemm`` (megatron):
     TE grouped-GEMM expert names. ``first_stage_layers`` / ``last_stage_layers`` (megatron):

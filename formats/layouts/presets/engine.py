@@ -28,6 +28,7 @@ from .geometry import PresetError
 __all__ = [
     "DENSE_TYPES",
     "MLA_TYPES",
+    "PRESET_DTYPES",
     "Framework",
     "LayerContext",
     "ModelInfo",
@@ -37,6 +38,7 @@ __all__ = [
     "attention_checks",
     "check_axes",
     "model_info",
+    "preset_dtype",
     "mla_rule",
     "replicated",
     "walk",
@@ -44,6 +46,9 @@ __all__ = [
 
 DENSE_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 MLA_TYPES = ("deepseek_v3", "deepseek_v2")
+
+#: the weight dtypes a preset writes (``--dtype``); fp32 master weights included
+PRESET_DTYPES = ("bfloat16", "float16", "float32")
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)\Z")
 
@@ -68,6 +73,8 @@ class ModelInfo:
     mla: bool = False
     #: block ``(rows, cols)`` of the FP8 weights' ``weight_scale_inv`` siblings (None: no FP8)
     fp8_block: tuple[int, int] | None = None
+    #: the weights' data_type (:func:`preset_dtype`)
+    dtype: str = "bfloat16"
 
     def is_moe_layer(self, i: int) -> bool:
         return f"model.layers.{i}.mlp.gate.weight" in self.arrays
@@ -99,15 +106,40 @@ def _arrays_from_config(c: Mapping[str, Any], fp8: bool) -> tuple[Arrays, tuple[
     return arrays_from_config(c, fp8=fp8), _fp8_block(c, "config.json", fp8)
 
 
-def model_info(cfg: Mapping[str, Any] | str | os.PathLike[str], *, dtype: str | None = "bfloat16",
+def _with_dtype(c: dict[str, Any], dtype: str | None) -> str:
+    """Set ``c``'s ``torch_dtype`` to the weights' data_type: ``dtype`` when given, else the
+    config's ``torch_dtype`` / ``dtype``, else bfloat16 (HF's own precedence); returns it."""
+    from ..models import config_dtype
+
+    if dtype is not None:
+        if dtype not in PRESET_DTYPES:
+            by_name(dtype)  # an unknown name: its own message
+            raise PresetError(f"dtype {dtype!r} is not a weight dtype a preset writes "
+                              f"(expected one of {', '.join(PRESET_DTYPES)})")
+        c["torch_dtype"] = dtype
+        return dtype
+    return config_dtype(c, "config.json")
+
+
+def preset_dtype(cfg: Mapping[str, Any] | str | os.PathLike[str], dtype: str | None = None) -> str:
+    """The data_type a preset gives the weights of ``cfg``: ``dtype`` when given, else the config's
+    ``torch_dtype`` / ``dtype``, else bfloat16 (FP8 weights and float32 routing biases aside).
+
+    >>> preset_dtype({"torch_dtype": "float32"}), preset_dtype({"dtype": "float16"}), preset_dtype({})
+    ('float32', 'float16', 'bfloat16')
+    >>> preset_dtype({"torch_dtype": "float32"}, "bfloat16")
+    'bfloat16'
+    """
+    return _with_dtype(_load_cfg(cfg), dtype)
+
+
+def model_info(cfg: Mapping[str, Any] | str | os.PathLike[str], *, dtype: str | None = None,
                fp8: bool = False) -> ModelInfo:
-    """The HF arrays of ``cfg`` (``dtype`` replaces ``torch_dtype`` unless None; ``fp8``: block-FP8
+    """The HF arrays of ``cfg`` (in :func:`preset_dtype` ``(cfg, dtype)``; ``fp8``: block-FP8
     linear weights with ``weight_scale_inv`` siblings, as :func:`~.models.arrays_from_config`) and
     the attention geometry the fused layouts need."""
     c = _load_cfg(cfg)
-    if dtype is not None:
-        by_name(dtype)
-        c["torch_dtype"] = dtype
+    wdt = _with_dtype(c, dtype)
     arrays, block = _arrays_from_config(c, fp8)
 
     def num(key: str, default: int | None = None) -> int:
@@ -122,7 +154,7 @@ def model_info(cfg: Mapping[str, Any] | str | os.PathLike[str], *, dtype: str | 
     nkv = num("num_key_value_heads", nh)
     hd = c.get("head_dim") or h // nh
     return ModelInfo(mt, h, num("num_hidden_layers"), num("vocab_size"), nh, nkv, int(hd),
-                     bool(c.get("tie_word_embeddings", False)), arrays, mt in MLA_TYPES, block)
+                     bool(c.get("tie_word_embeddings", False)), arrays, mt in MLA_TYPES, block, wdt)
 
 
 
