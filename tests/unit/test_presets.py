@@ -959,9 +959,8 @@ def test_cli_convert_hf_to_preset_and_back_with_no_flags(tmp_path: Path, capsys:
                                                          cfg: dict[str, Any], preset: str, mesh: str) -> None:
     """An HF checkpoint in the config's dtype (fp32 masters; tied: embed_tokens only, as HF stores
     it) converts to a preset's layout and back, byte for byte, with no dtype or tie flags."""
-    from streamer.synth import write_checkpoint
-
     from formats.safetensors_io import SafetensorsReader
+    from streamer.synth import write_checkpoint
 
     cfgp = tmp_path / "config.json"
     cfgp.write_text(json.dumps(cfg))
