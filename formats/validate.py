@@ -479,73 +479,29 @@ def validate_manifest(m: Manifest, *, where: str = "<manifest>", check_paths: bo
 def _validate_array(m: Manifest, fqn: str, shape: tuple[int, ...], data_type: str,
                     chunks: Sequence[Chunk], rep: _Report, local: dict[_LocalKey, list[_LocalEntry]],
                     files: dict[str, list[Any]]) -> None:
-    ws = m.world_size
-    nd = len(shape)
-    dt = DTYPES.get(data_type)
+    dt = _check_array_type(fqn, shape, data_type, rep)
     if dt is None:
-        rep.add(fqn, "data_type problems",
-                f"unknown data_type {data_type!r} (expected one of {', '.join(DTYPES)})")
         return
     isz = dt.itemsize
-    if any(x < 0 for x in shape):
-        rep.add(fqn, "shape problems", f"shape {_dims(shape)} has a negative size")
-        return
     elems = prod(shape)
     array_ok = elems * isz <= INT64_MAX
     if not array_ok:
         rep.add(fqn, "size problems",
                 f"array size overflows int64 (expected at most {INT64_MAX} bytes, got {elems * isz} "
                 f"bytes = {elems} elements x {isz})")
+    nd = len(shape)
     offs: list[tuple[int, ...]] = []
     stops: list[tuple[int, ...]] = []
     box_chunk: list[int] = []
     zeros = (0,) * nd
-    dims = range(nd)
     for ci, c in enumerate(chunks):
         r = c.region
         ro, rs = r.offsets, r.sizes
         if len(rs) != nd:
             rep.add(fqn, "rank problems", f"chunk {ci}: region has {len(rs)} dims (expected {nd}, got {len(rs)})")
             continue
-        # holders: sorted, unique, in range
-        h = c.holders
-        if len(h) == 1:
-            if not 0 <= h[0] < ws:
-                rep.add(fqn, "holder problems",
-                        f"chunk {ci}: holder rank {h[0]} is out of range "
-                        f"(expected 0 <= rank < world_size {ws}, got {h[0]})")
-        elif not h:
-            rep.add(fqn, "holder problems", f"chunk {ci}: holders is empty (expected at least one rank)")
-        else:
-            if any(h[k] >= h[k + 1] for k in range(len(h) - 1)):
-                rep.add(fqn, "holder problems",
-                        f"chunk {ci}: holders must be sorted and unique (expected {_dims(sorted(set(h)))}, "
-                        f"got {_dims(h)})")
-            for hr in h:
-                if not 0 <= hr < ws:
-                    rep.add(fqn, "holder problems",
-                            f"chunk {ci}: holder rank {hr} is out of range "
-                            f"(expected 0 <= rank < world_size {ws}, got {hr})")
-        # bounds
-        rstop = tuple([o + z for o, z in zip(ro, rs)])
-        in_bounds = True
-        for d in dims:
-            if rstop[d] > shape[d]:
-                in_bounds = False
-                rep.add(fqn, "out-of-bounds regions",
-                        f"chunk {ci} region {r} exceeds shape {_dims(shape)} in dim {d} "
-                        f"(stop {rstop[d]} > {shape[d]})")
-        if not (in_bounds and array_ok):  # else the region is no bigger than the array
-            rb = prod(rs) * isz
-            if rb > INT64_MAX:
-                rep.add(fqn, "size problems",
-                        f"chunk {ci}: region {r} size overflows int64 (expected at most {INT64_MAX} bytes, "
-                        f"got {rb} bytes)")
-        empty = 0 in rs
-        if empty:
-            rep.add(fqn, "empty regions",
-                    f"chunk {ci}: empty region listed {r} (expected sizes >= 1 in every dim, "
-                    f"got sizes {_dims(rs)})")
+        _check_holders(fqn, ci, c.holders, m.world_size, rep)
+        rstop, in_bounds, empty = _check_region(fqn, ci, r, shape, isz, array_ok, rep)
         # source and local tensor
         src = c.source
         loff = zeros if src is None or src.offsets is None else src.offsets
@@ -563,16 +519,83 @@ def _validate_array(m: Manifest, fqn: str, shape: tuple[int, ...], data_type: st
         offs.append(ro)
         stops.append(rstop)
         box_chunk.append(ci)
-    if not array_ok:
-        return
-    if nd == 0:
+    if array_ok:
+        _check_coverage(m, fqn, shape, offs, stops, box_chunk, rep)
+
+
+def _check_array_type(fqn: str, shape: tuple[int, ...], data_type: str, rep: _Report) -> DType | None:
+    """The array's dtype, or None (reported) when its data_type or shape is unusable."""
+    dt = DTYPES.get(data_type)
+    if dt is None:
+        rep.add(fqn, "data_type problems",
+                f"unknown data_type {data_type!r} (expected one of {', '.join(DTYPES)})")
+        return None
+    if any(x < 0 for x in shape):
+        rep.add(fqn, "shape problems", f"shape {_dims(shape)} has a negative size")
+        return None
+    return dt
+
+
+def _check_holders(fqn: str, ci: int, h: tuple[int, ...], ws: int, rep: _Report) -> None:
+    """Holders: sorted, unique, in ``[0, world_size)``."""
+    if len(h) == 1:
+        if not 0 <= h[0] < ws:
+            rep.add(fqn, "holder problems",
+                    f"chunk {ci}: holder rank {h[0]} is out of range "
+                    f"(expected 0 <= rank < world_size {ws}, got {h[0]})")
+    elif not h:
+        rep.add(fqn, "holder problems", f"chunk {ci}: holders is empty (expected at least one rank)")
+    else:
+        if any(h[k] >= h[k + 1] for k in range(len(h) - 1)):
+            rep.add(fqn, "holder problems",
+                    f"chunk {ci}: holders must be sorted and unique (expected {_dims(sorted(set(h)))}, "
+                    f"got {_dims(h)})")
+        for hr in h:
+            if not 0 <= hr < ws:
+                rep.add(fqn, "holder problems",
+                        f"chunk {ci}: holder rank {hr} is out of range "
+                        f"(expected 0 <= rank < world_size {ws}, got {hr})")
+
+
+def _check_region(fqn: str, ci: int, r: Box, shape: tuple[int, ...], isz: int, array_ok: bool,
+                  rep: _Report) -> tuple[tuple[int, ...], bool, bool]:
+    """Bounds, byte size and emptiness of one chunk's region: ``(stops, in bounds, empty)``."""
+    ro, rs = r.offsets, r.sizes
+    rstop = tuple([o + z for o, z in zip(ro, rs)])
+    in_bounds = True
+    for d in range(len(shape)):
+        if rstop[d] > shape[d]:
+            in_bounds = False
+            rep.add(fqn, "out-of-bounds regions",
+                    f"chunk {ci} region {r} exceeds shape {_dims(shape)} in dim {d} "
+                    f"(stop {rstop[d]} > {shape[d]})")
+    if not (in_bounds and array_ok):  # else the region is no bigger than the array
+        rb = prod(rs) * isz
+        if rb > INT64_MAX:
+            rep.add(fqn, "size problems",
+                    f"chunk {ci}: region {r} size overflows int64 (expected at most {INT64_MAX} bytes, "
+                    f"got {rb} bytes)")
+    empty = 0 in rs
+    if empty:
+        rep.add(fqn, "empty regions",
+                f"chunk {ci}: empty region listed {r} (expected sizes >= 1 in every dim, "
+                f"got sizes {_dims(rs)})")
+    return rstop, in_bounds, empty
+
+
+def _check_coverage(m: Manifest, fqn: str, shape: tuple[int, ...], offs: list[tuple[int, ...]],
+                    stops: list[tuple[int, ...]], box_chunk: list[int], rep: _Report) -> None:
+    """Overlaps between the chunks' regions (``offs`` / ``stops``, clipped to the array; chunk
+    numbers in ``box_chunk``) and, unless the manifest is partial, gaps."""
+    elems = prod(shape)
+    if not shape:
         k = len(box_chunk)
         if k > 1 or (k == 0 and not m.partial):
             rep.add(fqn, "coverage problems",
                     f"0-d array needs exactly one chunk with region offsets [] sizes [] "
                     f"(expected 1 chunk, got {k})")
         return
-    geo = _analyze(offs, stops, nd, shape=shape)
+    geo = _analyze(offs, stops, len(shape), shape=shape)
     for i, j in geo.pairs:
         inter = _box_from(offs[i], stops[i]).intersect(_box_from(offs[j], stops[j]))
         rep.add(fqn, "overlaps", f"chunks {box_chunk[i]} and {box_chunk[j]} overlap in region {inter}")
