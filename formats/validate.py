@@ -1004,38 +1004,53 @@ class _DataChecker:
         exp = _declared_dtype(self.m, ranks, tensor) or adt
         info = za.info
         lbox = c.local_box
-        if info.data_type != exp.name:
-            if self._once("dtype", rel, tensor, exp.name):
+        what = f"zarr array {tensor!r} in {rel!r}{on}"
+        if not self._stored_fits(fqn, ci, what, (rel, tensor), exp, info.data_type, info.shape, lbox):
+            return
+        if src.checksum is not None and self.verify:
+            want = src.checksum
+            self._verify_checksum(fqn, ci, want, lambda: region_checksum(za, lbox, want),
+                                  (ShardstreamError, OSError, ValueError),
+                                  f"cannot read zarr array {tensor!r} in {rel!r}{on} for its checksum",
+                                  f"checksum mismatch for chunk {ci} region {c.region} on rank {hr} in zarr array "
+                                  f"{tensor!r} of {rel!r}")
+
+    def _stored_fits(self, fqn: str, ci: int, what: str, key: tuple[str, str], exp: DType, got_dtype: str,
+                     shape: Sequence[int], lbox: Box) -> bool:
+        """The stored tensor ``what`` (at ``key`` = (file, tensor)) has the expected dtype, the local
+        box's number of dims, and room for the local box; else reported, False."""
+        if got_dtype != exp.name:
+            if self._once("dtype", *key, exp.name):
                 self.rep.add(fqn, "data_type problems",
-                             f"chunk {ci}: zarr array {tensor!r} in {rel!r}{on} has the wrong data_type "
-                             f"(expected {exp.name}, got {info.data_type})")
-            return
-        if len(info.shape) != lbox.ndim:
-            self.rep.add(fqn, "shape problems", f"chunk {ci}: zarr array {tensor!r} in {rel!r}{on} has "
-                         f"{len(info.shape)} dims (expected {lbox.ndim}, got shape {_dims(info.shape)})")
-            return
-        if not lbox.fits_in(info.shape):
+                             f"chunk {ci}: {what} has the wrong data_type (expected {exp.name}, got {got_dtype})")
+            return False
+        if len(shape) != lbox.ndim:
+            self.rep.add(fqn, "shape problems", f"chunk {ci}: {what} has {len(shape)} dims "
+                         f"(expected {lbox.ndim}, got shape {_dims(shape)})")
+            return False
+        if not lbox.fits_in(shape):
             self.rep.add(fqn, "shape problems",
-                         f"chunk {ci}: zarr array {tensor!r} in {rel!r}{on} is too small for local box {lbox} "
-                         f"(expected shape >= {_dims(lbox.stops)} in every dim, got {_dims(info.shape)})")
-            return
-        if src.checksum is None or not self.verify:
-            return
+                         f"chunk {ci}: {what} is too small for local box {lbox} "
+                         f"(expected shape >= {_dims(lbox.stops)} in every dim, got {_dims(shape)})")
+            return False
+        return True
+
+    def _verify_checksum(self, fqn: str, ci: int, want: str, compute: Callable[[], str],
+                         errors: tuple[type[Exception], ...], cannot_read: str, mismatch: str) -> None:
+        """Compare ``compute()`` with the recorded checksum ``want``; a missing crc32c module is
+        reported once per run, a read error or a mismatch per chunk."""
         try:
-            got = region_checksum(za, lbox, src.checksum)
+            got = compute()
         except ImportError as e:
             if not self.crc_missing:
                 self.crc_missing = True
-                self.rep.add(fqn, "checksum problems", f"chunk {ci}: cannot verify checksum {src.checksum} ({e})")
+                self.rep.add(fqn, "checksum problems", f"chunk {ci}: cannot verify checksum {want} ({e})")
             return
-        except (ShardstreamError, OSError, ValueError) as e:
-            self.rep.add(fqn, "checksum problems",
-                         f"chunk {ci}: cannot read zarr array {tensor!r} in {rel!r}{on} for its checksum ({e})")
+        except errors as e:
+            self.rep.add(fqn, "checksum problems", f"chunk {ci}: {cannot_read} ({e})")
             return
-        if not _same_checksum(got, src.checksum):
-            self.rep.add(fqn, "checksum mismatches",
-                         f"checksum mismatch for chunk {ci} region {c.region} on rank {hr} in zarr array "
-                         f"{tensor!r} of {rel!r} (expected {src.checksum}, got {got})")
+        if not _same_checksum(got, want):
+            self.rep.add(fqn, "checksum mismatches", f"{mismatch} (expected {want}, got {got})")
 
     def check(self, fqn: str, adt: DType, ci: int, c: Chunk, hr: int, per_rank: bool) -> None:
         src = c.source
@@ -1062,66 +1077,52 @@ class _DataChecker:
         ranks = [hr] if per_rank else list(c.holders)
         exp = _declared_dtype(self.m, ranks, tensor) or adt
         lbox = c.local_box
-        sshape: tuple[int, ...]
         if src.byte_range is not None and src.stored_shape is not None:
-            a, b = src.byte_range
-            size = st.st_size
-            if b > size:
-                self.rep.add(fqn, "byte range problems",
-                             f"chunk {ci}: source.byte_range [{a}, {b}] is past the end of {rel!r}{on} "
-                             f"(expected stop <= file size {size}, got {b})")
-                return
-            sshape = src.stored_shape
-            if b - a != prod(sshape) * exp.itemsize or not lbox.fits_in(sshape):
-                return  # reported by validate_manifest
-            base_off, isz = a, exp.itemsize
+            loc = self._locate_range(fqn, ci, src.byte_range, src.stored_shape, st.st_size, exp, lbox, rel, on)
         else:
-            hdr = self._header(fqn, ci, rel, full, on)
-            if hdr is None:
-                return
-            stt: _StoredLike | None = hdr.tensors.get(tensor)
-            if stt is None:
-                if self._once("missing", rel, tensor):
-                    names = sorted(hdr.tensors)
-                    avail = ", ".join(repr(x) for x in names[:5])
-                    if len(names) > 5:
-                        avail += f" and {len(names) - 5} more"
-                    self.rep.add(fqn, "missing tensors",
-                                 f"chunk {ci}: tensor {tensor!r} not found in {rel!r}{on} "
-                                 f"(available: {avail or 'none'})")
-                return
-            if stt.dtype.name != exp.name:
-                if self._once("dtype", rel, tensor, exp.name):
-                    self.rep.add(fqn, "data_type problems",
-                                 f"chunk {ci}: stored tensor {tensor!r} in {rel!r}{on} has the wrong data_type "
-                                 f"(expected {exp.name}, got {stt.dtype.name})")
-                return
-            sshape = tuple(stt.shape)
-            if len(sshape) != lbox.ndim:
-                self.rep.add(fqn, "shape problems",
-                             f"chunk {ci}: stored tensor {tensor!r} in {rel!r}{on} has {len(sshape)} dims "
-                             f"(expected {lbox.ndim}, got shape {_dims(sshape)})")
-                return
-            if not lbox.fits_in(sshape):
-                self.rep.add(fqn, "shape problems",
-                             f"chunk {ci}: stored tensor {tensor!r} in {rel!r}{on} is too small for local box "
-                             f"{lbox} (expected shape >= {_dims(lbox.stops)} in every dim, got {_dims(sshape)})")
-                return
-            base_off, isz = stt.start, stt.dtype.itemsize
-        if src.checksum is None or not self.verify:
+            loc = self._locate_tensor(fqn, ci, tensor, exp, lbox, rel, full, on)
+        if loc is None or src.checksum is None or not self.verify:
             return
-        try:
-            got = _region_checksum(full, base_off, sshape, isz, lbox, src.checksum)
-        except ImportError as e:
-            if not self.crc_missing:
-                self.crc_missing = True
-                self.rep.add(fqn, "checksum problems",
-                             f"chunk {ci}: cannot verify checksum {src.checksum} ({e})")
-            return
-        except (OSError, ValueError) as e:
-            self.rep.add(fqn, "checksum problems", f"chunk {ci}: cannot read {rel!r}{on} for its checksum ({e})")
-            return
-        if not _same_checksum(got, src.checksum):
-            self.rep.add(fqn, "checksum mismatches",
-                         f"checksum mismatch for chunk {ci} region {c.region} on rank {hr} in {rel!r} "
-                         f"(expected {src.checksum}, got {got})")
+        base_off, sshape, isz = loc
+        want = src.checksum
+        self._verify_checksum(fqn, ci, want, lambda: _region_checksum(full, base_off, sshape, isz, lbox, want),
+                              (OSError, ValueError), f"cannot read {rel!r}{on} for its checksum",
+                              f"checksum mismatch for chunk {ci} region {c.region} on rank {hr} in {rel!r}")
+
+    def _locate_range(self, fqn: str, ci: int, byte_range: tuple[int, int], sshape: tuple[int, ...], size: int,
+                      exp: DType, lbox: Box, rel: str, on: str) -> tuple[int, tuple[int, ...], int] | None:
+        """A raw byte range (DCP payload): ``(start, stored shape, itemsize)``, or None when it is
+        past the end of the file (reported) or inconsistent (reported by validate_manifest)."""
+        a, b = byte_range
+        if b > size:
+            self.rep.add(fqn, "byte range problems",
+                         f"chunk {ci}: source.byte_range [{a}, {b}] is past the end of {rel!r}{on} "
+                         f"(expected stop <= file size {size}, got {b})")
+            return None
+        if b - a != prod(sshape) * exp.itemsize or not lbox.fits_in(sshape):
+            return None  # reported by validate_manifest
+        return a, sshape, exp.itemsize
+
+    def _locate_tensor(self, fqn: str, ci: int, tensor: str, exp: DType, lbox: Box, rel: str, full: Path,
+                       on: str) -> tuple[int, tuple[int, ...], int] | None:
+        """A tensor of a safetensors file: ``(data start, stored shape, itemsize)``, or None when
+        the header is unreadable, the tensor missing, or its dtype / shape wrong (reported)."""
+        hdr = self._header(fqn, ci, rel, full, on)
+        if hdr is None:
+            return None
+        stt: _StoredLike | None = hdr.tensors.get(tensor)
+        if stt is None:
+            if self._once("missing", rel, tensor):
+                names = sorted(hdr.tensors)
+                avail = ", ".join(repr(x) for x in names[:5])
+                if len(names) > 5:
+                    avail += f" and {len(names) - 5} more"
+                self.rep.add(fqn, "missing tensors",
+                             f"chunk {ci}: tensor {tensor!r} not found in {rel!r}{on} "
+                             f"(available: {avail or 'none'})")
+            return None
+        sshape = tuple(stt.shape)
+        if not self._stored_fits(fqn, ci, f"stored tensor {tensor!r} in {rel!r}{on}", (rel, tensor), exp,
+                                 stt.dtype.name, sshape, lbox):
+            return None
+        return stt.start, sshape, stt.dtype.itemsize
