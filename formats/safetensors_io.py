@@ -460,6 +460,23 @@ class _Batcher:
             self.dst[dpos : dpos + n * run].reshape(n, run)[...] = src
 
 
+def _region_target(start: int, shape: tuple[int, ...], itemsize: int, box: Box,
+                   out: memoryview | bytearray | np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """``out`` as writable bytes, after checking :func:`read_region`'s arguments: a positive
+    itemsize, a non-negative start, a region inside the stored shape, and room for exactly it."""
+    if itemsize <= 0:
+        raise ValueError(f"itemsize must be positive, got {itemsize}")
+    if start < 0:
+        raise ValueError(f"start must be >= 0, got {start}")
+    if not box.fits_in(shape):
+        raise RegionOutOfBoundsError(_region_misfit(box, shape))
+    dst = _writable_bytes(out)
+    need = box.volume * itemsize
+    if dst.nbytes != need:
+        raise ValueError(f"out holds {dst.nbytes} bytes but region {box} x {itemsize} bytes needs {need}")
+    return dst
+
+
 def read_region(
     fd: int,
     start: int,
@@ -490,17 +507,8 @@ def read_region(
     [10, 11, 18, 19]
     """
     shape = tuple(stored_shape)
-    if itemsize <= 0:
-        raise ValueError(f"itemsize must be positive, got {itemsize}")
-    if start < 0:
-        raise ValueError(f"start must be >= 0, got {start}")
-    if not box.fits_in(shape):
-        raise RegionOutOfBoundsError(_region_misfit(box, shape))
-    dst = _writable_bytes(out)
-    need = box.volume * itemsize
-    if dst.nbytes != need:
-        raise ValueError(f"out holds {dst.nbytes} bytes but region {box} x {itemsize} bytes needs {need}")
-    if need == 0:
+    dst = _region_target(start, shape, itemsize, box, out)
+    if dst.nbytes == 0:
         return
     budget = max(1, budget)
     io = _Batcher(fd, dst, stats)

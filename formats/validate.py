@@ -227,6 +227,23 @@ def _analyze_cells(off: np.ndarray[Any, Any], stop: np.ndarray[Any, Any], shape:
     kstride = [1] * nd
     for d in range(nd - 2, -1, -1):
         kstride[d] = kstride[d + 1] * radix[d + 1]
+    key, owner = _cell_keys(lo, span, kstride)
+    order = np.argsort(key, kind="stable")
+    ks = key[order]
+    ow = owner[order]
+    same = ks[1:] == ks[:-1]
+    pairs, truncated = _shared_cells(ks, ow, same, max_pairs)
+    union: int | None = None
+    gap: Box | None = None
+    if shape is not None:
+        union, gap = _union_and_gap(ks, same, breaks, radix, kstride, shape)
+    return _Geo(sorted(pairs)[:max_pairs], truncated, union, gap)
+
+
+def _cell_keys(lo: np.ndarray[Any, Any], span: np.ndarray[Any, Any],
+               kstride: list[int]) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+    """Every grid cell each box covers, as (row-major cell key, box index), one entry per cell."""
+    n, nd = lo.shape
     owner = np.arange(n, dtype=np.int64)
     key = np.zeros(n, dtype=np.int64)
     for d in range(nd):
@@ -240,51 +257,52 @@ def _analyze_cells(off: np.ndarray[Any, Any], stop: np.ndarray[Any, Any], shape:
         within = np.arange(len(rep_owner), dtype=np.int64) - np.repeat(starts, r)
         key = rep_key + (lo[rep_owner, d] + within) * kstride[d]
         owner = rep_owner
-    order = np.argsort(key, kind="stable")
-    ks = key[order]
-    ow = owner[order]
-    same = ks[1:] == ks[:-1]
+    return key, owner
+
+
+def _shared_cells(ks: np.ndarray[Any, Any], ow: np.ndarray[Any, Any], same: np.ndarray[Any, Any],
+                  max_pairs: int) -> tuple[set[tuple[int, int]], bool]:
+    """Pairs of boxes that share a cell (sorted keys ``ks``, their boxes ``ow``), at most
+    ``max_pairs`` + 1 of them; True when there were more."""
     pairs: set[tuple[int, int]] = set()
-    truncated = False
-    if bool(same.any()):
-        # runs of equal keys: positions [a, b) with b - a >= 2
-        boundary = np.flatnonzero(~same) + 1
-        starts_ = np.concatenate([[0], boundary])
-        ends_ = np.concatenate([boundary, [len(ks)]])
-        multi = np.flatnonzero(ends_ - starts_ >= 2)
-        for k in multi.tolist():
-            owners = sorted(set(ow[starts_[k]:ends_[k]].tolist()))
-            for x in range(len(owners)):
-                for y in range(x + 1, len(owners)):
-                    pairs.add((owners[x], owners[y]))
-                    if len(pairs) > max_pairs:
-                        truncated = True
-                        break
-                if truncated:
-                    break
-            if truncated:
-                break
-    union: int | None = None
+    if not bool(same.any()):
+        return pairs, False
+    # runs of equal keys: positions [a, b) with b - a >= 2
+    boundary = np.flatnonzero(~same) + 1
+    starts_ = np.concatenate([[0], boundary])
+    ends_ = np.concatenate([boundary, [len(ks)]])
+    multi = np.flatnonzero(ends_ - starts_ >= 2)
+    for k in multi.tolist():
+        owners = sorted(set(ow[starts_[k]:ends_[k]].tolist()))
+        for x in range(len(owners)):
+            for y in range(x + 1, len(owners)):
+                pairs.add((owners[x], owners[y]))
+                if len(pairs) > max_pairs:
+                    return pairs, True
+    return pairs, False
+
+
+def _union_and_gap(ks: np.ndarray[Any, Any], same: np.ndarray[Any, Any], breaks: list[np.ndarray[Any, Any]],
+                   radix: list[int], kstride: list[int], shape: Sequence[int]) -> tuple[int, Box | None]:
+    """Elements the covered cells hold, and the first uncovered cell (None: all covered)."""
+    nd = len(radix)
+    uniq = ks[np.concatenate([[True], ~same])] if len(ks) else ks
+    vol = np.ones(len(uniq), dtype=np.int64)
+    for d in range(nd):
+        idx = (uniq // kstride[d]) % radix[d]
+        vol *= np.diff(breaks[d])[idx]
+    union = int(vol.sum(dtype=np.int64)) if len(uniq) else 0
     gap: Box | None = None
-    if shape is not None:
-        uniq = ks[np.concatenate([[True], ~same])] if len(ks) else ks
-        vol = np.ones(len(uniq), dtype=np.int64)
-        idxs = []
+    if union < prod(shape) and len(uniq) < prod(radix):
+        miss = np.flatnonzero(uniq != np.arange(len(uniq), dtype=np.int64))
+        first = int(miss[0]) if len(miss) else len(uniq)
+        g_off, g_stop = [], []
         for d in range(nd):
-            idx = (uniq // kstride[d]) % radix[d]
-            idxs.append(idx)
-            vol *= np.diff(breaks[d])[idx]
-        union = int(vol.sum(dtype=np.int64)) if len(uniq) else 0
-        if union < prod(shape) and len(uniq) < total_grid:
-            miss = np.flatnonzero(uniq != np.arange(len(uniq), dtype=np.int64))
-            first = int(miss[0]) if len(miss) else len(uniq)
-            g_off, g_stop = [], []
-            for d in range(nd):
-                i = (first // kstride[d]) % radix[d]
-                g_off.append(int(breaks[d][i]))
-                g_stop.append(int(breaks[d][i + 1]))
-            gap = _box_from(g_off, g_stop)
-    return _Geo(sorted(pairs)[:max_pairs], truncated, union, gap)
+            i = (first // kstride[d]) % radix[d]
+            g_off.append(int(breaks[d][i]))
+            g_stop.append(int(breaks[d][i + 1]))
+        gap = _box_from(g_off, g_stop)
+    return union, gap
 
 
 def _analyze_sweep(off: np.ndarray[Any, Any], stop: np.ndarray[Any, Any], max_pairs: int) -> _Geo:
