@@ -13,19 +13,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from . import engine
 from .builder import Builder
-from .engine import (
-    Framework,
-    LayerContext,
-    ModelInfo,
-    Options,
-    Rule,
-    Site,
-    attention_checks,
-    mla_rule,
-    replicated,
-    walk,
-)
+from .engine import Framework, LayerContext, ModelInfo, Options, Rule, Site
 from .geometry import PresetError, ceil_to, divide, pp_partition
 
 __all__ = ["FRAMEWORK", "MEGATRON_VOCAB_DIVISOR", "megatron_padded_vocab"]
@@ -174,22 +164,22 @@ def _expert(c: _Ctx, s: Site, m: re.Match[str]) -> None:
 
 RULES: list[Rule[_Ctx]] = [
     Rule(r"input_layernorm\.weight", _input_layernorm),
-    mla_rule(MLA, lambda c, s: s.prefix + "self_attention."),
+    engine.mla_rule(MLA, lambda c, s: s.prefix + "self_attention."),
     Rule(r"post_attention_layernorm\.weight", _pre_mlp_layernorm),
-    Rule(r"self_attn\.([qk])_norm\.weight", replicated("self_attention.{0}_layernorm.weight")),
+    Rule(r"self_attn\.([qk])_norm\.weight", engine.replicated("self_attention.{0}_layernorm.weight")),
     Rule(r"self_attn\.([qkv])_proj\.(?:weight|bias)", _qkv),
     Rule(r"self_attn\.o_proj\.weight", _linear_proj),
-    Rule(r"self_attn\.o_proj\.bias", replicated("self_attention.linear_proj.bias")),
+    Rule(r"self_attn\.o_proj\.bias", engine.replicated("self_attention.linear_proj.bias")),
     Rule(r"(mlp\.(?:shared_experts\.)?)(gate|up|down)_proj\.(?:weight|bias)", _mlp),
-    Rule(r"mlp\.gate\.weight", replicated("mlp.router.weight")),
-    Rule(r"mlp\.gate\.e_score_correction_bias", replicated("mlp.router.expert_bias")),  # float32 in Megatron too
+    Rule(r"mlp\.gate\.weight", engine.replicated("mlp.router.weight")),
+    Rule(r"mlp\.gate\.e_score_correction_bias", engine.replicated("mlp.router.expert_bias")),  # float32 in Megatron too
     Rule(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight", _expert),
 ]
 
 
 def place(b: Builder, info: ModelInfo, opts: Options) -> None:
     T, P = b.size("tp"), b.size("pp")
-    attention_checks("megatron", info, T)
+    engine.attention_checks("megatron", info, T)
     if not info.mla and info.kv_heads % T:
         raise PresetError(f"megatron: num_query_groups (num_key_value_heads = {info.kv_heads}) must be divisible "
                           f"by tp ({T}); Megatron-core splits whole query groups over tensor-parallel ranks "
@@ -205,7 +195,7 @@ def place(b: Builder, info: ModelInfo, opts: Options) -> None:
     ctx = _Ctx("megatron", b, info, [k for k, n in enumerate(parts) for _ in range(n)],
                starts=[sum(parts[:k]) for k in range(P)], etp=etp, grouped_gemm=opts.moe_grouped_gemm,
                vper=megatron_padded_vocab(info.vocab, T) // T)
-    walk(ctx, TOP, RULES)
+    engine.walk(ctx, TOP, RULES)
 
 
 FRAMEWORK = Framework("megatron", AXES, ordered=True, place=place, fused_scales=True, stage_layers=True)

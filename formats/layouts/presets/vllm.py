@@ -12,19 +12,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from . import engine
 from .builder import Builder
-from .engine import (
-    Framework,
-    LayerContext,
-    ModelInfo,
-    Options,
-    Rule,
-    Site,
-    attention_checks,
-    mla_rule,
-    replicated,
-    walk,
-)
+from .engine import Framework, LayerContext, ModelInfo, Options, Rule, Site
 from .geometry import PresetError, ceil_to, divide, pp_partition
 
 __all__ = ["SGLANG", "VLLM", "VLLM_VOCAB_PADDING", "vllm_expert_range", "vllm_padded_vocab"]
@@ -181,8 +171,8 @@ def _rules(mla: dict[str, tuple[str, str, str | None]]) -> list[Rule[_Ctx]]:
         # replicated, same name (o_proj / down_proj biases are full on every rank)
         Rule(r"input_layernorm\.weight|post_attention_layernorm\.weight|self_attn\.[qk]_norm\.weight"
              r"|self_attn\.o_proj\.bias|mlp\.down_proj\.bias|mlp\.gate\.weight|mlp\.gate\.e_score_correction_bias",
-             replicated()),
-        mla_rule(mla, lambda c, s: s.prefix + "self_attn."),
+             engine.replicated()),
+        engine.mla_rule(mla, lambda c, s: s.prefix + "self_attn."),
         Rule(r"self_attn\.([qkv])_proj\.(?:weight|bias)", _qkv),
         Rule(r"self_attn\.o_proj\.weight", _o_proj),
         Rule(r"(mlp\.(?:shared_experts\.)?)(?:gate|up)_proj\.(?:weight|bias)", _gate_up),
@@ -221,7 +211,7 @@ def _declare_expert_tensors(c: _Ctx) -> None:
 def _context(b: Builder, info: ModelInfo, preset: str, expert_parallel: bool | None) -> _Ctx:
     """The derived sizes, with the checks vLLM (SGLang) makes, in its order."""
     T, P = b.size("tp"), b.size("pp")
-    attention_checks(preset, info, T)
+    engine.attention_checks(preset, info, T)
     nkv, hd, V = info.kv_heads, info.head_dim, info.vocab
     if info.mla:
         replicas, kv_loc = 1, 0  # no q/k/v heads (MLA)
@@ -250,7 +240,7 @@ def _context(b: Builder, info: ModelInfo, preset: str, expert_parallel: bool | N
 def _placer(preset: str) -> Framework:
     def place(b: Builder, info: ModelInfo, opts: Options) -> None:
         ctx = _context(b, info, preset, opts.expert_parallel)
-        walk(ctx, TOP, RULES[preset])
+        engine.walk(ctx, TOP, RULES[preset])
         _declare_expert_tensors(ctx)
 
     return Framework(preset, AXES, ordered=True, place=place, fused_scales=True)
