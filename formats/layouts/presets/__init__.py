@@ -148,7 +148,7 @@ from ..rules import check_file_pattern
 from . import fsdp2, hf, megatron, vllm
 from .builder import Builder
 from .engine import PRESET_DTYPES, Framework, ModelInfo, Options, check_axes, model_info, preset_dtype
-from .geometry import pp_partition
+from .geometry import PresetError, pp_partition
 from .megatron import MEGATRON_VOCAB_DIVISOR, megatron_padded_vocab
 from .vllm import VLLM_VOCAB_PADDING, vllm_expert_range, vllm_padded_vocab
 
@@ -157,6 +157,7 @@ __all__ = [
     "MEGATRON_VOCAB_DIVISOR",
     "PRESETS",
     "PRESET_DTYPES",
+    "PresetError",
     "TIED_EMBEDDING",
     "VLLM_VOCAB_PADDING",
     "Framework",
