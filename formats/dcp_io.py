@@ -35,9 +35,11 @@ from typing import Any
 from .box import Box
 from .dtypes import DTYPES, DType
 from .errors import FormatError
+from .files import read_bounded
+from .limits import INT64_MAX
 from .manifest import ArraySpec, Chunk, Manifest, Source
 
-__all__ = ["MAX_METADATA_BYTES", "is_dcp_dir", "read_dcp"]
+__all__ = ["MAX_METADATA_BYTES", "read_dcp"]
 
 METADATA_FILE = ".metadata"
 #: refuse to unpickle a ``.metadata`` bigger than this
@@ -46,11 +48,6 @@ MAX_METADATA_BYTES = 1 << 30
 MAX_DATA_PKL_BYTES = 1 << 20
 #: no single read of a torch.save archive's structure may exceed this (central directory etc.)
 MAX_ZIP_READ = 16 << 20
-INT64_MAX = (1 << 63) - 1
-
-
-def is_dcp_dir(path: str | os.PathLike[str]) -> bool:
-    return (Path(path) / METADATA_FILE).is_file()
 
 
 # ------------------------------------------------------------------ stand-ins for DCP's classes
@@ -534,8 +531,6 @@ class _Item:
 
 
 def _load_metadata(path: Path) -> _Metadata:
-    from .store import read_bounded
-
     where = str(path)
     data = read_bounded(path, MAX_METADATA_BYTES, ".metadata")
     try:
@@ -686,17 +681,32 @@ _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
 def _locate_payload(fd: int, item: _Item, sizes: tuple[int, ...], dt: DType) -> tuple[int, int]:
     """Absolute [start, stop) of the tensor bytes of one torch.save item; raises ValueError."""
     win = _Window(fd, item.offset, item.length)
+    zf = _open_archive(win)
+    infos = {i.filename: i for i in zf.infolist()}
+    prefix, pkl = _read_data_pkl(zf, infos)
+    t = _load_tensor_ref(pkl)
+    need, st_bytes = _check_tensor_ref(t, sizes, dt)
+    dinfo = _storage_entry(infos, prefix, t, st_bytes)
+    start = item.offset + _payload_offset(win, dinfo, item.length)
+    return start, start + need
+
+
+def _open_archive(win: _Window) -> zipfile.ZipFile:
+    """The item as a zip archive (torch.save's format)."""
     head = win.read(4)
     win.seek(0)
     if head != b"PK\x03\x04":
         raise ValueError("item is not a torch.save zip archive (only DCP's default TORCH_SAVE serialization "
                          "is supported)")
     try:
-        zf = zipfile.ZipFile(win)
+        return zipfile.ZipFile(win)
     except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, ValueError, struct.error, OverflowError,
             EOFError, KeyError, IndexError, UnicodeDecodeError) as e:
         raise ValueError(f"item is not a readable zip archive ({type(e).__name__}: {_clip(str(e))})") from None
-    infos = {i.filename: i for i in zf.infolist()}
+
+
+def _read_data_pkl(zf: zipfile.ZipFile, infos: dict[str, zipfile.ZipInfo]) -> tuple[str, bytes]:
+    """The archive's directory prefix and its ``data.pkl`` bytes (stored, bounded, little-endian)."""
     pkls = [n for n in infos if n.endswith("/data.pkl") and n.count("/") == 1]
     if len(pkls) != 1:
         raise ValueError(f"archive has {len(pkls)} top-level data.pkl entries (expected 1)")
@@ -715,9 +725,13 @@ def _locate_payload(fd: int, item: _Item, sizes: tuple[int, ...], dt: DType) -> 
             raise ValueError(f"tensor bytes are {order.decode('ascii', 'replace')!r}-endian (only little-endian "
                              "is supported)")
     try:
-        pkl = zf.read(pinfo)
+        return prefix, zf.read(pinfo)
     except (zipfile.BadZipFile, OSError, ValueError, struct.error, EOFError) as e:
         raise ValueError(f"cannot read {pinfo.filename} ({type(e).__name__}: {_clip(str(e))})") from None
+
+
+def _load_tensor_ref(pkl: bytes) -> _TensorRef:
+    """The tensor ``data.pkl`` describes, unpickled by the restricted unpickler."""
     try:
         t = _restricted_load(_DataPklUnpickler, pkl, allow_persistent=True)
     except _Refused as e:
@@ -730,6 +744,12 @@ def _locate_payload(fd: int, item: _Item, sizes: tuple[int, ...], dt: DType) -> 
                          f"{_clip(str(e))})") from None
     if not isinstance(t, _TensorRef):
         raise ValueError(f"data.pkl holds {_kind(t)}, not a tensor")  # noqa: TRY004 - reported as a bad item
+    return t
+
+
+def _check_tensor_ref(t: _TensorRef, sizes: tuple[int, ...], dt: DType) -> tuple[int, int]:
+    """The tensor agrees with ``.metadata`` (dtype, shape) and is contiguous row-major from offset
+    0: ``(bytes it needs, bytes its storage holds)``."""
     if t.dtype is not None and _TORCH_ALIASES.get(t.dtype, t.dtype) != dt.name:
         raise ValueError(f"stored tensor is {t.dtype}, .metadata says {dt.name}")
     if t.size != sizes:
@@ -751,6 +771,11 @@ def _locate_payload(fd: int, item: _Item, sizes: tuple[int, ...], dt: DType) -> 
     st_bytes = t.storage.numel if t.storage.dtype is None else t.storage.numel * _itemsize(t.storage.dtype)
     if st_bytes < need:
         raise ValueError(f"storage holds {st_bytes} bytes, the tensor needs {need}")
+    return need, st_bytes
+
+
+def _storage_entry(infos: dict[str, zipfile.ZipInfo], prefix: str, t: _TensorRef, st_bytes: int) -> zipfile.ZipInfo:
+    """The zip entry of the tensor's storage: present, stored uncompressed and unencrypted, whole."""
     dinfo = infos.get(f"{prefix}data/{t.storage.key}")
     if dinfo is None:
         raise ValueError(f"archive has no entry {prefix}data/{t.storage.key} for the tensor's storage")
@@ -762,6 +787,11 @@ def _locate_payload(fd: int, item: _Item, sizes: tuple[int, ...], dt: DType) -> 
     if dinfo.file_size != st_bytes or dinfo.compress_size != dinfo.file_size:
         raise ValueError(f"storage entry {dinfo.filename} holds {dinfo.file_size} bytes (compressed "
                          f"{dinfo.compress_size}), expected {st_bytes}")
+    return dinfo
+
+
+def _payload_offset(win: _Window, dinfo: zipfile.ZipInfo, length: int) -> int:
+    """Where the storage entry's bytes start inside the item (of ``length`` bytes)."""
     # the payload starts after the *local* header, whose extra field (alignment padding) may differ
     # from the central directory's
     win.seek(dinfo.header_offset)
@@ -774,12 +804,11 @@ def _locate_payload(fd: int, item: _Item, sizes: tuple[int, ...], dt: DType) -> 
     name = win.read(nlen)
     if name.decode("utf-8", "replace") != dinfo.filename:
         raise ValueError(f"local header names {name!r:.60}, central directory {dinfo.filename!r}")
-    rel_start = dinfo.header_offset + _LOCAL_HEADER.size + nlen + elen
-    if rel_start + dinfo.file_size > item.length:
+    rel_start: int = dinfo.header_offset + _LOCAL_HEADER.size + nlen + elen
+    if rel_start + dinfo.file_size > length:
         raise ValueError(f"storage entry {dinfo.filename} runs past the end of the item ({rel_start} + "
-                         f"{dinfo.file_size} > {item.length} bytes)")
-    start = item.offset + rel_start
-    return start, start + need
+                         f"{dinfo.file_size} > {length} bytes)")
+    return rel_start
 
 
 def _itemsize(name: str) -> int:

@@ -12,7 +12,7 @@ import numpy as np
 
 from .errors import FormatError, ManifestError
 
-__all__ = ["DType", "DTYPES", "by_name", "by_safetensors", "to_torch", "from_torch", "np_storage"]
+__all__ = ["DType", "DTYPES", "by_name", "by_safetensors", "from_torch", "np_storage"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,12 +59,6 @@ def by_safetensors(name: object) -> DType:
 def np_storage(dt: DType) -> np.dtype[Any]:
     """Numpy dtype whose bytes equal the element's (bf16 -> uint16, fp8 -> uint8)."""
     return np.dtype(dt.storage).newbyteorder("<") if dt.itemsize > 1 else np.dtype(dt.storage)
-
-
-def to_torch(dt: DType) -> Any:
-    import torch
-
-    return getattr(torch, "bool" if dt.name == "bool" else dt.name)
 
 
 def from_torch(tdtype: Any) -> DType:

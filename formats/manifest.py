@@ -19,6 +19,7 @@ from typing import Any, TypedDict
 from .box import Box
 from .dtypes import DTYPES, DType
 from .errors import ManifestError, ShardNotFoundError
+from .limits import INT64_MAX
 
 __all__ = [
     "FORMAT",
@@ -39,7 +40,6 @@ __all__ = [
 FORMAT = "shardstream.manifest"
 FORMAT_VERSION = 1
 MAX_MANIFEST_BYTES = 2 << 30  # refuse to json-parse more than 2 GiB
-INT64_MAX = (1 << 63) - 1
 
 
 class RegionDict(TypedDict):
@@ -195,8 +195,8 @@ class Manifest:
                 for i, v in enumerate(st):
                     if v > cur[i]:
                         cur[i] = v
-        for t, st in stops.items():
-            out[t] = TensorSpec(tuple(st), dts[t])
+        for t, stop in stops.items():
+            out[t] = TensorSpec(tuple(stop), dts[t])
         for t, ts in self.tensors.get(rank, {}).items():
             out[t] = ts
         return out
@@ -359,6 +359,124 @@ class _Parser:
         return Chunk(box, hs, src)
 
 
+    # ---- top-level sections of parse_manifest, in the order their problems are reported
+
+    def format(self, obj: Mapping[str, Any]) -> None:
+        if obj.get("format") != FORMAT:
+            self.bad("", f"'format' must be {FORMAT!r}, got {_short(obj.get('format'))}")
+        fv = obj.get("format_version")
+        if fv != FORMAT_VERSION or not _is_int(fv):
+            self.bad("", f"unsupported format_version {_short(fv)} (this shardstream reads version {FORMAT_VERSION})")
+
+    def world_size(self, ws: object) -> int:
+        if not isinstance(ws, int) or isinstance(ws, bool) or ws < 1:
+            self.bad("", f"world_size must be a positive integer, got {_short(ws)}")
+            return 0
+        return ws
+
+    def section(self, v: object, what: str, allowed: set[str]) -> dict[str, Any] | None:
+        """An optional object-valued top-level key (``mesh``, ``topology``): None when absent or bad."""
+        if v is None:
+            return None
+        if not isinstance(v, dict):
+            self.bad("", f"{what} must be an object, got {_short(v)}")
+            return None
+        self.keys(v, allowed, what)
+        return v
+
+    def mesh(self, v: object) -> dict[str, Any] | None:
+        mesh = self.section(v, "mesh", _MESH_KEYS)
+        if mesh is not None:
+            axes, shp = mesh.get("axes"), mesh.get("shape")
+            if not (isinstance(axes, list) and all(isinstance(a, str) for a in axes)):
+                self.bad("mesh", f"axes must be a list of strings, got {_short(axes)}")
+            sizes = self.ints(shp, "mesh", "shape")
+            if sizes is not None and isinstance(axes, list) and len(axes) != len(sizes):
+                self.bad("mesh", f"{len(axes)} axes but {len(sizes)} sizes")
+        return mesh
+
+    def topology(self, v: object) -> dict[str, Any] | None:
+        topo = self.section(v, "topology", _TOPOLOGY_KEYS)
+        if topo is not None:
+            dsz = topo.get("domain_size")
+            if dsz is not None and (not _is_int(dsz) or dsz < 1):
+                self.bad("topology", f"domain_size must be a positive integer, got {_short(dsz)}")
+        return topo
+
+    def tensors(self, tv: object) -> dict[int, dict[str, TensorSpec]]:
+        tensors: dict[int, dict[str, TensorSpec]] = {}
+        if tv is None:
+            return tensors
+        if not isinstance(tv, dict):
+            self.bad("", f"tensors must be an object keyed by rank, got {_short(tv)}")
+            return tensors
+        for rk, ts in tv.items():
+            if not (isinstance(rk, str) and rk.isdigit()):
+                self.bad("tensors", f"key {rk!r} is not a rank number")
+                continue
+            if not isinstance(ts, dict):
+                self.bad(f"tensors.{rk}", f"must be an object of local tensors, got {_short(ts)}")
+                continue
+            m: dict[str, TensorSpec] = {}
+            for tn, t in ts.items():
+                spec = self.tensor_spec(t, f"tensors.{rk}.{tn}")
+                if spec is not None:
+                    m[tn] = spec
+            tensors[int(rk)] = m
+        return tensors
+
+    def tensor_spec(self, t: object, ctx: str) -> TensorSpec | None:
+        if not isinstance(t, dict):
+            self.bad(ctx, f"must be an object, got {_short(t)}")
+            return None
+        self.keys(t, _TENSOR_KEYS, ctx)
+        shp = self.ints(t.get("shape"), ctx, "shape")
+        dt = t.get("data_type")
+        if not isinstance(dt, str) or dt not in DTYPES:
+            self.bad(ctx, f"unknown data_type {_short(dt)}")
+            return None
+        return None if shp is None else TensorSpec(shp, dt)
+
+    def arrays(self, av: object) -> dict[str, ArraySpec]:
+        arrays: dict[str, ArraySpec] = {}
+        if not isinstance(av, dict):
+            self.bad("", f"missing or invalid 'arrays' (expected an object), got {_short(av)}")
+            return arrays
+        for fqn, a in av.items():
+            spec = self.array(fqn, a)
+            if spec is not None:
+                arrays[fqn] = spec
+        return arrays
+
+    def array(self, fqn: str, a: object) -> ArraySpec | None:
+        if not isinstance(a, dict):
+            self.bad(fqn, f"array must be an object, got {_short(a)}")
+            return None
+        self.keys(a, _ARRAY_KEYS, fqn)
+        miss = [k for k in ("shape", "data_type", "chunks") if k not in a]
+        if miss:
+            self.bad(fqn, f"missing required key(s) {', '.join(miss)}")
+            return None
+        shape = self.ints(a["shape"], fqn, "shape")
+        dt = a["data_type"]
+        known = isinstance(dt, str) and dt in DTYPES
+        if not known:
+            self.bad(fqn, f"unknown data_type {_short(dt)} (expected one of {', '.join(DTYPES)})")
+        if shape is None:
+            return None
+        cv = a["chunks"]
+        if not isinstance(cv, list):
+            self.bad(fqn, f"chunks must be a list, got {_short(cv)}")
+            return None
+        chunks = []
+        nd = len(shape)
+        for i, c in enumerate(cv):
+            ch = self.chunk(c, f"{fqn}: chunk {i}", nd)
+            if ch is not None:
+                chunks.append(ch)
+        return ArraySpec(shape, dt, tuple(chunks)) if known else None
+
+
 def _valid_checksum(s: str) -> bool:
     algo, _, hexpart = s.partition(":")
     if algo not in ("xxh64", "crc32c") or not hexpart:
@@ -380,108 +498,23 @@ def parse_manifest(obj: object, *, where: str = "<manifest>", base_dir: Path | N
     p = _Parser(where)
     if not isinstance(obj, dict):
         raise ManifestError(problems=[f"{where}: top level must be a JSON object, got {type(obj).__name__}"])
-    if obj.get("format") != FORMAT:
-        p.bad("", f"'format' must be {FORMAT!r}, got {_short(obj.get('format'))}")
-    fv = obj.get("format_version")
-    if fv != FORMAT_VERSION or not _is_int(fv):
-        p.bad("", f"unsupported format_version {_short(fv)} (this shardstream reads version {FORMAT_VERSION})")
+    p.format(obj)
     if p.problems:  # wrong format / version: the rest would only be noise
         raise ManifestError(problems=p.problems)
     p.keys(obj, _TOP_KEYS, "")
-    ws = obj.get("world_size")
-    if not _is_int(ws) or ws < 1:
-        p.bad("", f"world_size must be a positive integer, got {_short(ws)}")
-        ws = 0
+    ws = p.world_size(obj.get("world_size"))
     name = obj.get("name")
     if name is not None and not isinstance(name, str):
         p.bad("", f"name must be a string, got {_short(name)}")
         name = None
-    mesh = obj.get("mesh")
-    if mesh is not None:
-        if not isinstance(mesh, dict):
-            p.bad("", f"mesh must be an object, got {_short(mesh)}")
-            mesh = None
-        else:
-            p.keys(mesh, _MESH_KEYS, "mesh")
-            axes, shp = mesh.get("axes"), mesh.get("shape")
-            if not (isinstance(axes, list) and all(isinstance(a, str) for a in axes)):
-                p.bad("mesh", f"axes must be a list of strings, got {_short(axes)}")
-            if p.ints(shp, "mesh", "shape") is not None and isinstance(axes, list) and len(axes) != len(shp):
-                p.bad("mesh", f"{len(axes)} axes but {len(shp)} sizes")
-    topo = obj.get("topology")
-    if topo is not None:
-        if not isinstance(topo, dict):
-            p.bad("", f"topology must be an object, got {_short(topo)}")
-            topo = None
-        else:
-            p.keys(topo, _TOPOLOGY_KEYS, "topology")
-            dsz = topo.get("domain_size")
-            if dsz is not None and (not _is_int(dsz) or dsz < 1):
-                p.bad("topology", f"domain_size must be a positive integer, got {_short(dsz)}")
+    mesh = p.mesh(obj.get("mesh"))
+    topo = p.topology(obj.get("topology"))
     partial = obj.get("partial", False)
     if not isinstance(partial, bool):
         p.bad("", f"partial must be true or false, got {_short(partial)}")
         partial = False
-    tensors: dict[int, dict[str, TensorSpec]] = {}
-    tv = obj.get("tensors")
-    if tv is not None:
-        if not isinstance(tv, dict):
-            p.bad("", f"tensors must be an object keyed by rank, got {_short(tv)}")
-        else:
-            for rk, ts in tv.items():
-                if not (isinstance(rk, str) and rk.isdigit()):
-                    p.bad("tensors", f"key {rk!r} is not a rank number")
-                    continue
-                if not isinstance(ts, dict):
-                    p.bad(f"tensors.{rk}", f"must be an object of local tensors, got {_short(ts)}")
-                    continue
-                m: dict[str, TensorSpec] = {}
-                for tn, t in ts.items():
-                    ctx = f"tensors.{rk}.{tn}"
-                    if not isinstance(t, dict):
-                        p.bad(ctx, f"must be an object, got {_short(t)}")
-                        continue
-                    p.keys(t, _TENSOR_KEYS, ctx)
-                    shp = p.ints(t.get("shape"), ctx, "shape")
-                    dt = t.get("data_type")
-                    if not isinstance(dt, str) or dt not in DTYPES:
-                        p.bad(ctx, f"unknown data_type {_short(dt)}")
-                        continue
-                    if shp is not None:
-                        m[tn] = TensorSpec(shp, dt)
-                tensors[int(rk)] = m
-    arrays: dict[str, ArraySpec] = {}
-    av = obj.get("arrays")
-    if not isinstance(av, dict):
-        p.bad("", f"missing or invalid 'arrays' (expected an object), got {_short(av)}")
-        av = {}
-    for fqn, a in av.items():
-        if not isinstance(a, dict):
-            p.bad(fqn, f"array must be an object, got {_short(a)}")
-            continue
-        p.keys(a, _ARRAY_KEYS, fqn)
-        miss = [k for k in ("shape", "data_type", "chunks") if k not in a]
-        if miss:
-            p.bad(fqn, f"missing required key(s) {', '.join(miss)}")
-            continue
-        shape = p.ints(a["shape"], fqn, "shape")
-        dt = a["data_type"]
-        if not isinstance(dt, str) or dt not in DTYPES:
-            p.bad(fqn, f"unknown data_type {_short(dt)} (expected one of {', '.join(DTYPES)})")
-        if shape is None:
-            continue
-        cv = a["chunks"]
-        if not isinstance(cv, list):
-            p.bad(fqn, f"chunks must be a list, got {_short(cv)}")
-            continue
-        chunks = []
-        nd = len(shape)
-        for i, c in enumerate(cv):
-            ch = p.chunk(c, f"{fqn}: chunk {i}", nd)
-            if ch is not None:
-                chunks.append(ch)
-        if isinstance(dt, str) and dt in DTYPES:
-            arrays[fqn] = ArraySpec(shape, dt, tuple(chunks))
+    tensors = p.tensors(obj.get("tensors"))
+    arrays = p.arrays(obj.get("arrays"))
     if p.problems:
         raise ManifestError(problems=p.problems)
     return Manifest(world_size=ws, arrays=arrays, name=name, mesh=mesh, topology=topo,

@@ -38,6 +38,7 @@ from numpy.lib.stride_tricks import as_strided
 from .box import Box, uniform_runs
 from .dtypes import DTYPES, DType, by_safetensors, from_torch, np_storage
 from .errors import FormatError, RegionOutOfBoundsError, ShardNotFoundError
+from .limits import INT64_MAX
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -56,7 +57,6 @@ __all__ = [
 ]
 
 MAX_HEADER_BYTES = 100_000_000  # the official limit (safetensors MAX_HEADER_SIZE)
-_INT64_MAX = (1 << 63) - 1
 _ENTRY_KEYS = frozenset({"dtype", "shape", "data_offsets"})
 _METADATA = "__metadata__"
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
@@ -319,7 +319,7 @@ def _parse_entry(name: str, entry: Any, label: str, data_start: int, file_size: 
         if type(v) is not int or v < 0:
             raise FormatError(f"{where()}: shape must be an array of non-negative integers, "
                               f"got {_short(shape)}")
-        if count <= _INT64_MAX:
+        if count <= INT64_MAX:
             count *= v
     offs = entry["data_offsets"]
     if not (type(offs) is list and len(offs) == 2 and type(offs[0]) is int and type(offs[1]) is int):
@@ -334,7 +334,7 @@ def _parse_entry(name: str, entry: Any, label: str, data_start: int, file_size: 
                           f"section holds {data_len} bytes (file {file_size} bytes, data starts at "
                           f"{data_start})")
     need = count * dt.itemsize
-    if need > _INT64_MAX:
+    if need > INT64_MAX:
         raise FormatError(f"{where()}: shape {_short(shape)} x {dt.safetensors} overflows int64 "
                           f"(element count x itemsize > 2**63-1)")
     if end - begin != need:
@@ -460,6 +460,23 @@ class _Batcher:
             self.dst[dpos : dpos + n * run].reshape(n, run)[...] = src
 
 
+def _region_target(start: int, shape: tuple[int, ...], itemsize: int, box: Box,
+                   out: memoryview | bytearray | np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """``out`` as writable bytes, after checking :func:`read_region`'s arguments: a positive
+    itemsize, a non-negative start, a region inside the stored shape, and room for exactly it."""
+    if itemsize <= 0:
+        raise ValueError(f"itemsize must be positive, got {itemsize}")
+    if start < 0:
+        raise ValueError(f"start must be >= 0, got {start}")
+    if not box.fits_in(shape):
+        raise RegionOutOfBoundsError(_region_misfit(box, shape))
+    dst = _writable_bytes(out)
+    need = box.volume * itemsize
+    if dst.nbytes != need:
+        raise ValueError(f"out holds {dst.nbytes} bytes but region {box} x {itemsize} bytes needs {need}")
+    return dst
+
+
 def read_region(
     fd: int,
     start: int,
@@ -490,17 +507,8 @@ def read_region(
     [10, 11, 18, 19]
     """
     shape = tuple(stored_shape)
-    if itemsize <= 0:
-        raise ValueError(f"itemsize must be positive, got {itemsize}")
-    if start < 0:
-        raise ValueError(f"start must be >= 0, got {start}")
-    if not box.fits_in(shape):
-        raise RegionOutOfBoundsError(_region_misfit(box, shape))
-    dst = _writable_bytes(out)
-    need = box.volume * itemsize
-    if dst.nbytes != need:
-        raise ValueError(f"out holds {dst.nbytes} bytes but region {box} x {itemsize} bytes needs {need}")
-    if need == 0:
+    dst = _region_target(start, shape, itemsize, box, out)
+    if dst.nbytes == 0:
         return
     budget = max(1, budget)
     io = _Batcher(fd, dst, stats)
@@ -684,9 +692,9 @@ def layout_file(
         nbytes = dt.itemsize
         for v in shape:
             nbytes *= v
-            if nbytes > _INT64_MAX:
+            if nbytes > INT64_MAX:
                 break
-        if nbytes > _INT64_MAX or offset + nbytes > _INT64_MAX:
+        if nbytes > INT64_MAX or offset + nbytes > INT64_MAX:
             raise ValueError(f"tensor {_q(name)}: shape {shape} x {dt.safetensors} does not fit in int64 "
                              f"(file would exceed 2**63-1 bytes)")
         header[name] = {"dtype": dt.safetensors, "shape": shape, "data_offsets": [offset, offset + nbytes]}

@@ -32,11 +32,11 @@ from .box import Box, contiguous_slabs
 from .checksum import new_hasher
 from .dtypes import DTYPES, DType
 from .errors import FormatError, ShardNotFoundError, ShardstreamError, UsageError
+from .limits import INT64_MAX
 from .manifest import Chunk, Manifest
 
 __all__ = ["INT64_MAX", "MAX_PER_KIND", "check_file_path", "validate_data", "validate_manifest"]
 
-INT64_MAX = (1 << 63) - 1
 #: at most this many problems of one kind are printed per array; the rest are counted
 MAX_PER_KIND = 20
 #: overlap enumeration stops after this many pairs per array (the summary then says "more than")
@@ -227,6 +227,23 @@ def _analyze_cells(off: np.ndarray[Any, Any], stop: np.ndarray[Any, Any], shape:
     kstride = [1] * nd
     for d in range(nd - 2, -1, -1):
         kstride[d] = kstride[d + 1] * radix[d + 1]
+    key, owner = _cell_keys(lo, span, kstride)
+    order = np.argsort(key, kind="stable")
+    ks = key[order]
+    ow = owner[order]
+    same = ks[1:] == ks[:-1]
+    pairs, truncated = _shared_cells(ks, ow, same, max_pairs)
+    union: int | None = None
+    gap: Box | None = None
+    if shape is not None:
+        union, gap = _union_and_gap(ks, same, breaks, radix, kstride, shape)
+    return _Geo(sorted(pairs)[:max_pairs], truncated, union, gap)
+
+
+def _cell_keys(lo: np.ndarray[Any, Any], span: np.ndarray[Any, Any],
+               kstride: list[int]) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+    """Every grid cell each box covers, as (row-major cell key, box index), one entry per cell."""
+    n, nd = lo.shape
     owner = np.arange(n, dtype=np.int64)
     key = np.zeros(n, dtype=np.int64)
     for d in range(nd):
@@ -240,51 +257,52 @@ def _analyze_cells(off: np.ndarray[Any, Any], stop: np.ndarray[Any, Any], shape:
         within = np.arange(len(rep_owner), dtype=np.int64) - np.repeat(starts, r)
         key = rep_key + (lo[rep_owner, d] + within) * kstride[d]
         owner = rep_owner
-    order = np.argsort(key, kind="stable")
-    ks = key[order]
-    ow = owner[order]
-    same = ks[1:] == ks[:-1]
+    return key, owner
+
+
+def _shared_cells(ks: np.ndarray[Any, Any], ow: np.ndarray[Any, Any], same: np.ndarray[Any, Any],
+                  max_pairs: int) -> tuple[set[tuple[int, int]], bool]:
+    """Pairs of boxes that share a cell (sorted keys ``ks``, their boxes ``ow``), at most
+    ``max_pairs`` + 1 of them; True when there were more."""
     pairs: set[tuple[int, int]] = set()
-    truncated = False
-    if bool(same.any()):
-        # runs of equal keys: positions [a, b) with b - a >= 2
-        boundary = np.flatnonzero(~same) + 1
-        starts_ = np.concatenate([[0], boundary])
-        ends_ = np.concatenate([boundary, [len(ks)]])
-        multi = np.flatnonzero(ends_ - starts_ >= 2)
-        for k in multi.tolist():
-            owners = sorted(set(ow[starts_[k]:ends_[k]].tolist()))
-            for x in range(len(owners)):
-                for y in range(x + 1, len(owners)):
-                    pairs.add((owners[x], owners[y]))
-                    if len(pairs) > max_pairs:
-                        truncated = True
-                        break
-                if truncated:
-                    break
-            if truncated:
-                break
-    union: int | None = None
+    if not bool(same.any()):
+        return pairs, False
+    # runs of equal keys: positions [a, b) with b - a >= 2
+    boundary = np.flatnonzero(~same) + 1
+    starts_ = np.concatenate([[0], boundary])
+    ends_ = np.concatenate([boundary, [len(ks)]])
+    multi = np.flatnonzero(ends_ - starts_ >= 2)
+    for k in multi.tolist():
+        owners = sorted(set(ow[starts_[k]:ends_[k]].tolist()))
+        for x in range(len(owners)):
+            for y in range(x + 1, len(owners)):
+                pairs.add((owners[x], owners[y]))
+                if len(pairs) > max_pairs:
+                    return pairs, True
+    return pairs, False
+
+
+def _union_and_gap(ks: np.ndarray[Any, Any], same: np.ndarray[Any, Any], breaks: list[np.ndarray[Any, Any]],
+                   radix: list[int], kstride: list[int], shape: Sequence[int]) -> tuple[int, Box | None]:
+    """Elements the covered cells hold, and the first uncovered cell (None: all covered)."""
+    nd = len(radix)
+    uniq = ks[np.concatenate([[True], ~same])] if len(ks) else ks
+    vol = np.ones(len(uniq), dtype=np.int64)
+    for d in range(nd):
+        idx = (uniq // kstride[d]) % radix[d]
+        vol *= np.diff(breaks[d])[idx]
+    union = int(vol.sum(dtype=np.int64)) if len(uniq) else 0
     gap: Box | None = None
-    if shape is not None:
-        uniq = ks[np.concatenate([[True], ~same])] if len(ks) else ks
-        vol = np.ones(len(uniq), dtype=np.int64)
-        idxs = []
+    if union < prod(shape) and len(uniq) < prod(radix):
+        miss = np.flatnonzero(uniq != np.arange(len(uniq), dtype=np.int64))
+        first = int(miss[0]) if len(miss) else len(uniq)
+        g_off, g_stop = [], []
         for d in range(nd):
-            idx = (uniq // kstride[d]) % radix[d]
-            idxs.append(idx)
-            vol *= np.diff(breaks[d])[idx]
-        union = int(vol.sum(dtype=np.int64)) if len(uniq) else 0
-        if union < prod(shape) and len(uniq) < total_grid:
-            miss = np.flatnonzero(uniq != np.arange(len(uniq), dtype=np.int64))
-            first = int(miss[0]) if len(miss) else len(uniq)
-            g_off, g_stop = [], []
-            for d in range(nd):
-                i = (first // kstride[d]) % radix[d]
-                g_off.append(int(breaks[d][i]))
-                g_stop.append(int(breaks[d][i + 1]))
-            gap = _box_from(g_off, g_stop)
-    return _Geo(sorted(pairs)[:max_pairs], truncated, union, gap)
+            i = (first // kstride[d]) % radix[d]
+            g_off.append(int(breaks[d][i]))
+            g_stop.append(int(breaks[d][i + 1]))
+        gap = _box_from(g_off, g_stop)
+    return union, gap
 
 
 def _analyze_sweep(off: np.ndarray[Any, Any], stop: np.ndarray[Any, Any], max_pairs: int) -> _Geo:
@@ -479,73 +497,29 @@ def validate_manifest(m: Manifest, *, where: str = "<manifest>", check_paths: bo
 def _validate_array(m: Manifest, fqn: str, shape: tuple[int, ...], data_type: str,
                     chunks: Sequence[Chunk], rep: _Report, local: dict[_LocalKey, list[_LocalEntry]],
                     files: dict[str, list[Any]]) -> None:
-    ws = m.world_size
-    nd = len(shape)
-    dt = DTYPES.get(data_type)
+    dt = _check_array_type(fqn, shape, data_type, rep)
     if dt is None:
-        rep.add(fqn, "data_type problems",
-                f"unknown data_type {data_type!r} (expected one of {', '.join(DTYPES)})")
         return
     isz = dt.itemsize
-    if any(x < 0 for x in shape):
-        rep.add(fqn, "shape problems", f"shape {_dims(shape)} has a negative size")
-        return
     elems = prod(shape)
     array_ok = elems * isz <= INT64_MAX
     if not array_ok:
         rep.add(fqn, "size problems",
                 f"array size overflows int64 (expected at most {INT64_MAX} bytes, got {elems * isz} "
                 f"bytes = {elems} elements x {isz})")
+    nd = len(shape)
     offs: list[tuple[int, ...]] = []
     stops: list[tuple[int, ...]] = []
     box_chunk: list[int] = []
     zeros = (0,) * nd
-    dims = range(nd)
     for ci, c in enumerate(chunks):
         r = c.region
         ro, rs = r.offsets, r.sizes
         if len(rs) != nd:
             rep.add(fqn, "rank problems", f"chunk {ci}: region has {len(rs)} dims (expected {nd}, got {len(rs)})")
             continue
-        # holders: sorted, unique, in range
-        h = c.holders
-        if len(h) == 1:
-            if not 0 <= h[0] < ws:
-                rep.add(fqn, "holder problems",
-                        f"chunk {ci}: holder rank {h[0]} is out of range "
-                        f"(expected 0 <= rank < world_size {ws}, got {h[0]})")
-        elif not h:
-            rep.add(fqn, "holder problems", f"chunk {ci}: holders is empty (expected at least one rank)")
-        else:
-            if any(h[k] >= h[k + 1] for k in range(len(h) - 1)):
-                rep.add(fqn, "holder problems",
-                        f"chunk {ci}: holders must be sorted and unique (expected {_dims(sorted(set(h)))}, "
-                        f"got {_dims(h)})")
-            for hr in h:
-                if not 0 <= hr < ws:
-                    rep.add(fqn, "holder problems",
-                            f"chunk {ci}: holder rank {hr} is out of range "
-                            f"(expected 0 <= rank < world_size {ws}, got {hr})")
-        # bounds
-        rstop = tuple([o + z for o, z in zip(ro, rs)])
-        in_bounds = True
-        for d in dims:
-            if rstop[d] > shape[d]:
-                in_bounds = False
-                rep.add(fqn, "out-of-bounds regions",
-                        f"chunk {ci} region {r} exceeds shape {_dims(shape)} in dim {d} "
-                        f"(stop {rstop[d]} > {shape[d]})")
-        if not (in_bounds and array_ok):  # else the region is no bigger than the array
-            rb = prod(rs) * isz
-            if rb > INT64_MAX:
-                rep.add(fqn, "size problems",
-                        f"chunk {ci}: region {r} size overflows int64 (expected at most {INT64_MAX} bytes, "
-                        f"got {rb} bytes)")
-        empty = 0 in rs
-        if empty:
-            rep.add(fqn, "empty regions",
-                    f"chunk {ci}: empty region listed {r} (expected sizes >= 1 in every dim, "
-                    f"got sizes {_dims(rs)})")
+        _check_holders(fqn, ci, c.holders, m.world_size, rep)
+        rstop, in_bounds, empty = _check_region(fqn, ci, r, shape, isz, array_ok, rep)
         # source and local tensor
         src = c.source
         loff = zeros if src is None or src.offsets is None else src.offsets
@@ -563,16 +537,83 @@ def _validate_array(m: Manifest, fqn: str, shape: tuple[int, ...], data_type: st
         offs.append(ro)
         stops.append(rstop)
         box_chunk.append(ci)
-    if not array_ok:
-        return
-    if nd == 0:
+    if array_ok:
+        _check_coverage(m, fqn, shape, offs, stops, box_chunk, rep)
+
+
+def _check_array_type(fqn: str, shape: tuple[int, ...], data_type: str, rep: _Report) -> DType | None:
+    """The array's dtype, or None (reported) when its data_type or shape is unusable."""
+    dt = DTYPES.get(data_type)
+    if dt is None:
+        rep.add(fqn, "data_type problems",
+                f"unknown data_type {data_type!r} (expected one of {', '.join(DTYPES)})")
+        return None
+    if any(x < 0 for x in shape):
+        rep.add(fqn, "shape problems", f"shape {_dims(shape)} has a negative size")
+        return None
+    return dt
+
+
+def _check_holders(fqn: str, ci: int, h: tuple[int, ...], ws: int, rep: _Report) -> None:
+    """Holders: sorted, unique, in ``[0, world_size)``."""
+    if len(h) == 1:
+        if not 0 <= h[0] < ws:
+            rep.add(fqn, "holder problems",
+                    f"chunk {ci}: holder rank {h[0]} is out of range "
+                    f"(expected 0 <= rank < world_size {ws}, got {h[0]})")
+    elif not h:
+        rep.add(fqn, "holder problems", f"chunk {ci}: holders is empty (expected at least one rank)")
+    else:
+        if any(h[k] >= h[k + 1] for k in range(len(h) - 1)):
+            rep.add(fqn, "holder problems",
+                    f"chunk {ci}: holders must be sorted and unique (expected {_dims(sorted(set(h)))}, "
+                    f"got {_dims(h)})")
+        for hr in h:
+            if not 0 <= hr < ws:
+                rep.add(fqn, "holder problems",
+                        f"chunk {ci}: holder rank {hr} is out of range "
+                        f"(expected 0 <= rank < world_size {ws}, got {hr})")
+
+
+def _check_region(fqn: str, ci: int, r: Box, shape: tuple[int, ...], isz: int, array_ok: bool,
+                  rep: _Report) -> tuple[tuple[int, ...], bool, bool]:
+    """Bounds, byte size and emptiness of one chunk's region: ``(stops, in bounds, empty)``."""
+    ro, rs = r.offsets, r.sizes
+    rstop = tuple([o + z for o, z in zip(ro, rs)])
+    in_bounds = True
+    for d in range(len(shape)):
+        if rstop[d] > shape[d]:
+            in_bounds = False
+            rep.add(fqn, "out-of-bounds regions",
+                    f"chunk {ci} region {r} exceeds shape {_dims(shape)} in dim {d} "
+                    f"(stop {rstop[d]} > {shape[d]})")
+    if not (in_bounds and array_ok):  # else the region is no bigger than the array
+        rb = prod(rs) * isz
+        if rb > INT64_MAX:
+            rep.add(fqn, "size problems",
+                    f"chunk {ci}: region {r} size overflows int64 (expected at most {INT64_MAX} bytes, "
+                    f"got {rb} bytes)")
+    empty = 0 in rs
+    if empty:
+        rep.add(fqn, "empty regions",
+                f"chunk {ci}: empty region listed {r} (expected sizes >= 1 in every dim, "
+                f"got sizes {_dims(rs)})")
+    return rstop, in_bounds, empty
+
+
+def _check_coverage(m: Manifest, fqn: str, shape: tuple[int, ...], offs: list[tuple[int, ...]],
+                    stops: list[tuple[int, ...]], box_chunk: list[int], rep: _Report) -> None:
+    """Overlaps between the chunks' regions (``offs`` / ``stops``, clipped to the array; chunk
+    numbers in ``box_chunk``) and, unless the manifest is partial, gaps."""
+    elems = prod(shape)
+    if not shape:
         k = len(box_chunk)
         if k > 1 or (k == 0 and not m.partial):
             rep.add(fqn, "coverage problems",
                     f"0-d array needs exactly one chunk with region offsets [] sizes [] "
                     f"(expected 1 chunk, got {k})")
         return
-    geo = _analyze(offs, stops, nd, shape=shape)
+    geo = _analyze(offs, stops, len(shape), shape=shape)
     for i, j in geo.pairs:
         inter = _box_from(offs[i], stops[i]).intersect(_box_from(offs[j], stops[j]))
         rep.add(fqn, "overlaps", f"chunks {box_chunk[i]} and {box_chunk[j]} overlap in region {inter}")
@@ -981,38 +1022,53 @@ class _DataChecker:
         exp = _declared_dtype(self.m, ranks, tensor) or adt
         info = za.info
         lbox = c.local_box
-        if info.data_type != exp.name:
-            if self._once("dtype", rel, tensor, exp.name):
+        what = f"zarr array {tensor!r} in {rel!r}{on}"
+        if not self._stored_fits(fqn, ci, what, (rel, tensor), exp, info.data_type, info.shape, lbox):
+            return
+        if src.checksum is not None and self.verify:
+            want = src.checksum
+            self._verify_checksum(fqn, ci, want, lambda: region_checksum(za, lbox, want),
+                                  (ShardstreamError, OSError, ValueError),
+                                  f"cannot read zarr array {tensor!r} in {rel!r}{on} for its checksum",
+                                  f"checksum mismatch for chunk {ci} region {c.region} on rank {hr} in zarr array "
+                                  f"{tensor!r} of {rel!r}")
+
+    def _stored_fits(self, fqn: str, ci: int, what: str, key: tuple[str, str], exp: DType, got_dtype: str,
+                     shape: Sequence[int], lbox: Box) -> bool:
+        """The stored tensor ``what`` (at ``key`` = (file, tensor)) has the expected dtype, the local
+        box's number of dims, and room for the local box; else reported, False."""
+        if got_dtype != exp.name:
+            if self._once("dtype", *key, exp.name):
                 self.rep.add(fqn, "data_type problems",
-                             f"chunk {ci}: zarr array {tensor!r} in {rel!r}{on} has the wrong data_type "
-                             f"(expected {exp.name}, got {info.data_type})")
-            return
-        if len(info.shape) != lbox.ndim:
-            self.rep.add(fqn, "shape problems", f"chunk {ci}: zarr array {tensor!r} in {rel!r}{on} has "
-                         f"{len(info.shape)} dims (expected {lbox.ndim}, got shape {_dims(info.shape)})")
-            return
-        if not lbox.fits_in(info.shape):
+                             f"chunk {ci}: {what} has the wrong data_type (expected {exp.name}, got {got_dtype})")
+            return False
+        if len(shape) != lbox.ndim:
+            self.rep.add(fqn, "shape problems", f"chunk {ci}: {what} has {len(shape)} dims "
+                         f"(expected {lbox.ndim}, got shape {_dims(shape)})")
+            return False
+        if not lbox.fits_in(shape):
             self.rep.add(fqn, "shape problems",
-                         f"chunk {ci}: zarr array {tensor!r} in {rel!r}{on} is too small for local box {lbox} "
-                         f"(expected shape >= {_dims(lbox.stops)} in every dim, got {_dims(info.shape)})")
-            return
-        if src.checksum is None or not self.verify:
-            return
+                         f"chunk {ci}: {what} is too small for local box {lbox} "
+                         f"(expected shape >= {_dims(lbox.stops)} in every dim, got {_dims(shape)})")
+            return False
+        return True
+
+    def _verify_checksum(self, fqn: str, ci: int, want: str, compute: Callable[[], str],
+                         errors: tuple[type[Exception], ...], cannot_read: str, mismatch: str) -> None:
+        """Compare ``compute()`` with the recorded checksum ``want``; a missing crc32c module is
+        reported once per run, a read error or a mismatch per chunk."""
         try:
-            got = region_checksum(za, lbox, src.checksum)
+            got = compute()
         except ImportError as e:
             if not self.crc_missing:
                 self.crc_missing = True
-                self.rep.add(fqn, "checksum problems", f"chunk {ci}: cannot verify checksum {src.checksum} ({e})")
+                self.rep.add(fqn, "checksum problems", f"chunk {ci}: cannot verify checksum {want} ({e})")
             return
-        except (ShardstreamError, OSError, ValueError) as e:
-            self.rep.add(fqn, "checksum problems",
-                         f"chunk {ci}: cannot read zarr array {tensor!r} in {rel!r}{on} for its checksum ({e})")
+        except errors as e:
+            self.rep.add(fqn, "checksum problems", f"chunk {ci}: {cannot_read} ({e})")
             return
-        if not _same_checksum(got, src.checksum):
-            self.rep.add(fqn, "checksum mismatches",
-                         f"checksum mismatch for chunk {ci} region {c.region} on rank {hr} in zarr array "
-                         f"{tensor!r} of {rel!r} (expected {src.checksum}, got {got})")
+        if not _same_checksum(got, want):
+            self.rep.add(fqn, "checksum mismatches", f"{mismatch} (expected {want}, got {got})")
 
     def check(self, fqn: str, adt: DType, ci: int, c: Chunk, hr: int, per_rank: bool) -> None:
         src = c.source
@@ -1039,66 +1095,52 @@ class _DataChecker:
         ranks = [hr] if per_rank else list(c.holders)
         exp = _declared_dtype(self.m, ranks, tensor) or adt
         lbox = c.local_box
-        sshape: tuple[int, ...]
         if src.byte_range is not None and src.stored_shape is not None:
-            a, b = src.byte_range
-            size = st.st_size
-            if b > size:
-                self.rep.add(fqn, "byte range problems",
-                             f"chunk {ci}: source.byte_range [{a}, {b}] is past the end of {rel!r}{on} "
-                             f"(expected stop <= file size {size}, got {b})")
-                return
-            sshape = src.stored_shape
-            if b - a != prod(sshape) * exp.itemsize or not lbox.fits_in(sshape):
-                return  # reported by validate_manifest
-            base_off, isz = a, exp.itemsize
+            loc = self._locate_range(fqn, ci, src.byte_range, src.stored_shape, st.st_size, exp, lbox, rel, on)
         else:
-            hdr = self._header(fqn, ci, rel, full, on)
-            if hdr is None:
-                return
-            stt: _StoredLike | None = hdr.tensors.get(tensor)
-            if stt is None:
-                if self._once("missing", rel, tensor):
-                    names = sorted(hdr.tensors)
-                    avail = ", ".join(repr(x) for x in names[:5])
-                    if len(names) > 5:
-                        avail += f" and {len(names) - 5} more"
-                    self.rep.add(fqn, "missing tensors",
-                                 f"chunk {ci}: tensor {tensor!r} not found in {rel!r}{on} "
-                                 f"(available: {avail or 'none'})")
-                return
-            if stt.dtype.name != exp.name:
-                if self._once("dtype", rel, tensor, exp.name):
-                    self.rep.add(fqn, "data_type problems",
-                                 f"chunk {ci}: stored tensor {tensor!r} in {rel!r}{on} has the wrong data_type "
-                                 f"(expected {exp.name}, got {stt.dtype.name})")
-                return
-            sshape = tuple(stt.shape)
-            if len(sshape) != lbox.ndim:
-                self.rep.add(fqn, "shape problems",
-                             f"chunk {ci}: stored tensor {tensor!r} in {rel!r}{on} has {len(sshape)} dims "
-                             f"(expected {lbox.ndim}, got shape {_dims(sshape)})")
-                return
-            if not lbox.fits_in(sshape):
-                self.rep.add(fqn, "shape problems",
-                             f"chunk {ci}: stored tensor {tensor!r} in {rel!r}{on} is too small for local box "
-                             f"{lbox} (expected shape >= {_dims(lbox.stops)} in every dim, got {_dims(sshape)})")
-                return
-            base_off, isz = stt.start, stt.dtype.itemsize
-        if src.checksum is None or not self.verify:
+            loc = self._locate_tensor(fqn, ci, tensor, exp, lbox, rel, full, on)
+        if loc is None or src.checksum is None or not self.verify:
             return
-        try:
-            got = _region_checksum(full, base_off, sshape, isz, lbox, src.checksum)
-        except ImportError as e:
-            if not self.crc_missing:
-                self.crc_missing = True
-                self.rep.add(fqn, "checksum problems",
-                             f"chunk {ci}: cannot verify checksum {src.checksum} ({e})")
-            return
-        except (OSError, ValueError) as e:
-            self.rep.add(fqn, "checksum problems", f"chunk {ci}: cannot read {rel!r}{on} for its checksum ({e})")
-            return
-        if not _same_checksum(got, src.checksum):
-            self.rep.add(fqn, "checksum mismatches",
-                         f"checksum mismatch for chunk {ci} region {c.region} on rank {hr} in {rel!r} "
-                         f"(expected {src.checksum}, got {got})")
+        base_off, sshape, isz = loc
+        want = src.checksum
+        self._verify_checksum(fqn, ci, want, lambda: _region_checksum(full, base_off, sshape, isz, lbox, want),
+                              (OSError, ValueError), f"cannot read {rel!r}{on} for its checksum",
+                              f"checksum mismatch for chunk {ci} region {c.region} on rank {hr} in {rel!r}")
+
+    def _locate_range(self, fqn: str, ci: int, byte_range: tuple[int, int], sshape: tuple[int, ...], size: int,
+                      exp: DType, lbox: Box, rel: str, on: str) -> tuple[int, tuple[int, ...], int] | None:
+        """A raw byte range (DCP payload): ``(start, stored shape, itemsize)``, or None when it is
+        past the end of the file (reported) or inconsistent (reported by validate_manifest)."""
+        a, b = byte_range
+        if b > size:
+            self.rep.add(fqn, "byte range problems",
+                         f"chunk {ci}: source.byte_range [{a}, {b}] is past the end of {rel!r}{on} "
+                         f"(expected stop <= file size {size}, got {b})")
+            return None
+        if b - a != prod(sshape) * exp.itemsize or not lbox.fits_in(sshape):
+            return None  # reported by validate_manifest
+        return a, sshape, exp.itemsize
+
+    def _locate_tensor(self, fqn: str, ci: int, tensor: str, exp: DType, lbox: Box, rel: str, full: Path,
+                       on: str) -> tuple[int, tuple[int, ...], int] | None:
+        """A tensor of a safetensors file: ``(data start, stored shape, itemsize)``, or None when
+        the header is unreadable, the tensor missing, or its dtype / shape wrong (reported)."""
+        hdr = self._header(fqn, ci, rel, full, on)
+        if hdr is None:
+            return None
+        stt: _StoredLike | None = hdr.tensors.get(tensor)
+        if stt is None:
+            if self._once("missing", rel, tensor):
+                names = sorted(hdr.tensors)
+                avail = ", ".join(repr(x) for x in names[:5])
+                if len(names) > 5:
+                    avail += f" and {len(names) - 5} more"
+                self.rep.add(fqn, "missing tensors",
+                             f"chunk {ci}: tensor {tensor!r} not found in {rel!r}{on} "
+                             f"(available: {avail or 'none'})")
+            return None
+        sshape = tuple(stt.shape)
+        if not self._stored_fits(fqn, ci, f"stored tensor {tensor!r} in {rel!r}{on}", (rel, tensor), exp,
+                                 stt.dtype.name, sshape, lbox):
+            return None
+        return stt.start, sshape, stt.dtype.itemsize

@@ -34,6 +34,7 @@ import numpy as np
 from .box import Box, contiguous_slabs
 from .dtypes import DTYPES, DType, by_name, np_storage
 from .errors import FormatError, ShardNotFoundError, UsageError
+from .files import read_bounded
 
 __all__ = [
     "COMPRESSORS",
@@ -273,8 +274,6 @@ def parse_array_metadata(obj: object, *, where: str) -> ZarrArrayInfo:
 
 def _read_json(path: Path) -> Any:
     """A bounded read of one metadata file (no symlink games: the caller checked the path)."""
-    from .store import read_bounded
-
     data = read_bounded(path, MAX_METADATA_BYTES, "zarr metadata",
                         too_big="{size} bytes of zarr metadata (expected at most {limit})")
     try:

@@ -20,6 +20,17 @@ run_tier() {
         status=1
     fi
 }
+# static checks first: they take seconds and name the line
+echo "=== tier: static (ruff, mypy --strict) ===" >&2
+if ! ruff check formats streamer tests scripts examples; then
+    echo "tier static failed (ruff)" >&2
+    status=1
+fi
+if ! mypy; then  # strict, over formats and streamer (pyproject [tool.mypy])
+    echo "tier static failed (mypy)" >&2
+    status=1
+fi
+run_tier doctest --doctest-modules formats streamer -q
 run_tier unit tests/unit -q
 run_tier sim tests/sim -q
 run_tier mpi tests/mpi -q

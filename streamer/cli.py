@@ -111,8 +111,10 @@ def cmd_layout(args: argparse.Namespace) -> int:
     if not getattr(args, "preset", None) and (args.first_stage_layers is not None
                                               or args.last_stage_layers is not None):
         raise UsageError("--first-stage-layers / --last-stage-layers go with --preset megatron")
+    if not getattr(args, "preset", None) and getattr(args, "dtype", None):
+        raise UsageError("--dtype goes with --preset (other layouts take the dtypes of --model / --like)")
     if getattr(args, "preset", None):  # the framework's own local names and fused layouts
-        from formats.layouts.presets import preset_manifest
+        from formats.layouts.presets import preset_dtype, preset_manifest
         from formats.validate import validate_manifest
 
         if not getattr(args, "model", None) or args.like or args.rule or args.include_mtp:
@@ -121,8 +123,9 @@ def cmd_layout(args: argparse.Namespace) -> int:
         pattern = None if args.no_files else args.file_pattern
         if args.file_pattern is None and not args.no_files and args.preset != "hf":
             pattern = "rank-{rank:05d}.safetensors"  # hf: convert names the files (model.safetensors, shards)
+        dtype = preset_dtype(args.model, args.dtype)
         m = preset_manifest(args.model, args.preset, mesh, file_pattern=pattern, domain_size=args.domain_size,
-                            name=args.name, fp8=args.fp8, first_stage_layers=args.first_stage_layers,
+                            name=args.name, dtype=dtype, fp8=args.fp8, first_stage_layers=args.first_stage_layers,
                             last_stage_layers=args.last_stage_layers)
         problems = validate_manifest(m, where=args.output, check_paths=False)
         if problems:
@@ -130,8 +133,9 @@ def cmd_layout(args: argparse.Namespace) -> int:
         save_manifest(m, args.output)
         chunks = sum(len(a.chunks) for a in m.arrays.values())
         _out(args, {"manifest": args.output, "world_size": m.world_size, "arrays": len(m.arrays), "chunks": chunks,
-                    "preset": args.preset},
-             f"wrote {args.output}: {args.preset}, world_size {m.world_size}, {len(m.arrays)} arrays, {chunks} chunks")
+                    "preset": args.preset, "dtype": dtype},
+             f"wrote {args.output}: {args.preset}, {dtype}, world_size {m.world_size}, {len(m.arrays)} arrays, "
+             f"{chunks} chunks")
         return 0
     if getattr(args, "model", None):
         from formats.layouts import manifest_from_arrays
@@ -439,6 +443,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(without --rule: generic Megatron-like rules)")
     p.add_argument("--fp8", action="store_true", help="--model: block-FP8 linear weights + weight_scale_inv (with --preset: each scale laid out with its weight)")
     p.add_argument("--include-mtp", action="store_true", help="--model: DeepSeek-V3 MTP layers too")
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"),
+                   help="--preset: the weights' data_type (default: the config's torch_dtype / dtype, else bfloat16)")
     p.add_argument("--preset", choices=("megatron", "vllm", "sglang", "fsdp2", "hf"),
                    help="--model: the framework's own local tensors (fused qkv / gate_up, padded vocab, stage-local "
                         "layers); arrays keep HF names")

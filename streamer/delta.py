@@ -124,7 +124,7 @@ class DeltaRecv:
 
 
 def _zstd() -> Any:
-    from numcodecs import Zstd
+    from numcodecs import Zstd  # type: ignore[import-untyped]  # no stubs
 
     return Zstd(level=1)
 

@@ -45,7 +45,7 @@ from .delta import (
     host_array,
 )
 from .plan import Plan, Transfer
-from .transport.base import ABORT_POLL_INTERVAL, Transport
+from .transport.base import ABORT_POLL_INTERVAL, Request, Transport
 
 __all__ = ["DEFAULT_BUCKET", "ExecStats", "Executor", "Message", "build_schedule", "byte_view", "host_bytes",
            "region_view", "torch_byte_view"]
@@ -283,7 +283,7 @@ class Executor:
             raise ValidationError(problems=sorted(set(problems))[:50])
 
     # -- packing
-    def _region(self, name: str, box: Box, dst: bool) -> np.ndarray:
+    def _region(self, name: str, box: Box, dst: bool) -> Any:
         v = (self.dst_views if dst else self.src_views)[name]
         return v[box.slices] if box.ndim else v
 
@@ -378,7 +378,7 @@ class Executor:
         return [f"{tr.fqn}: region {tr.region} received by rank {self.rank} from rank {m.src}: the delta {why}"
                 for tr in m.transfers] if why else []
 
-    def _inplace(self, m: Message, send: bool) -> np.ndarray | None:
+    def _inplace(self, m: Message, send: bool) -> Any:
         if len(m.transfers) != 1:
             return None
         tr = m.transfers[0]
@@ -441,6 +441,7 @@ class Executor:
                     if send:
                         st.cast_bytes += self._pack(m, buf)
                 st.peak_buffer_bytes = max(st.peak_buffer_bytes, in_use)
+                req: Request | DeltaSend | DeltaRecv
                 if is_delta:
                     assert delta is not None
                     req = self._delta_send(m, buf, delta, st) if send else DeltaRecv(self.t, m, buf)
@@ -493,7 +494,7 @@ class Executor:
 
                 def name(p: int, upstream: dict[int, set[int]] = upstream, name0: Any = name0) -> str:
                     up = sorted(upstream.get(p, ()))
-                    return name0(p) + (f" (which forwards bytes from {', '.join(name0(u) for u in up)})" if up else "")
+                    return str(name0(p)) + (f" (which forwards bytes from {', '.join(name0(u) for u in up)})" if up else "")
                 for a in active:
                     a.req.cancel()
                 raise PeerTimeoutError(f"rank {self.rank}: timed out after {self.timeout:g} s waiting for "
@@ -517,7 +518,7 @@ class Executor:
     def _digest(self, region: Any) -> int:
         import xxhash
 
-        return xxhash.xxh64_intdigest(host_bytes(region))
+        return xxhash.xxh64_intdigest(host_bytes(region).data)
 
     def _verify(self) -> tuple[int, list[str]]:
         """Senders hash the regions they sent (from their own tensors); receivers hash what landed

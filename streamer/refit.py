@@ -133,7 +133,7 @@ class RefitSession:
         # buffers handed in, or a push that failed half-way)
         self._attempted = 0
         self._synced: int | None = None
-        self._synced_ptrs: tuple[int, ...] = ()
+        self._synced_ptrs: tuple[Any, ...] = ()
         self._delta_state: DeltaState | None = None
 
     # ------------------------------------------------------------------ opening
@@ -293,7 +293,7 @@ class RefitSession:
         """A delta push: the agreement also exchanges each rank's version, so every rank takes the
         same full-or-delta decision per pair of ranks; this rank's version is unknown until the
         push completes here (verified, with verify)."""
-        ptrs = tuple(_data_ptr(v) for v in local.values())
+        ptrs = _memory_key(local)
         if self.role == "recv" and ptrs != self._synced_ptrs:
             self._synced = None  # other buffers: nothing says they hold the last version
         got = self._agree(problems, digests, {"attempted": self._attempted, "synced": self._synced})
@@ -326,8 +326,9 @@ class RefitSession:
         return got
 
     def _exec(self, tensors: Mapping[str, Any]) -> Executor:
-        # a new executor when the caller hands other buffers (their views are made once)
-        key = tuple((id(v), _data_ptr(v)) for v in tensors.values())
+        # a new executor only when the caller hands other memory: ``model.state_dict()`` makes new
+        # tensor objects every call over the same storage, and the views stay valid for those
+        key = _memory_key(tensors)
         if self._executor is None or key != self._tensor_key:
             self._executor = Executor(self._t, self.plan, self.schedule, tensors, timeout=self.timeout,
                                       verify=self.verify, peer_names=self.group.name)
@@ -369,6 +370,11 @@ class RefitSession:
         if t is not None and t is not self.group.control:
             t.close()
         self.group.close(self.timeout)
+
+
+def _memory_key(tensors: Mapping[str, Any]) -> tuple[Any, ...]:
+    """Which memory the caller handed in (names, addresses, shapes), not which tensor objects."""
+    return tuple((n, _data_ptr(v), tuple(v.shape)) for n, v in tensors.items())
 
 
 def _data_ptr(v: Any) -> int:

@@ -51,6 +51,7 @@ __all__ = [
     "arrays_from_config",
     "arrays_from_m2n_model",
     "arrays_from_model",
+    "config_dtype",
     "count_parameters",
     "generic_rules",
     "is_hf_config",
@@ -107,7 +108,9 @@ def _int(cfg: Mapping[str, Any], key: str, where: str, default: int | None = Non
     return v
 
 
-def _dtype(cfg: Mapping[str, Any], where: str) -> str:
+def config_dtype(cfg: Mapping[str, Any], where: str) -> str:
+    """The weights' data_type a config states: ``torch_dtype``, else ``dtype`` (newer transformers),
+    else bfloat16."""
     raw = cfg.get("torch_dtype", cfg.get("dtype", "bfloat16")) or "bfloat16"
     dt = _DTYPES.get(str(raw).removeprefix("torch."))
     if dt is None:
@@ -261,7 +264,7 @@ def arrays_from_config(cfg: Mapping[str, Any] | str | os.PathLike[str], *, fp8: 
     if mt not in ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "deepseek_v2"):
         raise ModelConfigError(f"{where}: model_type {mt!r} is not supported (supported: llama, qwen2, qwen3, "
                                f"qwen3_moe, deepseek_v3); describe it as an NCCL M2N model JSON or a manifest instead")
-    b = _Builder(_dtype(c, where), _fp8_block(c, where, fp8))
+    b = _Builder(config_dtype(c, where), _fp8_block(c, where, fp8))
     h = _int(c, "hidden_size", where)
     layers = _int(c, "num_hidden_layers", where)
     vocab = _int(c, "vocab_size", where)

@@ -42,6 +42,7 @@ from typing import Any
 
 from ..box import Box
 from ..dtypes import by_name
+from ..limits import RANK_FILE_PATTERN
 from ..manifest import ArraySpec, Chunk, Manifest, Source
 from .mesh import (
     LayoutError,
@@ -82,7 +83,7 @@ __all__ = [
 PP_AXIS = "pp"
 EP_AXIS = "ep"
 SPECIAL_AXES = (PP_AXIS, EP_AXIS)
-DEFAULT_FILE_PATTERN = "rank-{rank:05d}.safetensors"
+DEFAULT_FILE_PATTERN = RANK_FILE_PATTERN
 
 
 # ---------------------------------------------------------------- rules

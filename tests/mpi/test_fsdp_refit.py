@@ -25,8 +25,15 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "fsdp2_refit"
 
 
 @pytest.mark.skipif(TORCHRUN is None, reason="torchrun not installed (the torch extra)")
-def test_fsdp2_trainer_refits_bf16_tp2_server(tmp_path: Path) -> None:
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_fsdp2_trainer_refits_bf16_tp2_server(tmp_path: Path, tied: bool) -> None:
+    """With ``tie_word_embeddings`` the weight moves once, as ``model.embed_tokens.weight`` (20
+    arrays), with no flag on either side."""
     cfg = EXAMPLE / "config.json"
+    if tied:
+        cfg = tmp_path / "config.json"
+        cfg.write_text(json.dumps(dict(json.loads((EXAMPLE / "config.json").read_text()), tie_word_embeddings=True)))
+    n_arrays = 20 if tied else 21
     serve = tmp_path / "serve.json"
     ok(["shardstream", "layout", "--preset", "vllm", "--model", cfg, "--mesh", "tp=2", "--dtype", "bfloat16",
         "--no-files", "-o", serve])
@@ -52,8 +59,8 @@ def test_fsdp2_trainer_refits_bf16_tp2_server(tmp_path: Path) -> None:
     steps = [json.loads(line) for line in server.stdout.splitlines() if line.startswith("{")]
     assert [s["step"] for s in steps] == [0, 1], server.stdout
     for s in steps:
-        assert s["arrays"] == 21 and s["same_weights"] == 21, s
+        assert s["arrays"] == n_arrays and s["same_weights"] == n_arrays, s
         assert s["logits_equal"] and s["max_abs_diff"] == 0.0 and s["logits_finite"], s
-    assert steps[1]["arrays_changed_since_last"] >= 18, steps[1]  # the second push carried new weights
+    assert steps[1]["arrays_changed_since_last"] >= n_arrays - 3, steps[1]  # the second push carried new weights
     losses = [json.loads(line)["loss"] for line in trainer.stdout.splitlines() if line.startswith("{")]
     assert len(losses) == 4 and losses[2] < losses[0], trainer.stdout

@@ -35,9 +35,16 @@ def main(kind: str) -> int:
 
         t = MPITransport(world)
     else:
-        from streamer.transport.torch_dist import TorchDistTransport
+        import torch.distributed as dist
 
-        t = TorchDistTransport(world, kind, timeout=60)
+        from streamer.transport.mpi import MPITransport
+        from streamer.transport.torch_dist import TorchDistTransport, free_port
+
+        if kind == "gloo":  # like a trainer: the default group exists and stays the trainer's
+            port = world.bcast(free_port() if world.Get_rank() == 0 else None, root=0)
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=world.Get_rank(),
+                                    world_size=W)
+        t = TorchDistTransport(MPITransport(world), kind, timeout=60)
     r = t.rank
     fails: list[str] = []
     # control plane
@@ -101,11 +108,33 @@ def main(kind: str) -> int:
             if f"rank {W - 1}" not in str(e) or time.monotonic() - t0 > 5:
                 fails.append(f"rank 0: bad timeout: {e}")
         req.cancel()
+    # the bulk groups are shardstream's own: the default group still works, unchanged
+    if kind != "mpi" and torch_dist_default_ok() is False:
+        fails.append(f"rank {r}: the default process group no longer works after the pushes")
+    # the baseline's native broadcast among a subset of ranks
+    members = [0] + list(range(S, W))
+    if r in members:
+        buf = np.arange(16, dtype=np.uint8) if r == 0 else np.zeros(16, np.uint8)
+        t.bcast_buffer(buf if kind != "nccl" else __import__("torch").from_numpy(buf).to(t.device), 0, members, 20)
+        if kind != "nccl" and not np.array_equal(buf, np.arange(16, dtype=np.uint8)):
+            fails.append(f"rank {r}: bcast_buffer wrong")
     verdicts = [f for fs in world.allgather(fails) for f in fs]
     t.close()
     if r == 0:
         print("\n".join(verdicts) if verdicts else "OK")
     return 1 if verdicts else 0
+
+
+def torch_dist_default_ok() -> bool | None:
+    """None when no default group exists; else whether an all_reduce on it still works."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return None
+    x = torch.ones(1)
+    dist.all_reduce(x)
+    return bool(x.item() == dist.get_world_size())
 
 
 if __name__ == "__main__":

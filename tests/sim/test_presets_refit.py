@@ -75,6 +75,11 @@ REFITS = [
     ("fsdp2-fsdp3tp2-to-vllm-tp2", QWEN3, ("fsdp2", "fsdp=3,tp=2", {}), ("vllm", "tp=2", {})),
     ("megatron-qwen2-bias-to-sglang-pp3", QWEN2_BIAS, ("megatron", "pp=2,tp=2", {}), ("sglang", "pp=3,tp=2", {})),
     ("vllm-tied-pp2-to-megatron-tied-tp2", QWEN3_TIED, ("vllm", "pp=2,tp=2", {}), ("megatron", "tp=2", {})),
+    # fp32 master weights (the config's torch_dtype, no dtype flag), tied embeddings from FSDP2
+    ("fp32-fsdp2-fsdp2tp2-to-megatron-pp2tp2", dict(QWEN3, torch_dtype="float32"), ("fsdp2", "fsdp=2,tp=2", {}),
+     ("megatron", "pp=2,tp=2", {})),
+    ("fp32-tied-fsdp2-fsdp3-to-vllm-pp2tp2", dict(QWEN3_TIED, torch_dtype="float32"), ("fsdp2", "fsdp=3", {}),
+     ("vllm", "pp=2,tp=2", {})),
     ("moe-megatron-ep2tp2-to-vllm-tp4", MOE, ("megatron", "ep=2,tp=2", {}), ("vllm", "tp=4", {})),
     ("moe-megatron-ep3-to-vllm-ep4-uneven", MOE, ("megatron", "pp=3,ep=3", {}),
      ("vllm", "tp=4", {"expert_parallel": True})),

@@ -43,8 +43,10 @@ from formats.layouts import LayoutError, Mesh, parse_mesh
 from formats.layouts.models import arrays_from_config
 from formats.layouts.presets import (
     PRESETS,
+    TIED_EMBEDDING,
     megatron_padded_vocab,
     pp_partition,
+    preset_dtype,
     preset_manifest,
     vllm_expert_range,
     vllm_padded_vocab,
@@ -700,7 +702,7 @@ def test_fsdp2_nests_fsdp_inside_tp() -> None:
 # ------------------------------------------------------------------ errors
 
 
-@pytest.mark.parametrize("cfg,preset,mesh,kw,match", [
+ERROR_CASES: list[tuple[dict[str, Any], str, str, dict[str, Any], str | None]] = [
     (QWEN3, "megatron", "tp=4", {}, r"num_query_groups \(num_key_value_heads = 2\) must be divisible by tp \(4\)"),
     (dict(LLAMA_ODD, num_attention_heads=3, num_key_value_heads=1), "megatron", "tp=2", {},
      r"num_attention_heads \(3\) must be divisible by tp \(2\)"),
@@ -750,7 +752,10 @@ def test_fsdp2_nests_fsdp_inside_tp() -> None:
      r"model\.layers\.0\.mlp\.gate_proj\.weight: its shard \[0, 40\)"),
     (DSV3_FP8, "vllm", "tp=2", {"fp8": True, "expert_parallel": False}, None),
     (QWEN3, "tpu", "tp=1", {}, r"unknown preset 'tpu'"),
-])
+]
+
+
+@pytest.mark.parametrize("cfg,preset,mesh,kw,match", ERROR_CASES)
 def test_preset_errors(cfg: dict[str, Any], preset: str, mesh: str, kw: dict[str, Any], match: str | None) -> None:
     if match is None:
         m = preset_manifest(cfg, preset, parse_mesh(mesh), **kw)
@@ -858,10 +863,20 @@ def test_real_deepseek_v3_config() -> None:
 
 def test_dtype_override_and_presets_list(tmp_path: Path) -> None:
     assert PRESETS == ("megatron", "vllm", "sglang", "fsdp2", "hf")
-    m = preset_manifest(dict(QWEN3, torch_dtype="float32"), "vllm", parse_mesh("tp=2"), dtype=None)
-    assert {a.data_type for a in m.arrays.values()} == {"float32"}
-    m = preset_manifest(dict(QWEN3, torch_dtype="float32"), "vllm", parse_mesh("tp=2"))
+    fp32 = dict(QWEN3, torch_dtype="float32")
+    for preset in PRESETS:  # no dtype: the config's (fp32 masters stay float32)
+        m = preset_manifest(fp32, preset, parse_mesh("tp=1"))
+        assert {a.data_type for a in m.arrays.values()} == {"float32"}, preset
+        assert {t.data_type for r in m.tensors for t in m.tensors[r].values()} <= {"float32"}
+    m = preset_manifest(fp32, "vllm", parse_mesh("tp=2"), dtype="bfloat16")
     assert {a.data_type for a in m.arrays.values()} == {"bfloat16"}
+    assert {t.data_type for t in m.tensors[0].values()} == {"bfloat16"}  # padded vocab tensors too
+    no_dtype = {k: v for k, v in QWEN3.items() if k != "torch_dtype"}
+    assert preset_dtype(no_dtype) == "bfloat16"
+    assert preset_dtype(dict(no_dtype, dtype="float16")) == "float16"  # newer transformers' key
+    assert preset_dtype(fp32) == "float32" and preset_dtype(fp32, "float16") == "float16"
+    with pytest.raises(LayoutError, match=r"dtype 'int8' is not a weight dtype a preset writes"):
+        preset_manifest(QWEN3, "vllm", parse_mesh("tp=1"), dtype="int8")
     (tmp_path / "config.json").write_text(json.dumps(QWEN3))
     a = preset_manifest(tmp_path, "megatron", parse_mesh("tp=2"))
     b = preset_manifest(QWEN3, "megatron", parse_mesh("tp=2"))
@@ -896,6 +911,77 @@ def test_cli_layout_preset(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert "--preset" in capsys.readouterr().err
     assert main(["layout", "--model", str(cfgp), "--preset", "vllm", "--rule", "*=R", "-o", str(out)]) != 0
     assert "--rule" in capsys.readouterr().err
+
+
+def test_cli_layout_preset_dtype(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``layout --preset`` takes the config's dtype, or ``--dtype``, and says which it used."""
+    cfgp = tmp_path / "config.json"
+    cfgp.write_text(json.dumps(dict(QWEN3, torch_dtype="float32")))
+    out = tmp_path / "m.json"
+    capsys.readouterr()
+    assert main(["layout", "--model", str(cfgp), "--preset", "megatron", "--mesh", "tp=2", "-o", str(out)]) == 0
+    assert ": megatron, float32, world_size 2" in capsys.readouterr().out
+    assert {a.data_type for a in load_manifest(out).arrays.values()} == {"float32"}
+    assert main(["layout", "--model", str(cfgp), "--preset", "vllm", "--mesh", "tp=2", "--dtype", "bfloat16",
+                 "--json", "-o", str(out)]) == 0
+    assert json.loads(capsys.readouterr().out)["dtype"] == "bfloat16"
+    assert {a.data_type for a in load_manifest(out).arrays.values()} == {"bfloat16"}
+    assert main(["layout", "--model", str(cfgp), "--mesh", "tp=2", "--dtype", "float32", "-o", str(out)]) == 2
+    assert "--dtype goes with --preset" in capsys.readouterr().err
+
+
+TIED_FP32 = dict(QWEN3_TIED, torch_dtype="float32")
+
+
+def test_tied_embeddings_one_name_in_every_preset() -> None:
+    """With tie_word_embeddings every preset names the shared weight model.embed_tokens.weight
+    (as HF checkpoints store it) and none has lm_head.weight; Megatron has no output_layer."""
+    meshes = {"megatron": "tp=2", "vllm": "pp=2,tp=2", "sglang": "pp=2,tp=2", "fsdp2": "fsdp=2,tp=2", "hf": "tp=1"}
+    names = set(arrays_from_config(QWEN3_TIED))
+    assert TIED_EMBEDDING in names and "lm_head.weight" not in names
+    for preset, mesh in meshes.items():
+        m = preset_manifest(QWEN3_TIED, preset, parse_mesh(mesh))
+        assert set(m.arrays) == names, preset
+        local = {n for r in range(m.world_size) for n in m.local_tensors(r)}
+        assert not local & {"lm_head.weight", "output_layer.weight"}, preset
+    # vLLM: the last stage holds the shared weight too (its lm_head)
+    v = preset_manifest(QWEN3_TIED, "vllm", parse_mesh("pp=2,tp=2"))
+    assert {h for c in v.arrays[TIED_EMBEDDING].chunks for h in c.holders} == {0, 1, 2, 3}
+
+
+@pytest.mark.parametrize("cfg,preset,mesh", [
+    (dict(QWEN3, torch_dtype="float32"), "megatron", "pp=2,tp=2"),
+    (TIED_FP32, "vllm", "pp=2,tp=2"),
+    (QWEN3_TIED, "megatron", "tp=2"),
+    (TIED_FP32, "fsdp2", "fsdp=3"),
+], ids=["fp32-megatron", "fp32-tied-vllm", "tied-megatron", "fp32-tied-fsdp2"])
+def test_cli_convert_hf_to_preset_and_back_with_no_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                         cfg: dict[str, Any], preset: str, mesh: str) -> None:
+    """An HF checkpoint in the config's dtype (fp32 masters; tied: embed_tokens only, as HF stores
+    it) converts to a preset's layout and back, byte for byte, with no dtype or tie flags."""
+    from formats.safetensors_io import SafetensorsReader
+    from streamer.synth import write_checkpoint
+
+    cfgp = tmp_path / "config.json"
+    cfgp.write_text(json.dumps(cfg))
+    hf = tmp_path / "hf"
+    write_checkpoint(hf, arrays_from_config(cfg), seed=3)
+    run = [["import", str(hf), "-o", str(hf / "manifest.json")],
+           ["layout", "--model", str(cfgp), "--preset", preset, "--mesh", mesh, "-o", str(tmp_path / "p.json")],
+           ["layout", "--model", str(cfgp), "--preset", "hf", "-o", str(tmp_path / "hf1.json")],
+           ["convert", str(hf / "manifest.json"), str(tmp_path / "p.json"), "--out", str(tmp_path / "p")],
+           ["convert", str(tmp_path / "p"), str(tmp_path / "hf1.json"), "--out", str(tmp_path / "back")]]
+    for argv in run:
+        assert main(argv) == 0, (argv, capsys.readouterr().err)
+
+    def tensors(p: Path) -> dict[str, tuple[str, bytes]]:
+        with SafetensorsReader(p) as r:
+            return {n: (r.tensor(n).dtype.name, r.read(n).tobytes()) for n in r.names()}
+
+    a, b = tensors(hf / "model.safetensors"), tensors(tmp_path / "back" / "model.safetensors")
+    assert a == b
+    want = cfg.get("torch_dtype", "bfloat16")
+    assert {d for d, _ in a.values()} == {want}
 
 
 def test_preset_errors_are_shardstream_errors() -> None:
