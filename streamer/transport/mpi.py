@@ -15,7 +15,8 @@ from .base import HostBuffers, RemoteAbortError, wait_all
 
 __all__ = ["ABORT_TAG", "MPIRequest", "MPITransport"]
 
-#: tag of the abort notice (data messages use their phase, 0..2; checksums 7; the baseline 11)
+#: tag of the abort notice (data messages use their phase, 0..2; checksums 7; the baseline 11; delta
+#: headers 17..18 and payloads 4096..20479, see streamer/delta.py)
 ABORT_TAG = 0x5AB
 
 

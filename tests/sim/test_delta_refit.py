@@ -111,7 +111,7 @@ Step = tuple[StepStats | BaseException, dict[str, np.ndarray]]
 
 
 def _pushes(src: Manifest, dst: Manifest, versions: list[dict[str, np.ndarray]],
-            before_pull: Callable[[int, int, dict[str, np.ndarray]], dict[str, np.ndarray]] | None = None,
+            before_pull: Callable[[RefitSession, int, int, dict[str, np.ndarray]], dict[str, np.ndarray]] | None = None,
             ) -> Callable[[RefitSession, int], list[Step]]:
     """Push every version; receivers keep a copy of their tensors after each pull. A failed push
     is recorded (its error in place of the stats) and the next one runs."""
@@ -126,7 +126,7 @@ def _pushes(src: Manifest, dst: Manifest, versions: list[dict[str, np.ndarray]],
                     st: StepStats | BaseException = s.push(srcs[v][r])
                 else:
                     if before_pull is not None:
-                        dsts[r] = before_pull(v, r, dsts[r])
+                        dsts[r] = before_pull(s, v, r, dsts[r])
                     st = s.pull(dsts[r])
             except DeltaChecksumError as e:
                 st = e
@@ -175,14 +175,22 @@ def test_five_versions_byte_exact_and_small(dds: int | None) -> None:
     assert all(st.decode_seconds > 0 for ss in recv for st in ss[2:])
 
 
-def test_receiver_with_fresh_buffers_gets_a_full_push() -> None:
+@pytest.mark.parametrize("how", ["fresh buffers", "forget_base"])
+def test_restarted_receiver_gets_a_full_push(how: str) -> None:
     src, dst = _manifests()
     versions = _versions(4, seed=1)
     victim = 1
 
-    def restart(v: int, r: int, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        # receiver 1 restarts before version 3: new zeroed buffers
-        return empty_dest_tensors(dst)[r] if (v, r) == (2, victim) else tensors
+    def restart(s: RefitSession, v: int, r: int, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        # receiver 1 restarts before version 3: new zeroed buffers, or its own zeroed and said so
+        if (v, r) != (2, victim):
+            return tensors
+        if how == "fresh buffers":
+            return empty_dest_tensors(dst)[r]
+        for a in tensors.values():
+            a[...] = 0
+        s.forget_base()
+        return tensors
 
     results = _run(src, dst, _pushes(src, dst, versions, restart), delta=True, bucket_size=64 << 10)
     S = src.world_size
@@ -195,7 +203,7 @@ def test_receiver_with_fresh_buffers_gets_a_full_push() -> None:
     assert st4.bytes_received < st4.full_bytes_received  # back in step: deltas again
 
 
-def test_forget_base_and_push_without_delta_cost_nothing_extra() -> None:
+def test_without_delta_nothing_is_kept_or_encoded() -> None:
     src, dst = _manifests()
     versions = _versions(3, seed=2)
     results = _run(src, dst, _pushes(src, dst, versions), bucket_size=64 << 10)
