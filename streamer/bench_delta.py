@@ -26,7 +26,7 @@ from typing import Any
 __all__ = ["LLAMA_CONFIG", "bench_refit_delta", "delta_worker"]
 
 #: a small Llama: about 14M parameters (56 MB fp32 masters, 28 MB served in bf16)
-LLAMA_CONFIG = {"vocab_size": 8192, "hidden_size": 384, "intermediate_size": 1024, "num_hidden_layers": 4,
+LLAMA_CONFIG: dict[str, Any] = {"vocab_size": 8192, "hidden_size": 384, "intermediate_size": 1024, "num_hidden_layers": 4,
                 "num_attention_heads": 6, "num_key_value_heads": 2, "max_position_embeddings": 256,
                 "tie_word_embeddings": False}
 
