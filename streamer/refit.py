@@ -17,6 +17,11 @@ Every push starts with one small agreement round: each rank checks what it was h
 dtypes, shapes; with ``verify``, the checksums of replicated regions) and all ranks exchange
 their findings. A refusal anywhere is then raised on every rank of both jobs with the same
 message, before any byte moves, so receivers are never left half-updated by a refused push.
+
+Delta sessions (``delta=True``) number their pushes. The agreement round also carries each rank's
+version (the last push it completed, or unknown), so every rank takes the same decision: a pair
+of ranks at the previous version exchanges encoded changes (``streamer.delta``); any other pair
+moves full bytes, which the sender keeps as its next base.
 """
 
 from __future__ import annotations

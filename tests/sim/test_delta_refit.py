@@ -22,10 +22,12 @@ from streamer.jobs import Group
 from streamer.refit import RefitSession, StepStats
 from streamer.transport.loopback import LoopbackHub
 
-# fp32 masters on the trainer; bf16 on the server except "e" (bf16 on both: no cast) and "b"
-SHAPES = {"w": (301, 96), "b": (97,), "q": (61, 64), "k": (61, 64), "e": (53, 40)}
-SRC_TYPES = {"w": "float32", "b": "float32", "q": "float32", "k": "float32", "e": "bfloat16"}
-DST_TYPES = {"w": "bfloat16", "b": "float32", "q": "bfloat16", "k": "bfloat16", "e": "bfloat16"}
+# fp32 masters on the trainer; bf16 on the server except "e" (bf16 on both: no cast), "b", and an
+# FP8 weight with its fp32 scales, quantized by the trainer (deltas are taken on bytes: any dtype)
+SHAPES = {"w": (301, 96), "b": (97,), "q": (61, 64), "k": (61, 64), "e": (53, 40), "x8": (67, 32), "x8_scale": (67,)}
+SRC_TYPES = {"w": "float32", "b": "float32", "q": "float32", "k": "float32", "e": "bfloat16",
+             "x8": "float8_e4m3fn", "x8_scale": "float32"}
+DST_TYPES = {**SRC_TYPES, "w": "bfloat16", "q": "bfloat16", "k": "bfloat16"}
 FRACTIONS = (0.0, 0.001, 0.02, 0.5, 1.0)  # of the elements changed by versions 2..6
 
 
@@ -42,9 +44,11 @@ def _manifests() -> tuple[Manifest, Manifest]:
     # (301 and 61 rows and 97 elements split unevenly)
     src = lay_out({n: (s, SRC_TYPES[n]) for n, s in SHAPES.items()}, Mesh(("dp", "tp"), (2, 2)),
                   {"w": (Replicate(), Shard(0)), "b": (Replicate(), Shard(0)), "q": (Replicate(), Shard(1)),
-                   "k": (Replicate(), Shard(0)), "e": (Replicate(), Shard(1))})
+                   "k": (Replicate(), Shard(0)), "e": (Replicate(), Shard(1)), "x8": (Replicate(), Shard(0)),
+                   "x8_scale": (Replicate(), Shard(0))})
     dst = lay_out({n: (s, DST_TYPES[n]) for n, s in SHAPES.items()}, Mesh(("tp",), (3,)),
-                  {"w": (Shard(1),), "b": (Shard(0),), "q": (Shard(0),), "k": (Shard(0),), "e": (Shard(0),)},
+                  {"w": (Shard(1),), "b": (Shard(0),), "q": (Shard(0),), "k": (Shard(0),), "e": (Shard(0),),
+                   "x8": (Shard(0),), "x8_scale": (Shard(0),)},
                   make_chunks=_fused_qk)
     return src, dst
 
@@ -54,6 +58,8 @@ def _versions(n: int, seed: int = 0) -> list[dict[str, np.ndarray]]:
     rng = np.random.default_rng(seed)
 
     def fresh(name: str, shape: tuple[int, ...]) -> np.ndarray:
+        if SRC_TYPES[name] == "float8_e4m3fn":
+            return rng.integers(0, 0x7F, shape, dtype=np.uint8)  # finite e4m3 bytes
         x = rng.standard_normal(shape).astype(np.float32)
         return x if SRC_TYPES[name] == "float32" else _bf16(x)
 
