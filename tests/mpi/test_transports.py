@@ -35,6 +35,17 @@ def test_transport_suite(kind: str, n: int) -> None:
 
 
 @pytest.mark.skipif(not Path(MPIEXEC).exists(), reason="mpiexec not installed")
+@pytest.mark.parametrize(("kind", "n"), [("mpi", 4), pytest.param("gloo", 6, marks=pytest.mark.skipif(
+    not _have("torch.distributed"), reason="torch.distributed not available"))])
+def test_delta_refit_over_transport(kind: str, n: int) -> None:
+    """Changing weights, delta pushes with verify and forwarding: the same bytes as a full push."""
+    env = dict(os.environ, HYDRA_LAUNCHER="fork", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    p = subprocess.run([MPIEXEC, "-n", str(n), sys.executable, str(ROOT / "tests/mpi/delta_worker.py"), kind],
+                       capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
+    assert p.returncode == 0 and p.stdout.strip().endswith("OK"), p.stdout[-3000:] + p.stderr[-3000:]
+
+
+@pytest.mark.skipif(not Path(MPIEXEC).exists(), reason="mpiexec not installed")
 def test_bench_refit_tiny(tmp_path: Path) -> None:
     """bench refit at tiny size: the JSON has the documented keys and the planned bytes."""
     import json
