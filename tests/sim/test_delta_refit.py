@@ -250,3 +250,29 @@ def test_flipped_byte_in_a_delta_is_caught_by_verify_and_healed() -> None:
     assert isinstance(st, StepStats) and st.bytes_received == st.full_bytes_received
     got = {g - S: results[g][v + 1][1] for g in results if g >= S}
     assert check_dest_tensors(dst, got, _want(versions[v + 1])) == []
+
+
+def test_delta_with_the_broadcast_baseline_is_refused_everywhere() -> None:
+    from formats.errors import UsageError
+
+    src, dst = _manifests()
+    S, D = src.world_size, dst.world_size
+    eps = LoopbackHub(S + D).endpoints()
+    errors: dict[int, BaseException] = {}
+
+    def rank(g: int) -> None:
+        role = "send" if g < S else "recv"
+        try:  # one side asks for delta, the other for the baseline: they agree on both, then refuse
+            RefitSession.open(src if role == "send" else dst, role, group=Group(eps[g], eps[g], role, S, D,
+                              plane="loopback"), transport=eps[g], timeout=10, delta=role == "send",
+                              strategy="broadcast")
+        except BaseException as e:  # noqa: BLE001 - collected per rank
+            errors[g] = e
+
+    threads = [threading.Thread(target=rank, args=(g,)) for g in range(S + D)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert sorted(errors) == list(range(S + D))
+    assert all(isinstance(e, UsageError) and "--strategy reshard" in str(e) for e in errors.values()), errors
