@@ -203,7 +203,7 @@ class ExecStats:
     encode_seconds: float = 0.0
     decode_seconds: float = 0.0
     verify_seconds: float = 0.0
-    #: messages per encoding (delta pushes; "full" counts messages sent without a header)
+    #: delta messages per encoding ("same", "sparse", "zstd", "raw")
     encodings: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -356,8 +356,8 @@ class Executor:
         """Decode a delta message and apply it to this rank's tensors; problems name the regions."""
         t0 = time.perf_counter()
         enc = r.encoding
-        st.encodings[ENCODINGS[enc] if enc < len(ENCODINGS) else "?"] = st.encodings.get(
-            ENCODINGS[enc] if enc < len(ENCODINGS) else "?", 0) + 1
+        name = ENCODINGS[enc] if enc < len(ENCODINGS) else "unknown"
+        st.encodings[name] = st.encodings.get(name, 0) + 1
         why = ""
         if r.versions != (delta.version, delta.version - 1):
             why = f"carries version {r.versions[0]} over base {r.versions[1]}, expected {delta.version} over " \

@@ -37,7 +37,7 @@ from formats.manifest import Manifest, dumps_manifest, load_manifest, loads_mani
 
 from .baseline import gather_broadcast
 from .delta import DeltaPush, DeltaState
-from .execute import DEFAULT_BUCKET, Executor, build_schedule
+from .execute import DEFAULT_BUCKET, ExecStats, Executor, build_schedule
 from .jobs import Group, connect
 from .local import check_local, collect_local
 from .plan import Plan, plan_transfers
@@ -294,7 +294,7 @@ class RefitSession:
         self.steps.append(st)
         return st
 
-    def _delta_step(self, local: Mapping[str, Any], problems: list[str], digests: Mapping[str, int]) -> Any:
+    def _delta_step(self, local: Mapping[str, Any], problems: list[str], digests: Mapping[str, int]) -> ExecStats:
         """A delta push: the agreement also exchanges each rank's version, so every rank takes the
         same full-or-delta decision per pair of ranks; this rank's version is unknown until the
         push completes here (verified, with verify)."""
