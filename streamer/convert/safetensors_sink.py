@@ -131,16 +131,12 @@ class SafetensorsSink:
     def __init__(self, dst: Manifest, opts: ConvertOptions) -> None:
         self.target = dst
         self.opts = opts
-        self.filled, self.jobs = plan_files(cast_manifest(dst, opts.cast) if opts.cast else dst,
-                                            max_shard_size=opts.max_shard_size)
+        # set by layout(), once the plan is known
+        self.filled = dst  # the destination as stored (after --cast), every chunk naming its file
+        self.jobs: list[FileJob] = []
         #: (rank, local tensor) -> dtype the plan moves (differs from the output with --cast)
-        self.src_dtypes = ({(r, n): ts.data_type for r in dst.ranks_holding() for n, ts in dst.local_tensors(r).items()}
-                           if opts.cast else {})
+        self.src_dtypes: dict[tuple[int, str], str] = {}
         self.chunks_in: dict[tuple[int, str], list[_ChunkRef]] = defaultdict(list)
-        for fqn, a in self.filled.arrays.items():
-            for ci, c in enumerate(a.chunks):
-                for h in c.holders:
-                    self.chunks_in[(h, c.tensor(fqn))].append((fqn, ci, c.local_box))
         self.by_target: dict[tuple[int, str], list[Transfer]] = defaultdict(list)
         self._stream: _PackedStream | None = None
         self._cast_src = Buffer()  # --cast: a slab in the source dtype
@@ -148,6 +144,16 @@ class SafetensorsSink:
     # ---- what the pipeline asks before writing
 
     def layout(self, plan: Plan) -> list[FileJob]:
+        dst, opts = self.target, self.opts
+        self.filled, self.jobs = plan_files(cast_manifest(dst, opts.cast) if opts.cast else dst,
+                                            max_shard_size=opts.max_shard_size)
+        if opts.cast:
+            self.src_dtypes = {(r, n): ts.data_type for r in dst.ranks_holding()
+                               for n, ts in dst.local_tensors(r).items()}
+        for fqn, a in self.filled.arrays.items():
+            for ci, c in enumerate(a.chunks):
+                for h in c.holders:
+                    self.chunks_in[(h, c.tensor(fqn))].append((fqn, ci, c.local_box))
         for t in plan.transfers:
             self.by_target[(plan.dst_local(t.dst_rank), t.dst_tensor)].append(t)
         return self.jobs

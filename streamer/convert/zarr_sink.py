@@ -86,11 +86,12 @@ class ZarrSink:
         self.dst = dst
         self.opts = opts
         self.target = _logical_manifest(dst)
-        self.stored = cast_manifest(dst, opts.cast) if opts.cast else dst
+        self.stored = dst  # as stored (after --cast): set by layout()
         self.by_fqn: dict[str, list[Transfer]] = defaultdict(list)
         self._unit = Buffer()
 
     def layout(self, plan: Plan) -> list[ArrayJob]:
+        self.stored = cast_manifest(self.dst, self.opts.cast) if self.opts.cast else self.dst
         for t in plan.transfers:
             self.by_fqn[t.fqn].append(t)
         jobs = []
