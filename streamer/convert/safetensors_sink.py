@@ -48,7 +48,7 @@ class _PackedStream:
 
     def __init__(self, slab_budget: int) -> None:
         self.slab_budget = slab_budget
-        self._bufs: list[U8] = [Buffer().take(0), Buffer().take(0)]
+        self._bufs: list[U8] = [np.empty(0, dtype=np.uint8), np.empty(0, dtype=np.uint8)]
         self._turn = 0
         self._fill = 0  # bytes of the current buffer filled, not yet queued
         self._fill_at = 0  # absolute file offset of the current buffer's first byte
@@ -71,7 +71,7 @@ class _PackedStream:
             if self._bufs[self._turn].size < n:
                 # room to pack small slabs, capped: a pwrite past tens of MB saves nothing more,
                 # and full 1/4-limit buffers would double the RSS of a default (1 GiB) convert
-                self._bufs[self._turn] = Buffer().take(max(n, min(self.slab_budget, PACK_BYTES)))
+                self._bufs[self._turn] = np.empty(max(n, min(self.slab_budget, PACK_BYTES)), dtype=np.uint8)
         return self._bufs[self._turn][self._fill:self._fill + n]
 
     def advance(self, n: int) -> None:

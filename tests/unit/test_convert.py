@@ -514,6 +514,30 @@ def test_resume_rewrites_a_corrupted_finished_file(tp2: Path, tmp_path: Path, ca
     assert {p.name: p.read_bytes() for p in tp2.glob("*.safetensors")} == ref
 
 
+def test_kill_between_manifest_and_cleanup_resumes(tp2: Path, tmp_path: Path, capsys: Any,
+                                                   monkeypatch: Any) -> None:
+    """Killed after the manifest landed but before the state went: the output is complete, and a
+    resumed run reuses every file and leaves it clean."""
+    import streamer.convert.pipeline as pipeline
+
+    ref = {p.name: p.read_bytes() for p in tp2.iterdir()}
+    out = tmp_path / "again"
+
+    def killed(*a: Any) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pipeline, "remove_state", killed)
+    with pytest.raises(KeyboardInterrupt):
+        convert(import_checkpoint([tmp_path / "hf"]), load_manifest(tmp_path / "tp2.json"), out,
+                ConvertOptions(progress=False))
+    monkeypatch.undo()
+    assert (out / "manifest.json").exists() and (out / ".shardstream" / "lock").exists()
+    rc, o, err = run_cli(capsys, "convert", tmp_path / "hf", tmp_path / "tp2.json", "--out", out, "--resume", "--json")
+    assert rc == 0, err
+    assert (json.loads(o)["files_written"], json.loads(o)["files_skipped"]) == (0, 2)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == ref
+
+
 # ------------------------------------------------------------------ lock and --out rules
 
 
