@@ -4,11 +4,11 @@ output holds its data, ``manifest.json`` (written last) and the HF index, nothin
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
 import os
-import shutil
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -105,14 +105,10 @@ def remove_state(out: Path, lock: Lock) -> None:
     """Once the manifest is written (with ``lock`` still held): the records are not needed any
     more. The lock file goes last, so a kill on the way leaves a state a resume accepts."""
     state = out / STATE_DIR
-    for p in state.iterdir():
-        if p != lock.path:
-            if p.is_dir() and not p.is_symlink():
-                shutil.rmtree(p, ignore_errors=True)
-            else:
+    # the output is complete already: what cannot be removed stays, and is no error
+    with contextlib.suppress(OSError):
+        for p in state.iterdir():
+            if p != lock.path:
                 p.unlink(missing_ok=True)
-    lock.path.unlink(missing_ok=True)
-    try:
-        state.rmdir()
-    except OSError:  # another convert --resume made a new lock here meanwhile: it is its directory now
-        pass
+        lock.path.unlink(missing_ok=True)
+        state.rmdir()  # fails where another convert --resume made a new lock meanwhile: its directory now
