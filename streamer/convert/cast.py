@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -47,5 +48,25 @@ def cast_manifest(m: Manifest, to: str) -> Manifest:
         raise UsageError(f"--cast {to}: only floating-point targets are supported ({', '.join(FLOATS)})")
     arrays = {f: (ArraySpec(a.shape, to, a.chunks) if a.data_type in FLOATS else a) for f, a in m.arrays.items()}
     tensors = {r: {n: (TensorSpec(t.shape, to) if t.data_type in FLOATS else t) for n, t in ts.items()}
+               for r, ts in m.tensors.items()}
+    return replace(m, arrays=arrays, tensors=tensors)
+
+
+def with_dtypes(m: Manifest, dtypes: Mapping[str, str]) -> Manifest:
+    """``m`` with array ``fqn`` (and the declared local tensors holding it) typed ``dtypes[fqn]``.
+
+    A destination may ask for another float type than its source has (fp32 masters, a bf16
+    server): the plan then moves the source's type (``with_dtypes(dst, source types)``) and the
+    sink casts while it writes, as with ``--cast``.
+    """
+    if not dtypes:
+        return m
+    arrays = {f: (ArraySpec(a.shape, dtypes[f], a.chunks) if f in dtypes else a) for f, a in m.arrays.items()}
+    holding: dict[tuple[int, str], str] = {}
+    for fqn, to in dtypes.items():
+        for c in m.arrays[fqn].chunks:
+            for h in c.holders:
+                holding[(h, c.tensor(fqn))] = to
+    tensors = {r: {n: (TensorSpec(t.shape, holding[(r, n)]) if (r, n) in holding else t) for n, t in ts.items()}
                for r, ts in m.tensors.items()}
     return replace(m, arrays=arrays, tensors=tensors)

@@ -24,8 +24,9 @@ from formats.manifest import Manifest, load_manifest, save_manifest
 from formats.store import SourceStore
 from formats.validate import validate_manifest
 
-from ..plan import Plan, plan_transfers
+from ..plan import CASTABLE, Plan, array_casts, plan_transfers
 from ..progress import Progress
+from .cast import with_dtypes
 from .fill import Filler
 from .options import REPORT_COUNTS, ConvertOptions, ConvertReport
 from .safetensors_sink import SafetensorsSink
@@ -66,12 +67,18 @@ def convert(src: Manifest, dst: Manifest, out_dir: str | os.PathLike[str], opts:
     t0 = time.perf_counter()
     _check_inputs(src, dst, src_where, dst_where)
     where = (src_where, dst_where)
+    # arrays the destination asks in another float type: the plan moves the source's type and
+    # the sink casts while it writes (int/float pairs stay mismatches for the plan to refuse)
+    asked = {f: s for f, (s, d) in array_casts(src, dst).items() if s in CASTABLE and d in CASTABLE}
+    planned = with_dtypes(dst, asked)
     if opts.format == "zarr":
         from .zarr_sink import ZarrSink  # zarr is an optional dependency
 
-        rep, plan = _run(src, ZarrSink(dst, opts, dst_where), Path(out_dir), opts, _Workers.of(comm), where)
+        rep, plan = _run(src, ZarrSink(planned, opts, dst_where, stored=dst), Path(out_dir), opts,
+                         _Workers.of(comm), where)
     elif opts.format == "safetensors":
-        rep, plan = _run(src, SafetensorsSink(dst, opts), Path(out_dir), opts, _Workers.of(comm), where)
+        rep, plan = _run(src, SafetensorsSink(planned, opts, stored=dst), Path(out_dir), opts, _Workers.of(comm),
+                         where)
     else:
         raise UsageError(f"--format {opts.format}: expected safetensors or zarr")
     rep.seconds = time.perf_counter() - t0

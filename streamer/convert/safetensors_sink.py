@@ -128,8 +128,9 @@ def _prefix_sha(job: FileJob) -> str:
 class SafetensorsSink:
     """Writes the destination's local tensors into safetensors files (``plan_files``)."""
 
-    def __init__(self, dst: Manifest, opts: ConvertOptions) -> None:
-        self.target = dst
+    def __init__(self, dst: Manifest, opts: ConvertOptions, stored: Manifest | None = None) -> None:
+        self.target = dst  # what the plan moves
+        self.stored_base = stored if stored is not None else dst  # how to store it (before --cast)
         self.opts = opts
         # set by layout(), once the plan is known
         self.filled = dst  # the destination as stored (after --cast), every chunk naming its file
@@ -145,9 +146,10 @@ class SafetensorsSink:
 
     def layout(self, plan: Plan) -> list[FileJob]:
         dst, opts = self.target, self.opts
-        self.filled, self.jobs = plan_files(cast_manifest(dst, opts.cast) if opts.cast else dst,
+        base = self.stored_base
+        self.filled, self.jobs = plan_files(cast_manifest(base, opts.cast) if opts.cast else base,
                                             max_shard_size=opts.max_shard_size)
-        if opts.cast:
+        if opts.cast or base is not dst:
             self.src_dtypes = {(r, n): ts.data_type for r in dst.ranks_holding()
                                for n, ts in dst.local_tensors(r).items()}
         for fqn, a in self.filled.arrays.items():

@@ -81,9 +81,10 @@ def check_zarr_output(dst: Manifest, opts: ConvertOptions, dst_where: str) -> No
 class ZarrSink:
     """Writes one zarr array per logical array, unit by unit (a unit: one chunk, or one shard)."""
 
-    def __init__(self, dst: Manifest, opts: ConvertOptions, dst_where: str) -> None:
+    def __init__(self, dst: Manifest, opts: ConvertOptions, dst_where: str, stored: Manifest | None = None) -> None:
         check_zarr_output(dst, opts, dst_where)
-        self.dst = dst
+        self.dst = dst  # what the plan moves
+        self.stored_base = stored if stored is not None else dst  # how to store it (before --cast)
         self.opts = opts
         self.target = _logical_manifest(dst)
         self.stored = dst  # as stored (after --cast): set by layout()
@@ -91,7 +92,8 @@ class ZarrSink:
         self._unit = Buffer()
 
     def layout(self, plan: Plan) -> list[ArrayJob]:
-        self.stored = cast_manifest(self.dst, self.opts.cast) if self.opts.cast else self.dst
+        base = self.stored_base
+        self.stored = cast_manifest(base, self.opts.cast) if self.opts.cast else base
         for t in plan.transfers:
             self.by_fqn[t.fqn].append(t)
         jobs = []
