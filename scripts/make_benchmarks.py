@@ -246,7 +246,7 @@ def runtimes(full_plan: bool) -> dict[str, Any]:
             out["plan_cpu_s"] = time.process_time() - c0
             out["plan_transfers"] = plan.num_transfers
             out["plan_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GB
-            st = plan.stats()
+            st = plan.stats().to_dict()
             out["plan_stats"] = {k: st[k] for k in ("moved_bytes", "network_bytes", "local_bytes", "max_send_bytes",
                                                    "max_recv_bytes", "ideal_max_send_bytes", "min_network_bytes")}
             cost = reshard_cost(pair_bytes(plan), S=256, cluster=CLUSTERS["dgx-h100"])

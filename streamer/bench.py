@@ -347,7 +347,7 @@ def refit_worker(argv: list[str]) -> int:
         out = {"senders": S, "receivers": W - S, "repeats": a.repeats,
                "reshard_s": r, "broadcast_s": b, "floor_s": f,
                "speedup_vs_broadcast": b / r, "ratio_to_floor": r / f,
-               "bytes_moved": st["moved_bytes"], "broadcast_bytes_moved": st["broadcast_moved_bytes"],
+               "bytes_moved": st.moved_bytes, "broadcast_bytes_moved": st.broadcast_moved_bytes,
                "bucket_bytes": a.bucket_size, "peak_extra_bytes_per_rank": max(peaks or [0]),
                "rss_growth_bytes_max": max(rss or [0]),
                "runs": results}
@@ -442,7 +442,7 @@ def bench_plan(sizes: tuple[int, ...] = (1_200, 4_800, 19_200, 102_400), *, mode
                         "src_chunks": sum(len(a.chunks) for a in src.arrays.values()),
                         "dst_chunks": sum(len(a.chunks) for a in dst.arrays.values()),
                         "manifests_s": t1 - t0, "plan_s": t2 - t1, "transfers": plan.num_transfers,
-                        "moved_bytes": st["moved_bytes"], "broadcast_moved_bytes": st["broadcast_moved_bytes"]}
+                        "moved_bytes": st.moved_bytes, "broadcast_moved_bytes": st.broadcast_moved_bytes}
     rows = []
     for n in sizes:
         # a distinct shape per array: no two arrays share a template (the planner's worst case)

@@ -247,7 +247,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     except PlanError as e:  # its lines name the array; say which manifests were being matched
         raise PlanError(problems=[f"{args.dst}: {ln}; source manifest {args.src}" for ln in e.problems]) from e
     dt = time.perf_counter() - t0
-    st = plan.stats()
+    st = plan.stats().to_dict()
     st["plan_seconds"] = round(dt, 4)
     st["digest"] = plan.digest()
     _out(args, st, f"plan {args.src} -> {args.dst} ({dt:.3f} s)\n{_fmt_stats(st)}")
@@ -393,15 +393,15 @@ def _refit(args: argparse.Namespace) -> int:
         secs = [s for s, _ in steps]
         best = min(secs)
         med = sorted(secs)[len(secs) // 2]
-        moved = stats["moved_bytes"] if args.strategy == "reshard" else stats["broadcast_moved_bytes"]
+        moved = stats.moved_bytes if args.strategy == "reshard" else stats.broadcast_moved_bytes
         obj = {"role": args.role, "strategy": args.strategy, "steps": len(steps), "seconds": secs,
-               "median_s": med, "moved_bytes": moved, "reshard_moved_bytes": stats["moved_bytes"],
-               "broadcast_moved_bytes": stats["broadcast_moved_bytes"], "gb_per_s": moved / med / 1e9 if med else 0,
+               "median_s": med, "moved_bytes": moved, "reshard_moved_bytes": stats.moved_bytes,
+               "broadcast_moved_bytes": stats.broadcast_moved_bytes, "gb_per_s": moved / med / 1e9 if med else 0,
                "verified": session.verify, "transport": args.transport, "saved": str(save) if save else None,
                "peak_buffer_bytes": max(st.peak_buffer_bytes for _, st in steps)}
         text = (f"refit {args.role} ({args.strategy}): {len(steps)} step(s), median {med:.3f} s, best {best:.3f} s, "
                 f"{moved / 1e9:.3f} GB moved ({moved / med / 1e9 if med else 0:.2f} GB/s); reshard moves "
-                f"{stats['moved_bytes'] / 1e9:.3f} GB vs gather-broadcast {stats['broadcast_moved_bytes'] / 1e9:.3f} GB"
+                f"{stats.moved_bytes / 1e9:.3f} GB vs gather-broadcast {stats.broadcast_moved_bytes / 1e9:.3f} GB"
                 + ("; checksums verified" if session.verify else "") + (f"; saved to {save}" if save else ""))
         _out(args, obj, text)
     return 0

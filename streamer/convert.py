@@ -674,7 +674,7 @@ def convert(src: Manifest, dst: Manifest, out_dir: str | os.PathLike[str], opts:
             lock.release()
     rep = report.report
     rep.seconds = time.perf_counter() - t0
-    rep.plan_stats = plan.stats()
+    rep.plan_stats = plan.stats().to_dict()
     return rep
 
 
@@ -861,7 +861,7 @@ def _convert_zarr(src: Manifest, dst: Manifest, out: Path, opts: ConvertOptions,
             lock.release()
     rep = result.report
     rep.seconds = time.perf_counter() - t0
-    rep.plan_stats = plan.stats()
+    rep.plan_stats = plan.stats().to_dict()
     return rep
 
 

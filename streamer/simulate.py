@@ -206,8 +206,8 @@ class _Accum:
         n = sum(shifts.values())
         st = plan.stats()
         for k in _ADDITIVE:
-            self.totals[k] += st[k] * n
-        self.max_transfers = max(self.max_transfers, st["transfers"])
+            self.totals[k] += getattr(st, k) * n
+        self.max_transfers = max(self.max_transfers, st.transfers)
         for (ph, s, d), b in pair_bytes(plan).items():
             for sh, cnt in shifts.items():
                 src = s + sh if s < S else s  # phase 2 starts on a generator: not shifted
