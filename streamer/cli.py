@@ -9,49 +9,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 from pathlib import Path
 from typing import Any
 
 from formats.errors import PlanError, ShardstreamError, UsageError
 
+from . import __version__
+from .args import emit as _out
+from .args import parse_size
+from .args import positive_int as _positive_int
+
 __all__ = ["main", "parse_size", "build_parser"]
-
-_UNITS = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "TB": 1000**4,
-          "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "TIB": 1024**4}
-
-
-def parse_size(text: str) -> int:
-    """``256MiB`` -> 268435456; ``1GB`` -> 10**9; plain integers are bytes."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
-    if not m or m.group(2).upper() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"invalid size {text!r} (expected bytes or a number with "
-                                         "KB MB GB / KiB MiB GiB, e.g. 256MiB)")
-    v = float(m.group(1)) * _UNITS[m.group(2).upper()]
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"size {text!r} must be at least 1 byte")
-    return int(v)
-
-
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
-    return v
-
-
-def _out(args: argparse.Namespace, obj: dict[str, Any], text: str) -> None:
-    """One JSON object on stdout with --json (human text then goes to stderr), else text."""
-    if getattr(args, "json", False):
-        print(json.dumps(obj, sort_keys=False))
-        if text:
-            print(text, file=sys.stderr)
-    else:
-        print(text)
 
 
 def _mpi_comm() -> Any:
@@ -477,7 +446,7 @@ def cmd_synth(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="shardstream", description="Move model weights between parallelism layouts.")
     ap.add_argument("--debug", action="store_true", help="show Python tracebacks")
-    ap.add_argument("--version", action="version", version="shardstream 0.1.0")
+    ap.add_argument("--version", action="version", version=f"shardstream {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
     p = sub.add_parser("import", help="describe an existing checkpoint as a manifest")
