@@ -32,7 +32,7 @@ from formats.layouts.models import (
 )
 from formats.manifest import dumps_manifest
 from streamer.plan import plan_transfers
-from streamer.simulate import CLUSTERS, broadcast_cost, pair_bytes, reshard_cost, simulate, with_overrides
+from streamer.simulate import CLUSTERS, broadcast_cost, reshard_cost, simulate, with_overrides
 
 WORKLOADS = ROOT / "workloads"
 MODELS = WORKLOADS / "models"
@@ -249,7 +249,7 @@ def runtimes(full_plan: bool) -> dict[str, Any]:
             st = plan.stats().to_dict()
             out["plan_stats"] = {k: st[k] for k in ("moved_bytes", "network_bytes", "local_bytes", "max_send_bytes",
                                                    "max_recv_bytes", "ideal_max_send_bytes", "min_network_bytes")}
-            cost = reshard_cost(pair_bytes(plan), S=256, cluster=CLUSTERS["dgx-h100"])
+            cost = reshard_cost(plan.pair_bytes(), S=256, cluster=CLUSTERS["dgx-h100"])
             out["plan_reshard_s"] = cost["seconds"]
             del plan
     finally:
