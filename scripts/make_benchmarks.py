@@ -134,23 +134,22 @@ def pub_s(p: float | tuple[float, float] | None) -> str:
 def seed_rows() -> list[Row]:
     dsv3, q235, q30 = "models/deepseek-v3.config.json", "models/qwen3-235b-a22b.config.json", "models/qwen3-30b-a3b.config.json"
     nemo_dsv3 = "NeMo RL design doc: DSV3 PP16×EP16 → TP32×DP8"
+
+    def dsv3_rows(key: str, system: str, cluster: str, published: dict[str, Any]) -> list[Row]:
+        """DeepSeek-V3 PP16×EP16 -> TP32×DP8 on 256 GPUs, in BF16 and in FP8 blocks."""
+        return [Row(f"{key}-dsv3-{tag}", system, f"DeepSeek-V3 ({what})", dsv3, fp8, cluster,
+                    side(num_gpus=256, pp=16, ep=16), side(num_gpus=256, tp=32, dp=8), nemo_dsv3, dict(published))
+                for tag, what, fp8 in (("bf16", "BF16", False), ("fp8", "FP8 blocks", True))]
+
     rows = [
         Row("h100-qwen3-235b", "DGX H100", "Qwen3-235B-A22B (BF16)", q235, False, "dgx-h100",
             side(num_gpus=128, tp=4, pp=8, ep=16), side(num_gpus=128, tp=8, dp=16),
             "NeMo RL PR #2413: 235B TP4×PP8×EP16 → TP8×DP16 (the published figure names no layout)",
             {"baseline": 6.4, "reshard": 1.9, "speedup": 3.3}),
-        Row("h100-dsv3-bf16", "DGX H100", "DeepSeek-V3 (BF16)", dsv3, False, "dgx-h100",
-            side(num_gpus=256, pp=16, ep=16), side(num_gpus=256, tp=32, dp=8), nemo_dsv3,
-            {"baseline": 14.9, "reshard": 2.6, "speedup": 5.7, "nemo": (2.39, 2.83)}),
-        Row("h100-dsv3-fp8", "DGX H100", "DeepSeek-V3 (FP8 blocks)", dsv3, True, "dgx-h100",
-            side(num_gpus=256, pp=16, ep=16), side(num_gpus=256, tp=32, dp=8), nemo_dsv3,
-            {"baseline": 14.9, "reshard": 2.6, "speedup": 5.7, "nemo": (2.39, 2.83)}),
-        Row("gb200-dsv3-bf16", "GB200 NVL72", "DeepSeek-V3 (BF16)", dsv3, False, "gb200-nvl72",
-            side(num_gpus=256, pp=16, ep=16), side(num_gpus=256, tp=32, dp=8), nemo_dsv3,
-            {"baseline": 6.1, "reshard": 2.3, "speedup": 2.7, "nemo": (1.93, 2.59)}),
-        Row("gb200-dsv3-fp8", "GB200 NVL72", "DeepSeek-V3 (FP8 blocks)", dsv3, True, "gb200-nvl72",
-            side(num_gpus=256, pp=16, ep=16), side(num_gpus=256, tp=32, dp=8), nemo_dsv3,
-            {"baseline": 6.1, "reshard": 2.3, "speedup": 2.7, "nemo": (1.93, 2.59)}),
+        *dsv3_rows("h100", "DGX H100", "dgx-h100", {"baseline": 14.9, "reshard": 2.6, "speedup": 5.7,
+                                                    "nemo": (2.39, 2.83)}),
+        *dsv3_rows("gb200", "GB200 NVL72", "gb200-nvl72", {"baseline": 6.1, "reshard": 2.3, "speedup": 2.7,
+                                                           "nemo": (1.93, 2.59)}),
         Row("h100-qwen3-30b", "DGX H100", "Qwen3-30B-A3B (BF16)", q30, False, "dgx-h100",
             side(num_gpus=16, pp=2, ep=8), side(num_gpus=16, tp=8, dp=2),
             "NeMo RL design doc: Qwen3-30B EP8×PP2 → TP8×DP2", {"nemo": (0.74, 1.0)}),
