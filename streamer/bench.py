@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import median
 from typing import TYPE_CHECKING, Any
@@ -92,7 +93,6 @@ def bench_convert(work: str, *, preset: str = "qwen3-2g", memory_limit: str = "2
     from formats.errors import ShardstreamError, UsageError
 
     from . import bench_dcp
-    from .synth import QWEN3_TP_RULES
 
     if src_tp == dst_tp:
         raise UsageError(f"bench convert: source and target TP are both {src_tp}")
@@ -102,23 +102,8 @@ def bench_convert(work: str, *, preset: str = "qwen3-2g", memory_limit: str = "2
             raise ShardstreamError(f"bench convert: {why}; pass --no-dcp to bench without the DCP path")
     w = Path(work)
     w.mkdir(parents=True, exist_ok=True)
-    py = sys.executable
-    ss = [py, "-m", "streamer"]
-    rules = [a for r in QWEN3_TP_RULES for a in ("--rule", r)]
     src, dst = w / f"tp{src_tp}", w / f"tp{dst_tp}"
-    if not (src / "manifest.json").exists():
-        subprocess.run(ss + ["synth", "--preset", preset, "--out", str(w / "hf")], check=True, stdout=subprocess.DEVNULL)
-        subprocess.run(ss + ["import", str(w / "hf"), "-o", str(w / "hf" / "manifest.json")], check=True,
-                       stdout=subprocess.DEVNULL)
-        subprocess.run(ss + ["layout", "--like", str(w / "hf" / "manifest.json"), "--mesh", f"tp={src_tp}",
-                             *rules, "-o", str(w / f"tp{src_tp}.json")], check=True,
-                       stdout=subprocess.DEVNULL)
-        subprocess.run(ss + ["convert", str(w / "hf" / "manifest.json"), str(w / f"tp{src_tp}.json"), "--out",
-                             str(src)], check=True, stdout=subprocess.DEVNULL)
-        shutil.rmtree(w / "hf")
-    dst_layout = w / f"tp{dst_tp}.json"
-    subprocess.run(ss + ["layout", "--like", str(src), "--mesh", f"tp={dst_tp}", *rules, "-o",
-                         str(dst_layout)], check=True, stdout=subprocess.DEVNULL)
+    _convert_inputs(w, preset, src_tp, dst_tp)
     nbytes = sum(f.stat().st_size for f in src.glob("*.safetensors"))
     ckpt, dcp_out = w / "dcp", w / f"dcp-tp{dst_tp}"
     save: dict[str, Any] = {}
@@ -126,27 +111,11 @@ def bench_convert(work: str, *, preset: str = "qwen3-2g", memory_limit: str = "2
         shutil.rmtree(ckpt, ignore_errors=True)
         save = bench_dcp.launch("save", src_tp, manifest=str(src / "manifest.json"), ckpt=str(ckpt),
                                 data=str(src))
-    conv, floor, rss_c, rss_f = [], [], [], []
-    loads: list[dict[str, Any]] = []
-    conv_out: dict[str, Any] = {}
-    for _ in range(repeats):
-        shutil.rmtree(w / "floor", ignore_errors=True)
-        dt, rss, _ = _sh([py, "-c", (f"from streamer.bench import _copy_floor; _copy_floor({str(src)!r}, "
-                                     f"{str(w / 'floor')!r})")])
-        floor.append(dt)
-        rss_f.append(rss)
-        shutil.rmtree(dst, ignore_errors=True)
-        dt, rss, out = _sh(ss + ["convert", str(src), str(dst_layout), "--out", str(dst),
-                                 "--memory-limit", memory_limit, "--json"])
-        conv.append(dt)
-        rss_c.append(rss)
-        conv_out = json.loads(out)
-        if dcp:
-            shutil.rmtree(dcp_out, ignore_errors=True)
-            loads.append(bench_dcp.launch("load", dst_tp, manifest=str(dst_layout), ckpt=str(ckpt),
-                                          out=str(dcp_out)))
+    runs = _convert_runs(w, src_tp, dst_tp, memory_limit, repeats, dcp)
+    conv, floor, rss_c, rss_f, conv_out = runs.convert_s, runs.floor_s, runs.convert_rss, runs.floor_rss, runs.report
     t0 = time.perf_counter()
-    subprocess.run(ss + ["validate", "--data", str(dst)], check=True, stdout=subprocess.DEVNULL)
+    subprocess.run([sys.executable, "-m", "streamer", "validate", "--data", str(dst)], check=True,
+                   stdout=subprocess.DEVNULL)
     validate_s = time.perf_counter() - t0
     res: dict[str, Any] = {
         "bytes": nbytes,
@@ -168,37 +137,103 @@ def bench_convert(work: str, *, preset: str = "qwen3-2g", memory_limit: str = "2
     if dcp:
         # the DCP output must be the same tensors, byte for byte, as convert's (raises if not)
         check = bench_dcp.compare_outputs(dcp_out, dst)
-        steps = [max(x["step_s"] for x in ld["ranks"]) for ld in loads]
-        best = loads[steps.index(min(steps))]
-        dcp_s = min(steps)
-        dcp_rss = max(sum(ld["peak_rss_bytes"]) for ld in loads)
-        res.update({
-            "dcp_s": dcp_s,
-            "dcp_load_s": max(x["load_s"] for x in best["ranks"]),
-            "dcp_write_s": max(x["write_s"] for x in best["ranks"]),
-            "dcp_wall_s": min(ld["wall_s"] for ld in loads),
-            "dcp_gb_per_s": nbytes / dcp_s / 1e9,
-            "dcp_save_s": max(x["save_s"] for x in save["ranks"]),
-            "dcp_save_wall_s": save["wall_s"],
-            "dcp_checkpoint_bytes": sum(f.stat().st_size for f in ckpt.iterdir() if f.is_file()),
-            "dcp_peak_rss_bytes": dcp_rss,
-            "dcp_peak_rss_max_bytes": max(max(ld["peak_rss_bytes"]) for ld in loads),
-            "dcp_peak_rss_of": f"sum of the {dst_tp} load processes' own peaks",
-            "dcp_rss_before_load_bytes": sum(x["rss_before_load_bytes"] for x in best["ranks"]),
-            "dcp_save_peak_rss_bytes": sum(save["peak_rss_bytes"]),
-            "dcp_bytes_read": sum(x["rchar"] for x in best["ranks"]),
-            "dcp_storage_read_bytes": sum(x["read_bytes"] for x in best["ranks"]),
-            "speedup_vs_dcp": dcp_s / min(conv),
-            "memory_ratio_vs_dcp": dcp_rss / max(rss_c),
-            "dcp_matches_convert": True,
-            "dcp_compared": check,
-        })
-        res["runs"]["dcp_s"] = steps
-        res["runs"]["dcp_wall_s"] = [ld["wall_s"] for ld in loads]
+        _add_dcp_figures(res, runs.dcp_loads, save, ckpt, nbytes, dst_tp, check)
     if not keep:
         for d in (dst, w / "floor", ckpt, dcp_out):
             shutil.rmtree(d, ignore_errors=True)
     return res
+
+
+@dataclass
+class _ConvertRuns:
+    convert_s: list[float] = field(default_factory=list)
+    floor_s: list[float] = field(default_factory=list)
+    convert_rss: list[int] = field(default_factory=list)
+    floor_rss: list[int] = field(default_factory=list)
+    dcp_loads: list[dict[str, Any]] = field(default_factory=list)
+    report: dict[str, Any] = field(default_factory=dict)  # the last convert's --json
+
+
+def _convert_runs(w: Path, src_tp: int, dst_tp: int, memory_limit: str, repeats: int, dcp: bool) -> _ConvertRuns:
+    """``repeats`` rounds of: the copy floor, shardstream convert, and (``dcp``) the DCP load."""
+    from . import bench_dcp
+
+    py = sys.executable
+    src, dst, dst_layout = w / f"tp{src_tp}", w / f"tp{dst_tp}", w / f"tp{dst_tp}.json"
+    runs = _ConvertRuns()
+    for _ in range(repeats):
+        shutil.rmtree(w / "floor", ignore_errors=True)
+        dt, rss, _ = _sh([py, "-c", (f"from streamer.bench import _copy_floor; _copy_floor({str(src)!r}, "
+                                     f"{str(w / 'floor')!r})")])
+        runs.floor_s.append(dt)
+        runs.floor_rss.append(rss)
+        shutil.rmtree(dst, ignore_errors=True)
+        dt, rss, out = _sh([py, "-m", "streamer", "convert", str(src), str(dst_layout), "--out", str(dst),
+                            "--memory-limit", memory_limit, "--json"])
+        runs.convert_s.append(dt)
+        runs.convert_rss.append(rss)
+        runs.report = json.loads(out)
+        if dcp:
+            dcp_out = w / f"dcp-tp{dst_tp}"
+            shutil.rmtree(dcp_out, ignore_errors=True)
+            runs.dcp_loads.append(bench_dcp.launch("load", dst_tp, manifest=str(dst_layout), ckpt=str(w / "dcp"),
+                                                   out=str(dcp_out)))
+    return runs
+
+
+def _convert_inputs(w: Path, preset: str, src_tp: int, dst_tp: int) -> None:
+    """A synthetic ``preset`` checkpoint at TP``src_tp`` in ``w/tp{src_tp}`` (kept between runs) and
+    the TP``dst_tp`` layout ``w/tp{dst_tp}.json`` to convert it to."""
+    from .synth import QWEN3_TP_RULES
+
+    ss = [sys.executable, "-m", "streamer"]
+    rules = [a for r in QWEN3_TP_RULES for a in ("--rule", r)]
+    src = w / f"tp{src_tp}"
+    if not (src / "manifest.json").exists():
+        subprocess.run(ss + ["synth", "--preset", preset, "--out", str(w / "hf")], check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(ss + ["import", str(w / "hf"), "-o", str(w / "hf" / "manifest.json")], check=True,
+                       stdout=subprocess.DEVNULL)
+        subprocess.run(ss + ["layout", "--like", str(w / "hf" / "manifest.json"), "--mesh", f"tp={src_tp}",
+                             *rules, "-o", str(w / f"tp{src_tp}.json")], check=True,
+                       stdout=subprocess.DEVNULL)
+        subprocess.run(ss + ["convert", str(w / "hf" / "manifest.json"), str(w / f"tp{src_tp}.json"), "--out",
+                             str(src)], check=True, stdout=subprocess.DEVNULL)
+        shutil.rmtree(w / "hf")
+    subprocess.run(ss + ["layout", "--like", str(src), "--mesh", f"tp={dst_tp}", *rules, "-o",
+                         str(w / f"tp{dst_tp}.json")], check=True, stdout=subprocess.DEVNULL)
+
+
+def _add_dcp_figures(res: dict[str, Any], loads: list[dict[str, Any]], save: dict[str, Any], ckpt: Path,
+                     nbytes: int, dst_tp: int, check: Any) -> None:
+    """The DCP path's figures (best of the load runs) next to convert's, in ``res``."""
+    conv_s, conv_rss = res["convert_s"], res["convert_peak_rss_bytes"]
+    steps = [max(x["step_s"] for x in ld["ranks"]) for ld in loads]
+    best = loads[steps.index(min(steps))]
+    dcp_s = min(steps)
+    dcp_rss = max(sum(ld["peak_rss_bytes"]) for ld in loads)
+    res.update({
+        "dcp_s": dcp_s,
+        "dcp_load_s": max(x["load_s"] for x in best["ranks"]),
+        "dcp_write_s": max(x["write_s"] for x in best["ranks"]),
+        "dcp_wall_s": min(ld["wall_s"] for ld in loads),
+        "dcp_gb_per_s": nbytes / dcp_s / 1e9,
+        "dcp_save_s": max(x["save_s"] for x in save["ranks"]),
+        "dcp_save_wall_s": save["wall_s"],
+        "dcp_checkpoint_bytes": sum(f.stat().st_size for f in ckpt.iterdir() if f.is_file()),
+        "dcp_peak_rss_bytes": dcp_rss,
+        "dcp_peak_rss_max_bytes": max(max(ld["peak_rss_bytes"]) for ld in loads),
+        "dcp_peak_rss_of": f"sum of the {dst_tp} load processes' own peaks",
+        "dcp_rss_before_load_bytes": sum(x["rss_before_load_bytes"] for x in best["ranks"]),
+        "dcp_save_peak_rss_bytes": sum(save["peak_rss_bytes"]),
+        "dcp_bytes_read": sum(x["rchar"] for x in best["ranks"]),
+        "dcp_storage_read_bytes": sum(x["read_bytes"] for x in best["ranks"]),
+        "speedup_vs_dcp": dcp_s / conv_s,
+        "memory_ratio_vs_dcp": dcp_rss / conv_rss,
+        "dcp_matches_convert": True,
+        "dcp_compared": check,
+    })
+    res["runs"]["dcp_s"] = steps
+    res["runs"]["dcp_wall_s"] = [ld["wall_s"] for ld in loads]
 
 
 def convert_table(r: dict[str, Any]) -> str:
