@@ -94,9 +94,9 @@ def rings8(row: Row) -> float:
     r = row.result
     b = r["broadcast"]
     c = with_overrides(CLUSTERS[row.cluster], broadcast_rings=8)
-    return broadcast_cost(gather_local_bytes=b["gather_local_bytes"], gather_network_bytes=b["gather_network_bytes"],
-                          gather_chunks=b["gather_chunks"], total_bytes=r["model_bytes"],
-                          ring_ranks=r["generation_gpus"], cluster=c)["seconds"]
+    return float(broadcast_cost(gather_local_bytes=b["gather_local_bytes"],
+                                gather_network_bytes=b["gather_network_bytes"], gather_chunks=b["gather_chunks"],
+                                total_bytes=r["model_bytes"], ring_ranks=r["generation_gpus"], cluster=c)["seconds"])
 
 
 def fmt_s(x: float | None) -> str:
@@ -307,9 +307,8 @@ def md_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def render(seed: list[Row], m2n: list[Row], shipped: list[Row], mscale: list[Row], gscale: list[Row],
-           rt: dict[str, Any], wall: float, full_plan: bool) -> str:
-    used_reasons: set[str] = set()
+def _intro(full_plan: bool) -> list[str]:
+    """The title, the clusters' constants, what reshard and baseline mean, and the approximation."""
     h, g = CLUSTERS["dgx-h100"], CLUSTERS["gb200-nvl72"]
     out = [
         "# Benchmarks: simulated refit on DGX H100 and GB200 NVL72",
@@ -340,9 +339,13 @@ def render(seed: list[Row], m2n: list[Row], shipped: list[Row], mscale: list[Row
         + (", and the \"Runtimes\" section below compares it with the whole DSv3 plan at full size." if full_plan
            else "; run with `--full-plan` to also compare with the whole DSv3 plan at full size."),
         "",
-        "## Seed table: simulated vs published (NVIDIA Reshard / NeMo RL `nccl_reshard`)",
-        "",
     ]
+    return out
+
+
+def _seed_section(seed: list[Row], used_reasons: set[str]) -> list[str]:
+    """Simulated vs published, row by row (adds the reasons its misses need to ``used_reasons``)."""
+    out: list[str] = ["## Seed table: simulated vs published (NVIDIA Reshard / NeMo RL `nccl_reshard`)", ""]
     trs = []
     notes: list[str] = []
     for r in seed:
@@ -385,6 +388,11 @@ def render(seed: list[Row], m2n: list[Row], shipped: list[Row], mscale: list[Row
             f"({fmt_s(bf16.result['broadcast_s'])}) is not: the published runs probably moved FP8 weights "
             "(the model's native format), and the FP8 rows are the ones to compare. Layout sources:"), "", *notes, ""]
 
+    return out
+
+
+def _m2n_section(m2n: list[Row], used_reasons: set[str]) -> list[str]:
+    out: list[str] = []
     out += ["## NCCL M2N model bench (GB200 NVL72): hierarchical vs direct", ""]
     mrs = []
     for r in m2n:
@@ -401,6 +409,11 @@ def render(seed: list[Row], m2n: list[Row], shipped: list[Row], mscale: list[Row
                          "sim. direct (sim/pub)", "published direct/hier.", "sim. direct/reshard",
                          "rate implied per busiest GPU (hier. / direct)"], mrs))
 
+    return out
+
+
+def _why_section(used_reasons: set[str]) -> list[str]:
+    out: list[str] = []
     out += ["", "## Why they differ", ""]
     for k in ("reshard_low", "reshard_high", "baseline_high", "baseline_low", "m2n"):
         if k in used_reasons:
@@ -409,19 +422,25 @@ def render(seed: list[Row], m2n: list[Row], shipped: list[Row], mscale: list[Row
             "times, how evenly they spread over NICs, and what a layout change does to it. The speedups it "
             "reports are ratios of two link-bound models and should be read as upper bounds."), ""]
 
-    def scale_table(rows: list[Row], first: str) -> str:
-        body = []
-        for r in rows:
-            res = r.result
-            body.append([first and (r.model_label if first == "model" else str(r.train["num_gpus"] + r.gen["num_gpus"])),
-                         f"{mesh_label(r.train)} → {mesh_label(r.gen)}", f"{res['model_bytes'] / GB:.0f} GB",
-                         fmt_s(res["reshard_s"]), fmt_s(res["broadcast_s"]), f"{res['speedup']:.1f}×",
-                         f"{res['max_send_bytes'] / GB:.2f} GB", f"{res['max_recv_bytes'] / GB:.2f} GB",
-                         f"{res['bytes_per_generator_gpu'] / GB:.2f} GB",
-                         f"{res['network_bytes'] / GB:.0f} / {res['local_bytes'] / GB:.0f} GB"])
-        return md_table([first, "layout", "model bytes", "reshard", "baseline", "speedup", "max send / trainer GPU",
-                         "max recv / generator GPU", "lands / generator GPU", "network / NVLink bytes"], body)
+    return out
 
+
+def scale_table(rows: list[Row], first: str) -> str:
+    body = []
+    for r in rows:
+        res = r.result
+        body.append([first and (r.model_label if first == "model" else str(r.train["num_gpus"] + r.gen["num_gpus"])),
+                     f"{mesh_label(r.train)} → {mesh_label(r.gen)}", f"{res['model_bytes'] / GB:.0f} GB",
+                     fmt_s(res["reshard_s"]), fmt_s(res["broadcast_s"]), f"{res['speedup']:.1f}×",
+                     f"{res['max_send_bytes'] / GB:.2f} GB", f"{res['max_recv_bytes'] / GB:.2f} GB",
+                     f"{res['bytes_per_generator_gpu'] / GB:.2f} GB",
+                     f"{res['network_bytes'] / GB:.0f} / {res['local_bytes'] / GB:.0f} GB"])
+    return md_table([first, "layout", "model bytes", "reshard", "baseline", "speedup", "max send / trainer GPU",
+                     "max recv / generator GPU", "lands / generator GPU", "network / NVLink bytes"], body)
+
+
+def _scale_sections(mscale: list[Row], gscale: list[Row]) -> list[str]:
+    out: list[str] = []
     out += ["## Scale: the model grows (DGX H100, 128 + 128 GPUs)", "",
             ("Trainer PP8 with 16 GPUs per stage (dense: TP8×DP2; MoE: EP16, ETP 1), generator TP32×DP4 (a TP "
             "that fits DeepSeek-V3 BF16 in 80 GB). TP32 splits Qwen3-32B's 8 KV heads into row blocks, where vLLM "
@@ -435,6 +454,11 @@ def render(seed: list[Row], m2n: list[Row], shipped: list[Row], mscale: list[Row
             "the number of generator GPUs."), "",
             scale_table(gscale, "GPUs"), ""]
 
+    return out
+
+
+def _shipped_section(shipped: list[Row]) -> list[str]:
+    out: list[str] = []
     out += ["## Every shipped NCCL M2N system config", "",
             md_table(["system config", "model", "trainer → generator", "reshard", "baseline", "speedup",
                       "network / NVLink bytes", "plans", "simulate wall"],
@@ -443,6 +467,11 @@ def render(seed: list[Row], m2n: list[Row], shipped: list[Row], mscale: list[Row
                        f"{r.result['network_bytes'] / GB:.1f} / {r.result['local_bytes'] / GB:.1f} GB",
                        str(r.result["plans"]), f"{r.wall_s:.1f} s"] for r in shipped]), ""]
 
+    return out
+
+
+def _runtimes_section(seed: list[Row], rt: dict[str, Any], wall: float, full_plan: bool) -> list[str]:
+    out: list[str] = []
     d = next(r for r in seed if r.key == "h100-dsv3-bf16").result
     out += ["## Runtimes (this machine: " + f"{platform.processor() or platform.machine()}, Python "
             f"{platform.python_version()})", "",
@@ -476,8 +505,20 @@ def render(seed: list[Row], m2n: list[Row], shipped: list[Row], mscale: list[Row
              if "plan_s" in rt else
              "Design §9's planner target (full DSv3 plan ≤ 2 s): run with `--full-plan` to time the whole plan."), "",
             f"This file took {wall:.0f} s to generate" + (" (with `--full-plan`)." if full_plan else "."), ""]
-    return "\n".join(out)
+    return out
 
+
+def render(seed: list[Row], m2n: list[Row], shipped: list[Row], mscale: list[Row], gscale: list[Row],
+           rt: dict[str, Any], wall: float, full_plan: bool) -> str:
+    used_reasons: set[str] = set()
+    out = _intro(full_plan)
+    out += _seed_section(seed, used_reasons)
+    out += _m2n_section(m2n, used_reasons)
+    out += _why_section(used_reasons)
+    out += _scale_sections(mscale, gscale)
+    out += _shipped_section(shipped)
+    out += _runtimes_section(seed, rt, wall, full_plan)
+    return "\n".join(out)
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
