@@ -1370,8 +1370,7 @@ def _tabulate(plan: Plan, src: Manifest, dst: Manifest, srows: _ChunkRows, drows
     return _Sides(c[:, 0], c[:, 1], c[:, 2], c[:, 3], c[:, 4], c[:, 5], g[:, 0], g[:, 1], g[:, 2], g[:, 3])
 
 
-def _check_sides(plan: Plan, src: Manifest, dst: Manifest, sides: _Sides, srows: _ChunkRows,
-                 drows: _ChunkRows) -> list[str]:
+def _check_sides(plan: Plan, src: Manifest, sides: _Sides, srows: _ChunkRows, drows: _ChunkRows) -> list[str]:
     """Each transfer reads a region of a chunk its sender holds (the source chunk; for a phase-2
     forward, the forwarder's copy of the destination chunk) and writes a region of a chunk its
     receiver holds, at the chunks' places in their local tensors; phases connect the right jobs."""
@@ -1401,7 +1400,7 @@ def _check_sides(plan: Plan, src: Manifest, dst: Manifest, sides: _Sides, srows:
     return problems
 
 
-def _check_coverage(plan: Plan, dst: Manifest, sides: _Sides, drows: _ChunkRows) -> list[str]:
+def _check_coverage(sides: _Sides, drows: _ChunkRows) -> list[str]:
     """Every (destination chunk, holder) is written exactly once: the regions written into it
     add up to its volume and no two overlap (they lie inside it: :func:`_check_sides`)."""
     width = int(max(drows.holders.max(initial=0), sides.receiver.max(initial=0))) + 1
@@ -1456,21 +1455,24 @@ def _overlap_in(offs: np.ndarray, sizes: np.ndarray) -> Box | None:
 
 def _check_forwards(plan: Plan, sides: _Sides) -> list[str]:
     """A phase-2 forwarder has received the region it forwards in phase 1."""
-    p1 = np.nonzero(sides.phase == 1)[0]
-    got: dict[tuple[int, int], list[Box]] = defaultdict(list)
-    for k in p1.tolist():
-        got[(int(sides.dst_row[k]), int(sides.receiver[k]))].append(
-            Box(tuple(sides.offsets[k].tolist()), tuple(sides.sizes[k].tolist())))
-    problems = []
     ts = plan.transfers
-    for k in np.nonzero(sides.phase == 2)[0].tolist():
-        region = Box(tuple(sides.offsets[k].tolist()), tuple(sides.sizes[k].tolist()))
-        inters = (b.intersect(region) for b in got.get((int(sides.dst_row[k]), int(sides.sender[k])), ()))
+    p2 = np.nonzero(sides.phase == 2)[0]
+    if not len(p2):
+        return []
+    wanted = set(zip(sides.dst_row[p2].tolist(), sides.sender[p2].tolist()))
+    got: dict[tuple[int, int], list[Box]] = defaultdict(list)
+    p1 = np.nonzero(sides.phase == 1)[0]
+    for k, key in zip(sides.position[p1].tolist(), zip(sides.dst_row[p1].tolist(), sides.receiver[p1].tolist())):
+        if key in wanted:
+            got[key].append(ts[k].region)
+    problems = []
+    for k, key in zip(sides.position[p2].tolist(), zip(sides.dst_row[p2].tolist(), sides.sender[p2].tolist())):
+        t = ts[k]
+        inters = (b.intersect(t.region) for b in got.get(key, ()))
         vol = sum(i.volume for i in inters if i is not None)
-        if vol != region.volume:
-            t = ts[int(sides.position[k])]
+        if vol != t.region.volume:
             problems.append(f"{t.fqn}: rank {t.src_rank} forwards {t.region} but received only {vol} of its "
-                            f"{region.volume} elements in phase 1")
+                            f"{t.region.volume} elements in phase 1")
     return problems
 
 
@@ -1483,7 +1485,7 @@ def validate_plan(plan: Plan, src: Manifest, dst: Manifest) -> list[str]:
     srows, drows = _ChunkRows.of(src, ndim), _ChunkRows.of(dst, ndim)
     problems: list[str] = []
     sides = _tabulate(plan, src, dst, srows, drows, ndim, problems)
-    problems += _check_sides(plan, src, dst, sides, srows, drows)
+    problems += _check_sides(plan, src, sides, srows, drows)
     problems += _check_forwards(plan, sides)
-    problems += _check_coverage(plan, dst, sides, drows)
+    problems += _check_coverage(sides, drows)
     return problems
