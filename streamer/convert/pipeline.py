@@ -82,7 +82,7 @@ def convert(src: Manifest, dst: Manifest, out_dir: str | os.PathLike[str], opts:
     else:
         raise UsageError(f"--format {opts.format}: expected safetensors or zarr")
     rep.seconds = time.perf_counter() - t0
-    rep.plan_stats = plan.stats()
+    rep.plan_stats = plan.stats().to_dict()
     return rep
 
 

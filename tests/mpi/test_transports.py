@@ -46,7 +46,7 @@ def test_bench_refit_tiny(tmp_path: Path) -> None:
                        cwd=ROOT)
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(p.stdout)
-    for k in ("reshard_s", "broadcast_s", "floor_s", "speedup_vs_broadcast", "ratio_to_floor", "bytes_moved",
+    for k in ("reshard_s", "broadcast_s", "floor_s", "speedup_vs_broadcast", "ratio_to_floor", "bytes_moved", "first_push_s",
               "bucket_bytes", "peak_extra_bytes_per_rank"):
         assert k in r, k
     assert 0 < r["bytes_moved"] < r["broadcast_bytes_moved"]
