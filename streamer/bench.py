@@ -28,6 +28,8 @@ from statistics import median
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from formats.manifest import Manifest
+
     from .plan import PlanStats
 
 __all__ = ["bench_convert", "bench_refit", "convert_table", "refit_worker"]
@@ -316,7 +318,41 @@ def _refit_args(argv: list[str]) -> Any:
     ap.add_argument("--repeats", type=int, default=5, help="steady-state rounds, after the first (cold) one")
     ap.add_argument("--bucket-size", type=int, default=256 << 20)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--source", choices=SOURCES, default="files")
+    ap.add_argument("--preset", default="qwen3-small")
     return ap.parse_args(argv)
+
+
+#: where bench refit's trainer state comes from: the rank files of ``convert``, or a real FSDP2
+#: model (``fully_shard``, fp32 master weights, cast to the server's bf16 on the way)
+SOURCES = ("files", "fsdp2")
+
+
+def _fsdp2_trainer(preset: str, role_comm: Any) -> tuple[Any, Manifest]:
+    """A transformers Qwen3 shaped like ``preset``, fp32, under ``fully_shard`` on the sender ranks
+    (their own gloo default group, as a torchrun trainer has), and its manifest."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from .synth import PRESETS
+    from .torch_state import manifest_from_state_dict
+    from .transport.torch_dist import free_port
+
+    s = PRESETS[preset]
+    port = role_comm.bcast(free_port() if role_comm.Get_rank() == 0 else None, root=0)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=role_comm.Get_rank(),
+                            world_size=role_comm.Get_size())
+    torch.manual_seed(0)
+    config = Qwen3Config(hidden_size=s.hidden, intermediate_size=s.intermediate, num_hidden_layers=s.layers,
+                         vocab_size=s.vocab, num_attention_heads=s.heads, num_key_value_heads=s.kv_heads,
+                         head_dim=s.head_dim, tie_word_embeddings=False)
+    model = Qwen3ForCausalLM(config).float()
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model, manifest_from_state_dict(model.state_dict(), name=f"fsdp2-{preset}")
 
 
 def _alltoallv_floor(world: Any, pair_bytes: dict[tuple[int, int, int], int]) -> Callable[[], float]:
@@ -396,9 +432,13 @@ def refit_worker(argv: list[str]) -> int:
     role = "send" if rank < S else "recv"
     role_comm = world.Split(0 if role == "send" else 1, rank)
     group = Group.from_mpi(world, role_comm, role, S, world.Get_size() - S)
-    m = load_manifest(a.train if role == "send" else a.serve)
     rr = role_comm.Get_rank()
-    tensors = load_local(m, rr) if role == "send" else alloc_local(m, rr)
+    tensors: Any
+    if role == "send" and a.source == "fsdp2":
+        tensors, m = _fsdp2_trainer(a.preset, role_comm)  # push(model): DTensors send their shards
+    else:
+        m = load_manifest(a.train if role == "send" else a.serve)
+        tensors = load_local(m, rr) if role == "send" else alloc_local(m, rr)
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     sess = {}
     for strategy in ("reshard", "broadcast"):
@@ -423,13 +463,16 @@ def refit_worker(argv: list[str]) -> int:
     if rank == 0:
         out = _refit_result(times_of, senders=S, receivers=world.Get_size() - S, stats=plan.stats(),
                             bucket_size=a.bucket_size, peaks=peaks or [], rss=rss or [])
+        out.update(source=a.source, cast_arrays=len(plan.casts))
         Path(a.out).write_text(json.dumps(out))
     return 0
 
 
 def bench_refit(work: str, *, senders: int = 4, receivers: int = 4, preset: str = "qwen3-small",
                 train_mesh: str = "pp=2,tp=2", serve_mesh: str = "tp=4", repeats: int = 5,
-                bucket_size: int = 64 << 20) -> dict[str, Any]:
+                bucket_size: int = 64 << 20, source: str = "files") -> dict[str, Any]:
+    """Reshard vs gather-broadcast vs the ``MPI_Alltoallv`` floor, one run. ``source="fsdp2"``:
+    the trainer is a real FSDP2 model in fp32 (``train_mesh`` then unused: FSDP2 over all senders)."""
     from .synth import QWEN3_TP_RULES
 
     w = Path(work)
@@ -464,10 +507,11 @@ def bench_refit(work: str, *, senders: int = 4, receivers: int = 4, preset: str 
            "import sys; from streamer.bench import refit_worker; sys.exit(refit_worker(sys.argv[1:]))",
            "--train", str(w / "train" / "manifest.json"), "--serve", str(w / "serve.json"),
            "--senders", str(senders), "--repeats", str(repeats), "--bucket-size", str(bucket_size),
-           "--out", str(res_path)]
+           "--out", str(res_path), "--source", source, "--preset", preset]
     subprocess.run(cmd, check=True, env=env, timeout=3600)
     out: dict[str, Any] = json.loads(res_path.read_text())
-    out.update({"preset": preset, "train_mesh": train_mesh, "serve_mesh": serve_mesh})
+    out.update({"preset": preset, "train_mesh": train_mesh if source == "files" else f"fsdp={senders}",
+                "serve_mesh": serve_mesh})
     return out
 
 

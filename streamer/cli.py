@@ -355,8 +355,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     else:
         r = bench.bench_refit(work, senders=args.senders, receivers=args.receivers,
                               preset=args.preset or "qwen3-small", train_mesh=args.train_mesh,
-                              serve_mesh=args.serve_mesh, repeats=args.repeats or 5, bucket_size=args.bucket_size)
-        text = (f"bench refit ({r['senders']}+{r['receivers']} ranks, {r['train_mesh']} -> {r['serve_mesh']}, "
+                              serve_mesh=args.serve_mesh, repeats=args.repeats or 5, bucket_size=args.bucket_size,
+                              source=args.source)
+        text = (f"bench refit ({r['senders']}+{r['receivers']} ranks, {r['source']} {r['train_mesh']} -> "
+                f"{r['serve_mesh']}{', cast to bf16 on the way' if r['cast_arrays'] else ''}, "
                 f"{r['bytes_moved'] / 1e9:.3f} GB planned, median of {r['repeats']} after the first push):\n"
                 f"  reshard              {r['reshard_s']:8.3f} s\n"
                 f"  first push (cold)    {r['first_push_s']:8.3f} s  ({r['first_push_ratio_to_floor']:.2f} x the "
@@ -509,6 +511,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--receivers", type=_positive_int, default=4)
     p.add_argument("--train-mesh", default="pp=2,tp=2")
     p.add_argument("--serve-mesh", default="tp=4")
+    p.add_argument("--source", choices=["files", "fsdp2"], default="files",
+                   help="bench refit: the trainer's rank files, or a real FSDP2 model (fp32 masters, cast to bf16)")
     p.add_argument("--bucket-size", type=parse_size, default=64 << 20)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench)
