@@ -348,7 +348,8 @@ def _fsdp2_trainer(preset: str, role_comm: Any) -> tuple[Any, Manifest]:
     config = Qwen3Config(hidden_size=s.hidden, intermediate_size=s.intermediate, num_hidden_layers=s.layers,
                          vocab_size=s.vocab, num_attention_heads=s.heads, num_key_value_heads=s.kv_heads,
                          head_dim=s.head_dim, tie_word_embeddings=False)
-    model = Qwen3ForCausalLM(config).to(torch.float32)
+    model: Any = Qwen3ForCausalLM(config)
+    model = model.float()  # fp32 master weights
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
