@@ -105,8 +105,7 @@ class RefitJob:
                 session.save(save, tensors)
             delta = _delta_totals(session) if session.delta else None
             stats = session.plan.stats()
-            reshard = int(stats["moved_bytes"])
-            broadcast = int(stats["broadcast_moved_bytes"])
+            reshard, broadcast = stats.moved_bytes, stats.broadcast_moved_bytes
             return RefitReport(self.role, session.strategy, getattr(session.transport, "name", "?"), seconds,
                                list(session.steps), reshard if session.strategy == "reshard" else broadcast,
                                reshard, broadcast, session.verify, str(save) if save else None, rank == 0, delta)
