@@ -73,6 +73,7 @@ class StepStats:
     full_bytes_received: int = 0
     #: of the elements this rank sent as deltas, the fraction that changed (None: no delta sent)
     changed_fraction: float | None = None
+    #: CPU seconds spent encoding (XOR, base copy, codec) and decoding (codec, XOR into the tensors)
     encode_seconds: float = 0.0
     decode_seconds: float = 0.0
     #: the time verify spent checksumming and comparing regions
