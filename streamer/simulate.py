@@ -88,6 +88,7 @@ __all__ = [
     "PLANNING_MODES",
     "Cluster",
     "broadcast_cost",
+    "delta_cost",
     "group_layers",
     "reshard_cost",
     "simulate",
@@ -264,6 +265,29 @@ def reshard_cost(pairs: Mapping[tuple[int, int, int], int], *, S: int, cluster: 
             "messages": sum(math.ceil(b / bucket) for b in pairs.values())}
 
 
+def delta_cost(pairs: Mapping[tuple[int, int, int], int], *, S: int, cluster: Cluster, fraction: float,
+               encode_bytes_per_s: float) -> dict[str, Any]:
+    """Seconds of a delta refit (``refit --delta``): ``fraction`` of every rank pair's bytes
+    crosses, encoded; each GPU encodes the full bytes it sends and decodes the full bytes it
+    receives at ``encode_bytes_per_s``, pipelined with the wire bucket by bucket. So the refit
+    takes the slower of the wire and the busiest GPU's coding, plus the coding of one bucket at
+    each end (the first encode and the last decode, which nothing hides)."""
+    if not 0 <= fraction <= 1:
+        raise UsageError(f"delta fraction must be between 0 and 1, got {fraction!r}")
+    if not encode_bytes_per_s > 0:
+        raise UsageError(f"encode rate must be > 0, got {encode_bytes_per_s!r}")
+    wire = reshard_cost({k: math.ceil(b * fraction) for k, b in pairs.items()}, S=S, cluster=cluster)
+    coded: Counter[int] = Counter()
+    for (_, s, d), b in pairs.items():
+        coded[s] += b
+        coded[d] += b
+    coding = max(coded.values(), default=0) / encode_bytes_per_s
+    ends = 2 * min(cluster.bucket_bytes, max(pairs.values(), default=0)) / encode_bytes_per_s
+    return {"seconds": max(wire["seconds"], coding) + ends, "wire_s": wire["seconds"], "coding_s": coding,
+            "fraction": fraction, "encode_gb_per_s": encode_bytes_per_s / GB,
+            "network_bytes": wire["network_bytes"], "local_bytes": wire["local_bytes"]}
+
+
 def broadcast_cost(*, gather_local_bytes: int, gather_network_bytes: int, gather_chunks: int, total_bytes: int,
                    ring_ranks: int, cluster: Cluster) -> dict[str, Any]:
     """Seconds of the gather-broadcast baseline (formulas in the module docstring). ``ring_ranks``
@@ -406,13 +430,17 @@ def _plan_groups(arrays: Mapping[str, tuple[Sequence[int], str]], groups: _Group
 
 def simulate(arrays: Mapping[str, tuple[Sequence[int], str]], train: Mapping[str, Any],
              generation: Mapping[str, Any], cluster: Cluster | str, *, planning: str = "scaled",
-             direct: bool = False, num_layers: int | None = None) -> dict[str, Any]:
+             direct: bool = False, num_layers: int | None = None, delta_fraction: float | None = None,
+             encode_gbps: float | None = None) -> dict[str, Any]:
     """Simulated refit of ``arrays`` from a trainer laid out by ``train`` to a generator laid out
     by ``generation`` (sizes as :func:`formats.layouts.models.parallel_from_dict` returns them)
     on ``cluster``. Returns a JSON-able dict: ``reshard_s``, ``broadcast_s``, ``speedup``,
     ``network_bytes``, ``local_bytes``, the busiest link, bytes per GPU, and how it was planned.
     ``direct`` also plans without destination domains (every generator rank fed over the
-    network, NCCL M2N's DIRECT algorithm) and reports ``direct_s``."""
+    network, NCCL M2N's DIRECT algorithm) and reports ``direct_s``. ``delta_fraction`` (with
+    ``encode_gbps`` per GPU) also reports ``delta``: a delta refit's time (:func:`delta_cost`)."""
+    if (delta_fraction is None) != (encode_gbps is None):
+        raise UsageError("simulate: --delta-fraction and --encode-gbps go together")
     cluster = _cluster(cluster, planning)
     if num_layers is None:
         idx = [li for li in (layer_index(n) for n in arrays) if li is not None]
@@ -437,6 +465,9 @@ def simulate(arrays: Mapping[str, tuple[Sequence[int], str]], train: Mapping[str
         out["direct_network_bytes"] = dcost["network_bytes"]
         out["direct_max_recv_bytes"] = dcost["max_recv_bytes"]
         out["plan_seconds"] += acc_direct.plan_seconds
+    if delta_fraction is not None and encode_gbps is not None:
+        out["delta"] = delta_cost(acc.pairs, S=train["num_gpus"], cluster=cluster, fraction=delta_fraction,
+                                  encode_bytes_per_s=encode_gbps * GB)
     return out
 
 
@@ -539,6 +570,9 @@ def add_simulate_parser(sub: Any) -> None:
     p.add_argument("--fp8", action="store_true", help="HF config: block-FP8 linear weights + weight_scale_inv")
     p.add_argument("--include-mtp", action="store_true", help="HF config: DeepSeek-V3 MTP layers too")
     p.add_argument("--direct", action="store_true", help="also plan without destination domains (M2N DIRECT)")
+    p.add_argument("--delta-fraction", type=float, metavar="F",
+                   help="also a delta refit: F of the bytes cross the network (refit --delta; needs --encode-gbps)")
+    p.add_argument("--encode-gbps", type=float, metavar="G", help="delta encode and decode rate per GPU, GB/s")
     p.add_argument("--planning", choices=PLANNING_MODES, default="scaled",
                    help="scaled (default): one plan per layer kind; whole: one exact plan (small models)")
     p.add_argument("--json", action="store_true")
@@ -562,7 +596,8 @@ def cmd_simulate(args: Any) -> int:
                              broadcast_rings=args.broadcast_rings)
     t0 = time.perf_counter()
     arrays = arrays_from_model(args.model, fp8=args.fp8, include_mtp=args.include_mtp)
-    r = simulate(arrays, train, gen, cluster, planning=args.planning, direct=args.direct)
+    r = simulate(arrays, train, gen, cluster, planning=args.planning, direct=args.direct,
+                 delta_fraction=args.delta_fraction, encode_gbps=args.encode_gbps)
     r["model"] = str(args.model)
     r["seconds"] = time.perf_counter() - t0
     emit(args, r, format_report(r))
@@ -589,6 +624,11 @@ def format_report(r: Mapping[str, Any]) -> str:
     ]
     if "direct_s" in r:
         lines.append(f"  direct      {r['direct_s']:10.3f} s   (no domains: every generator rank fed over the network)")
+    if "delta" in r:
+        d = r["delta"]
+        lines.append(f"  delta       {d['seconds']:10.3f} s   ({d['fraction']:.1%} of the bytes on the wire: "
+                     f"{d['wire_s']:.3f} s; coding {d['coding_s']:.3f} s at {d['encode_gb_per_s']:g} GB/s per GPU, "
+                     "pipelined)")
     lines += [
         (f"  bytes       network {r['network_bytes'] / GB:.1f} GB (minimum {r['min_network_bytes'] / GB:.1f}), "
         f"NVLink {r['local_bytes'] / GB:.1f} GB; per generator GPU {r['bytes_per_generator_gpu'] / GB:.2f} GB; "

@@ -536,7 +536,8 @@ GOLDEN = {
     'synth': ['--json', '--max-shard-size', '--out!', '--preset{qwen3-tiny,qwen3-small,qwen3-2g}',
         '--seed'],
     'simulate': ['--broadcast-rings', '--bucket-size', '--cluster!{dgx-h100,gb200-nvl72}',
-        '--direct', '--fp8', '--generation', '--include-mtp', '--json', '--latency-us', '--model!',
+        '--delta-fraction', '--direct', '--encode-gbps', '--fp8', '--generation', '--include-mtp', '--json',
+        '--latency-us', '--model!',
         '--nic-gbps', '--nvlink-gbps', '--planning{scaled,per-layer,whole}', '--system', '--train'],
     'inspect': ['--json', '<path>'],
 }

@@ -13,12 +13,14 @@ from typing import Any
 
 import pytest
 
+from formats.errors import UsageError
 from formats.layouts.models import arrays_from_config, arrays_from_model, parallel_from_dict, parse_m2n_system
 from streamer.cli import main
 from streamer.simulate import (
     CLUSTERS,
     Cluster,
     broadcast_cost,
+    delta_cost,
     group_layers,
     reshard_cost,
     simulate,
@@ -117,6 +119,26 @@ def test_pipelining_formula() -> None:
     r = reshard_cost({(1, 0, 1): 4 * 10**9, (2, 1, 2): 4 * 10**9}, S=1, cluster=c)
     assert r["seconds"] == pytest.approx(4.0 + 8 * LAT + 0.5e9 / NVL + LAT)
     assert (r["network_bytes"], r["local_bytes"]) == (4 * 10**9, 4 * 10**9)
+
+
+def test_delta_formula() -> None:
+    """1 trainer GPU -> 2 generator replicas in two domains (as above), 10% of the bytes on the
+    wire: the wire takes 2 x (0.2 MB / NIC + 1 ms); the trainer codes 4 MB at 1 GB/s (4 ms), the
+    slower of the two, plus one bucket (here the whole 2 MB tensor) at each end."""
+    r = simulate(W, par(num_gpus=1), par(num_gpus=2, dp=2), cluster(1), delta_fraction=0.1, encode_gbps=1)
+    d = r["delta"]
+    assert d["wire_s"] == pytest.approx(2 * (0.1 * NB / NIC + LAT))
+    assert d["coding_s"] == pytest.approx(2 * NB / 1e9)
+    assert d["seconds"] == pytest.approx(max(d["wire_s"], d["coding_s"]) + 2 * NB / 1e9)
+    assert d["network_bytes"] == 2 * NB // 10
+    # all the bytes and free coding: the full-weight reshard
+    pairs = {(1, 0, 1): NB, (1, 0, 2): NB}
+    assert delta_cost(pairs, S=1, cluster=cluster(1), fraction=1.0, encode_bytes_per_s=1e30)["seconds"] == \
+        pytest.approx(r["reshard_s"])
+    with pytest.raises(UsageError, match="between 0 and 1"):
+        delta_cost(pairs, S=1, cluster=cluster(1), fraction=1.5, encode_bytes_per_s=1e9)
+    with pytest.raises(UsageError, match="go together"):
+        simulate(W, par(num_gpus=1), par(num_gpus=2, dp=2), cluster(1), delta_fraction=0.1)
 
 
 def test_broadcast_formula_and_rings() -> None:
