@@ -276,3 +276,27 @@ def test_delta_with_the_broadcast_baseline_is_refused_everywhere() -> None:
         t.join(30)
     assert sorted(errors) == list(range(S + D))
     assert all(isinstance(e, UsageError) and "--strategy reshard" in str(e) for e in errors.values()), errors
+
+
+def test_a_delta_over_another_base_is_never_applied() -> None:
+    """A header whose base version is not the receiver's (here altered in flight) is refused by
+    the receiver: its regions are named and keep their bytes until the next, full, push."""
+    src, dst = _manifests()
+    versions = _versions(3, seed=4)
+    hits: list[tuple[int, int]] = []
+
+    def corrupt(s: int, d: int, tag: int, data: bytearray) -> None:
+        if not hits and tag in (17, 18):  # a delta header: base version is the 4th uint64
+            data[24] ^= 0x04
+            hits.append((s, d))
+
+    results = _run(src, dst, _pushes(src, dst, versions), corrupt=corrupt, delta=True, bucket_size=64 << 10)
+    s, d = hits[0]
+    err = results[d][1][0]
+    assert isinstance(err, DeltaChecksumError), err
+    assert all(f"from rank {s}: the delta carries version 2 over base 5, expected 2 over 1" in p
+               for p in err.problems), err.problems
+    st = results[d][2][0]
+    assert isinstance(st, StepStats) and st.bytes_received == st.full_bytes_received
+    got = {g - src.world_size: results[g][2][1] for g in results if g >= src.world_size}
+    assert check_dest_tensors(dst, got, _want(versions[2])) == []
