@@ -397,12 +397,7 @@ def cmd_synth(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------ parser
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="shardstream", description="Move model weights between parallelism layouts.")
-    ap.add_argument("--debug", action="store_true", help="show Python tracebacks")
-    ap.add_argument("--version", action="version", version=f"shardstream {__version__}")
-    sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
-
+def _add_import(sub: Any) -> None:
     p = sub.add_parser("import", help="describe an existing checkpoint as a manifest")
     p.add_argument("paths", nargs="+", metavar="PATH")
     p.add_argument("-o", "--output", required=True, metavar="MANIFEST")
@@ -410,6 +405,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_import)
 
+
+def _add_layout(sub: Any) -> None:
     p = sub.add_parser("layout", help="generate a manifest from a mesh and placement rules")
     p.add_argument("--like", metavar="MANIFEST", help="take arrays, shapes and dtypes from this manifest/checkpoint")
     p.add_argument("--model", metavar="CFG", help="take arrays from an HF config.json or an NCCL M2N model JSON "
@@ -437,12 +434,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_layout)
 
+
+def _add_validate(sub: Any) -> None:
     p = sub.add_parser("validate", help="check manifests (and with --data, their files)")
     p.add_argument("manifests", nargs="+", metavar="MANIFEST")
     p.add_argument("--data", action="store_true", help="also open the files: headers, tensors, byte ranges, checksums")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_validate)
 
+
+def _add_plan(sub: Any) -> None:
     p = sub.add_parser("plan", help="plan the transfers from SRC's layout to DST's and print the figures")
     p.add_argument("src", metavar="SRC")
     p.add_argument("dst", metavar="DST")
@@ -453,6 +454,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_plan)
 
+
+def _add_convert(sub: Any) -> None:
     p = sub.add_parser("convert", help="convert a checkpoint to another layout, with bounded memory")
     p.add_argument("src", metavar="SRC", help="source manifest, convert output dir, or HF checkpoint")
     p.add_argument("dst", metavar="DST", help="destination manifest (from `layout`)")
@@ -471,6 +474,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_convert)
 
+
+def _add_refit(sub: Any) -> None:
     p = sub.add_parser("refit", help="live refit: push weights from a trainer job to an inference job")
     p.add_argument("role", choices=["send", "recv"])
     p.add_argument("--manifest", required=True, metavar="M", help="this side's manifest (sender: with files)")
@@ -495,6 +500,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_refit)
 
+
+def _add_bench(sub: Any) -> None:
     p = sub.add_parser("bench", help="benchmarks: ratios measured side by side in one run")
     p.add_argument("what", choices=["plan", "convert", "refit", "validate"])
     p.add_argument("--sweep", type=_positive_int, nargs="+", default=[1200, 4800, 19200, 102400],
@@ -520,6 +527,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench)
 
+
+def _add_synth(sub: Any) -> None:
     p = sub.add_parser("synth", help="write a seeded synthetic HF checkpoint shaped like a Qwen3 model")
     p.add_argument("--preset", choices=["qwen3-tiny", "qwen3-small", "qwen3-2g"], default="qwen3-small")
     p.add_argument("--seed", type=int, default=0)
@@ -528,14 +537,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_synth)
 
-    from .simulate import add_simulate_parser
 
-    add_simulate_parser(sub)
-
+def _add_inspect(sub: Any) -> None:
     p = sub.add_parser("inspect", help="summarise a safetensors file or a manifest")
     p.add_argument("path", metavar="PATH")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_inspect)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="shardstream", description="Move model weights between parallelism layouts.")
+    ap.add_argument("--debug", action="store_true", help="show Python tracebacks")
+    ap.add_argument("--version", action="version", version=f"shardstream {__version__}")
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    for add in (_add_import, _add_layout, _add_validate, _add_plan, _add_convert, _add_refit, _add_bench, _add_synth):
+        add(sub)
+    from .simulate import add_simulate_parser
+
+    add_simulate_parser(sub)
+    _add_inspect(sub)
     return ap
 
 
