@@ -23,7 +23,7 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
-__all__ = ["LLAMA_CONFIG", "bench_refit_delta", "delta_worker"]
+__all__ = ["LLAMA_CONFIG", "bench_refit_delta", "delta_table", "delta_worker"]
 
 #: a small Llama: about 14M parameters (56 MB fp32 masters, 28 MB served in bf16)
 LLAMA_CONFIG: dict[str, Any] = {"vocab_size": 8192, "hidden_size": 384, "intermediate_size": 1024, "num_hidden_layers": 4,
@@ -49,6 +49,29 @@ def bench_refit_delta(work: str, *, senders: int = 2, receivers: int = 2, train_
     subprocess.run(cmd, check=True, env=env, timeout=3600)
     result: dict[str, Any] = json.loads(out.read_text())
     return result
+
+
+def delta_table(r: dict[str, Any]) -> str:
+    """The human summary of ``bench_refit_delta``."""
+    def pct(x: float | None) -> str:
+        return "-" if x is None else f"{x:.2%}"
+
+    def gbps(x: float | None) -> str:
+        return "-" if x is None else f"{x:.2f}"
+
+    lines = [f"bench refit --delta ({r['senders']}+{r['receivers']} ranks, fp32 {r['train_mesh']} -> bf16 "
+             f"{r['serve_mesh']}, Llama {r['parameters'] / 1e6:.1f}M parameters, AdamW lr {r['lr']:g}; "
+             f"full push {r['full_bytes'] / 1e6:.1f} MB):",
+             "  step  changed   wire/full  delta s  full s  encode GB/s/core  decode GB/s/core"]
+    for row in r["rows"]:
+        lines.append(f"  {row['step']:4d}  {pct(row['changed_fraction']):>7s}  "
+                     f"{row['delta_wire_bytes'] / row['delta_full_bytes']:9.2%}  {row['delta_s']:7.3f}  "
+                     f"{row['full_s']:6.3f}  {gbps(row['encode_gbps_per_core']):>16s}  "
+                     f"{gbps(row['decode_gbps_per_core']):>16s}")
+    lines.append(f"  median after the first push: {pct(r['delta_bytes_ratio'])} of the full bytes on the wire, "
+                 f"{pct(r['changed_fraction'])} of the elements changed; senders keep {r['base_bytes'] / 1e6:.1f} MB "
+                 "of last-sent bytes (step 0 is the session's full first push)")
+    return "\n".join(lines)
 
 
 def _manifests(arrays: dict[str, tuple[tuple[int, ...], str]], train_mesh: str, serve_mesh: str) -> Any:

@@ -353,6 +353,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         r = bench.bench_validate(args.chunks)
         text = (f"bench validate: {r['chunks']} chunks ({r['manifest_bytes'] / 1e6:.1f} MB JSON): parse "
                 f"{r['parse_s']:.2f} s + validate {r['validate_s']:.2f} s = {r['total_s']:.2f} s (target <= 5 s)")
+    elif args.delta:
+        from .bench_delta import bench_refit_delta, delta_table
+
+        r = bench_refit_delta(work, senders=args.senders, receivers=args.receivers, train_mesh=args.train_mesh,
+                              serve_mesh=args.serve_mesh, steps=args.repeats or 3, lr=args.lr,
+                              bucket_size=args.bucket_size)
+        text = delta_table(r)
     else:
         r = bench.bench_refit(work, senders=args.senders, receivers=args.receivers,
                               preset=args.preset or "qwen3-small", train_mesh=args.train_mesh,
@@ -523,6 +530,9 @@ def _add_bench(sub: Any) -> None:
     p.add_argument("--serve-mesh", default="tp=4")
     p.add_argument("--source", choices=["files", "fsdp2"], default="files",
                    help="bench refit: the trainer's rank files, or a real FSDP2 model (fp32 masters, cast to bf16)")
+    p.add_argument("--delta", action="store_true",
+                   help="bench refit: full vs delta pushes after real AdamW steps of a small Llama (--repeats steps)")
+    p.add_argument("--lr", type=float, default=1e-6, help="bench refit --delta: the AdamW learning rate")
     p.add_argument("--bucket-size", type=parse_size, default=64 << 20)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench)
