@@ -251,7 +251,7 @@ def _workloads() -> list[tuple[str, str]]:
     out = []
     for m in models:
         for s in systems:
-            moe = any(k in m for k in ("deepseek-v3", "dsv3-toy", "qwen3-235b", "qwen3-30b"))
+            moe = any(k in m for k in ("deepseek-v3", "dsv3-toy", "kimi-k2", "qwen3-235b", "qwen3-30b"))
             if not moe or s in small or s.startswith("qwen3-32b-dp1") or ("235b" in m and s.startswith("qwen235b")):
                 out.append((m, s))
     return out
@@ -260,7 +260,7 @@ def _workloads() -> list[tuple[str, str]]:
 @needs_workloads
 def test_every_shipped_workload_simulates() -> None:
     work = _workloads()
-    assert len({m for m, _ in work}) == 6 and len({s for _, s in work}) == 9  # every file is exercised
+    assert len({m for m, _ in work}) == 7 and len({s for _, s in work}) == 9  # every file is exercised
     for model, system in work:
         _, _, reshard, bcast = _run(model, system)
         assert 0 < reshard < 100 and 0 < bcast < 100, (model, system)
