@@ -6,9 +6,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+from quant_reference import ref_block_fp8, ref_mxfp8
 
 from formats.quant import MX_BLOCK, QuantScheme, e4m3fn_from_f32, quantize, to_float32
-from quant_reference import ref_block_fp8, ref_mxfp8
 
 torch = pytest.importorskip("torch")
 
