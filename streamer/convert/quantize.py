@@ -1,0 +1,248 @@
+"""Quantize on convert: a ``float8_e4m3fn`` destination array with a ``…_scale_inv`` (or
+``…_scale``) sibling, fed from a bf16/fp16/fp32/fp64 source array without scales, is quantized
+while it is written (``formats.quant``).
+
+The plan moves the weight in its source dtype (as for a cast, ``with_dtypes``) and knows nothing
+of the scale array. While a sink fills a slab of the FP8 local tensor, or of its scale local
+tensor, the ``Quantizer`` reads the source elements of the whole blocks the slab meets through
+the weight's transfers, quantizes them, and writes the slab's part. Every block lies in one
+destination chunk (the destination is block-aligned, which ``quant_targets`` checks), so a
+block's scale is the same on every holder and in every slab that computes it.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from formats.box import Box
+from formats.dtypes import by_name
+from formats.errors import PlanError
+from formats.manifest import ArraySpec, Chunk, Manifest
+from formats.quant import MX_BLOCK, QuantScheme, quantize, to_float32
+
+from ..plan import Transfer
+from .cast import FLOATS, with_dtypes
+from .fill import U8, Buffer, Filler
+
+__all__ = ["FP8_BLOCK", "QuantTarget", "Quantizer", "planned_destination", "quant_report", "quant_targets"]
+
+#: DeepSeek-V3 / vLLM block of block-FP8 weights (one float32 scale per 128×128 elements)
+FP8_BLOCK = (128, 128)
+#: scale siblings of weight ``W``: ``W_scale_inv`` (DeepSeek, vLLM) or ``W_scale`` (MX checkpoints)
+SCALE_SUFFIXES = ("_scale_inv", "_scale")
+#: float32 elements one quantization step may hold (a few temporaries of this size are live)
+STEP_ELEMENTS = 1 << 22
+
+
+@dataclass(frozen=True)
+class QuantTarget:
+    """One destination weight quantized on write, with the scale array computed beside it."""
+
+    weight: str
+    scale: str
+    src_dtype: str
+    scheme: QuantScheme
+
+
+def _scheme(fqn: str, w: ArraySpec, s: ArraySpec, block: tuple[int, int], ue8m0: bool) -> QuantScheme | str:
+    """The scheme the destination asks for ``fqn``, or the one problem line."""
+    nd = len(w.shape)
+    if nd == 0:
+        return f"{fqn}: a 0-d FP8 array cannot be block-quantized"
+    if s.data_type == "float8_e8m0fnu":
+        sch = QuantScheme("mx", (1,) * (nd - 1) + (MX_BLOCK,))
+    elif s.data_type == "float32":
+        sch = QuantScheme("block", ((1,) * (nd - 2) + block)[-nd:], ue8m0)
+    else:
+        return (f"{fqn}: scale array has data_type {s.data_type} (expected float32 for block FP8, "
+                "float8_e8m0fnu for MXFP8)")
+    want = sch.scale_shape(tuple(w.shape))
+    if tuple(s.shape) != want:
+        return (f"{fqn}: scale array shape {list(s.shape)} does not match {sch.describe()} blocks "
+                f"(expected {list(want)}; block FP8 sizes are set with --fp8-block)")
+    return sch
+
+
+def _on_grid(r: Box, block: Sequence[int], shape: Sequence[int]) -> bool:
+    return all(o % b == 0 and ((o + n) % b == 0 or o + n == full)
+               for o, n, b, full in zip(r.offsets, r.sizes, block, shape))
+
+
+def _image(r: Box, block: Sequence[int]) -> Box:
+    """The scale indices of the blocks of ``r`` (on the grid)."""
+    return Box(tuple(o // b for o, b in zip(r.offsets, block)),
+               tuple(-(-(o + n) // b) - o // b for o, n, b in zip(r.offsets, r.sizes, block)))
+
+
+def _layout_problems(fqn: str, w: ArraySpec, s: ArraySpec, sch: QuantScheme) -> list[str]:
+    """Destination chunks must be whole blocks (the last of a dim may be partial), and the scale
+    chunks their block images on the same holders: a block is then quantized where it is stored."""
+    blk = "x".join(map(str, sch.block))
+    for c in w.chunks:
+        if not _on_grid(c.region, sch.block, w.shape):
+            return [f"{fqn}: destination chunk {c.region} is not aligned to the {blk} quantization blocks "
+                    "(only the last block of a dim may be partial); pick a layout whose shards are whole blocks"]
+    images = sorted((c.holders, _image(c.region, sch.block).offsets, _image(c.region, sch.block).sizes)
+                    for c in w.chunks)
+    scales = sorted((c.holders, c.region.offsets, c.region.sizes) for c in s.chunks)
+    if images != scales:
+        return [f"{fqn}: the chunks of its scale array are not the block images of its chunks on the same "
+                "holders (a scale must be stored with the weight rows it scales)"]
+    return []
+
+
+def quant_targets(src: Manifest, dst: Manifest, *, block: tuple[int, int] = FP8_BLOCK,
+                  ue8m0: bool = False) -> dict[str, QuantTarget]:
+    """Every destination weight to quantize on write; ``PlanError`` (one line per array) when
+    one is asked in a way that cannot be met."""
+    targets: dict[str, QuantTarget] = {}
+    problems: list[str] = []
+    for fqn, w in dst.arrays.items():
+        s_src = src.arrays.get(fqn)
+        if w.data_type != "float8_e4m3fn" or s_src is None or s_src.data_type not in FLOATS:
+            continue
+        scale = next((fqn + x for x in SCALE_SUFFIXES if fqn + x in dst.arrays and fqn + x not in src.arrays), None)
+        if scale is None:
+            continue  # no scales to compute: the plan reports the data_type mismatch
+        sch = _scheme(fqn, w, dst.arrays[scale], block, ue8m0)
+        if isinstance(sch, str):
+            problems.append(sch)
+            continue
+        lay = _layout_problems(fqn, w, dst.arrays[scale], sch)
+        problems.extend(lay)
+        if not lay:
+            targets[fqn] = QuantTarget(fqn, scale, s_src.data_type, sch)
+    if problems:
+        raise PlanError(problems=problems)
+    return targets
+
+
+def planned_destination(dst: Manifest, targets: Mapping[str, QuantTarget], casts: Mapping[str, str]) -> Manifest:
+    """The destination the plan moves: quantized weights (and ``casts``) in their source dtype,
+    without the scale arrays (nothing in the source feeds them)."""
+    m = with_dtypes(dst, {**casts, **{f: t.src_dtype for f, t in targets.items()}})
+    scales = {t.scale for t in targets.values()}
+    return m.with_arrays({f: a for f, a in m.arrays.items() if f not in scales}) if scales else m
+
+
+def quant_report(dst: Manifest, targets: Mapping[str, QuantTarget], where: str) -> dict[str, Any]:
+    """Which arrays are quantized, how, and the bytes saved against storing them unquantized
+    (logical arrays, one copy each)."""
+    arrays: dict[str, Any] = {}
+    for f, t in targets.items():
+        w, s = dst.arrays[f], dst.arrays[t.scale]
+        n = int(np.prod(w.shape, dtype=np.int64))
+        unquantized = n * by_name(t.src_dtype).itemsize
+        stored = n + int(np.prod(s.shape, dtype=np.int64)) * by_name(s.data_type).itemsize
+        arrays[f] = {"scheme": t.scheme.describe(), "scale": t.scale, "from": t.src_dtype, "where": where,
+                     "bytes_unquantized": unquantized, "bytes_stored": stored, "bytes_saved": unquantized - stored}
+    return {"arrays": arrays, "bytes_saved": sum(a["bytes_saved"] for a in arrays.values())}
+
+
+# ------------------------------------------------------------------ filling slabs
+
+@dataclass(frozen=True)
+class _Part:
+    """A quantized chunk (``scale`` False) or a scale chunk inside one local tensor on one rank."""
+
+    target: QuantTarget
+    chunk: Chunk
+    scale: bool
+
+
+class Quantizer:
+    """Fills slabs of the FP8 and scale local tensors from the weights' source elements."""
+
+    def __init__(self, stored: Manifest, targets: Mapping[str, QuantTarget],
+                 transfers: Callable[[int, str], Sequence[Transfer]]) -> None:
+        self.stored = stored
+        self.transfers = transfers
+        self.parts: dict[tuple[int, str], list[_Part]] = defaultdict(list)
+        # (rank, weight) -> its chunks there: where a scale chunk's weight rows are read from
+        self.weight_chunks: dict[tuple[int, str], list[Chunk]] = defaultdict(list)
+        for t in targets.values():
+            for c in stored.arrays[t.weight].chunks:
+                for h in c.holders:
+                    self.parts[(h, c.tensor(t.weight))].append(_Part(t, c, False))
+                    self.weight_chunks[(h, t.weight)].append(c)
+            for c in stored.arrays[t.scale].chunks:
+                for h in c.holders:
+                    self.parts[(h, c.tensor(t.scale))].append(_Part(t, c, True))
+        self._src = Buffer()
+        problems = sorted({f"{fqn}: stored in local tensor {c.tensor(fqn)!r} beside quantized weights or scales; "
+                           "a quantized local tensor may hold only those" for fqn, _, c in stored.iter_chunks()
+                           if fqn not in targets and fqn not in {t.scale for t in targets.values()}
+                           and any((h, c.tensor(fqn)) in self.parts for h in c.holders)})
+        if problems:
+            raise PlanError(problems=problems)
+
+    def holds(self, rank: int, name: str) -> bool:
+        return (rank, name) in self.parts
+
+    def fill(self, rank: int, name: str, slab: Box, out: U8, filler: Filler) -> None:
+        """``out``: the stored bytes of ``slab`` of local tensor ``name`` on ``rank``."""
+        parts = self.parts[(rank, name)]
+        isz = out.size // slab.volume
+        out[:] = 0
+        view = out.reshape(slab.sizes + (isz,))
+        for p in parts:
+            inter = slab.intersect(p.chunk.local_box)
+            if inter is None or inter.empty:
+                continue
+            g = inter.shift(tuple(r - lo for r, lo in zip(p.chunk.region.offsets, p.chunk.local_offsets)))
+            for piece, vals in (self._scales(rank, p.target, g, filler) if p.scale
+                                else self._data(rank, p, g, filler)):
+                rel = piece.shift(tuple(lo - r for r, lo in zip(p.chunk.region.offsets, p.chunk.local_offsets)))
+                view[rel.relative_to(slab.offsets).slices] = vals.view(np.uint8).reshape(piece.sizes + (isz,))
+
+    # ---- the weight's source elements, quantized block by block
+
+    def _steps(self, box: Box, block: Sequence[int], shape: Sequence[int]) -> list[Box]:
+        """``box`` (in weight elements) grown to whole blocks, cut along dim 0 into steps of a
+        bounded element count, each on the block grid."""
+        lo = tuple(o // b * b for o, b in zip(box.offsets, block))
+        hi = tuple(min(-(-s // b) * b, n) for s, b, n in zip(box.stops, block, shape))
+        grown = Box(lo, tuple(h - o for o, h in zip(lo, hi)))
+        row = max(1, grown.volume // max(grown.sizes[0], 1))
+        rows = max(block[0], STEP_ELEMENTS // row // block[0] * block[0])
+        out = []
+        for r in range(lo[0], hi[0], rows):
+            n = min(rows, hi[0] - r)
+            out.append(Box((r,) + lo[1:], (n,) + grown.sizes[1:]))
+        return out
+
+    def _quantized(self, rank: int, t: QuantTarget, c: Chunk, step: Box, filler: Filler
+                   ) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+        """Quantize ``step`` (weight elements, whole blocks, inside chunk ``c`` on ``rank``)."""
+        isz = by_name(t.src_dtype).itemsize
+        local = step.shift(tuple(lo - r for r, lo in zip(c.region.offsets, c.local_offsets)))
+        buf = self._src.take(step.volume * isz)
+        filler.fill(local, self.transfers(rank, c.tensor(t.weight)), isz, buf)
+        return quantize(to_float32(buf, t.src_dtype, step.sizes), t.scheme)
+
+    def _data(self, rank: int, p: _Part, g: Box, filler: Filler) -> list[tuple[Box, np.ndarray[Any, Any]]]:
+        t, shape = p.target, self.stored.arrays[p.target.weight].shape
+        out = []
+        for step in self._steps(g, t.scheme.block, shape):
+            q, _ = self._quantized(rank, t, p.chunk, step, filler)
+            piece = step.intersect(g)
+            if piece is not None and not piece.empty:
+                out.append((piece, np.ascontiguousarray(q[piece.relative_to(step.offsets).slices])))
+        return out
+
+    def _scales(self, rank: int, t: QuantTarget, g: Box, filler: Filler) -> list[tuple[Box, np.ndarray[Any, Any]]]:
+        """The scales of the blocks ``g`` (scale indices), from the weight rows they scale."""
+        block, shape = t.scheme.block, self.stored.arrays[t.weight].shape
+        lo = tuple(o * b for o, b in zip(g.offsets, block))
+        rows = Box(lo, tuple(min(s * b, n) - o for s, b, n, o in zip(g.stops, block, shape, lo)))
+        c = next(c for c in self.weight_chunks[(rank, t.weight)] if c.region.contains(rows))
+        out = []
+        for step in self._steps(rows, block, shape):
+            _, s = self._quantized(rank, t, c, step, filler)
+            out.append((_image(step, block), np.ascontiguousarray(s)))
+        return out
