@@ -27,7 +27,7 @@ from .cast import cast_bytes, cast_manifest, with_dtypes
 from .files import INDEX_NAME, plan_files, write_index
 from .fill import U8, Buffer, Filler
 from .options import ConvertOptions, FileJob
-from .quantize import STEP_ELEMENTS, QuantTarget, Quantizer
+from .quantize import STEP_ELEMENTS, Quantizer, QuantTarget
 
 __all__ = ["PACK_BYTES", "SafetensorsSink"]
 
