@@ -92,7 +92,7 @@ def convert(src: Manifest, dst: Manifest, out_dir: str | os.PathLike[str], opts:
         raise UsageError(f"--format {opts.format}: expected safetensors or zarr")
     rep.seconds = time.perf_counter() - t0
     rep.plan_stats = plan.stats().to_dict()
-    rep.quantized = quant_report(dst, targets, "convert (on write)") if targets else {}
+    rep.quantized = quant_report(dst, targets, "by convert") if targets else {}
     return rep
 
 
