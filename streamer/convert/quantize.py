@@ -37,6 +37,8 @@ FP8_BLOCK = (128, 128)
 SCALE_SUFFIXES = ("_scale_inv", "_scale")
 #: float32 elements one quantization step may hold (a few temporaries of this size are live)
 STEP_ELEMENTS = 1 << 22
+#: scales kept from filling the FP8 data for filling the scale tensor (per destination file)
+SCALE_CACHE_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -174,6 +176,10 @@ class Quantizer:
                 for h in c.holders:
                     self.parts[(h, c.tensor(t.scale))].append(_Part(t, c, True))
         self._src = Buffer()
+        # (rank, weight, chunk offsets) -> (the chunk's scales, which scale rows are known): the
+        # scales computed with the data, so the scale tensor needs no second read of the weight
+        self._known: dict[tuple[int, str, tuple[int, ...]], tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]] = {}
+        self._known_bytes = 0
         problems = sorted({f"{fqn}: stored in local tensor {c.tensor(fqn)!r} beside quantized weights or scales; "
                            "a quantized local tensor may hold only those" for fqn, _, c in stored.iter_chunks()
                            if fqn not in targets and fqn not in {t.scale for t in targets.values()}
@@ -183,6 +189,34 @@ class Quantizer:
 
     def holds(self, rank: int, name: str) -> bool:
         return (rank, name) in self.parts
+
+    def forget(self) -> None:
+        """Drop the scales kept from the data (a destination file is done)."""
+        self._known.clear()
+        self._known_bytes = 0
+
+    def _remember(self, rank: int, t: QuantTarget, c: Chunk, step: Box, s: np.ndarray[Any, Any]) -> None:
+        img, st = _image(c.region, t.scheme.block), _image(step, t.scheme.block)
+        if st.sizes[1:] != img.sizes[1:]:
+            return  # a step narrower than the chunk (a slab of part of a row): not worth tracking
+        key = (rank, t.weight, c.region.offsets)
+        known = self._known.get(key)
+        if known is None:
+            if self._known_bytes + img.volume * s.itemsize > SCALE_CACHE_BYTES:
+                return
+            known = (np.empty(img.sizes, s.dtype), np.zeros(img.sizes[0], bool))
+            self._known[key] = known
+            self._known_bytes += img.volume * s.itemsize
+        r0 = st.offsets[0] - img.offsets[0]
+        known[0][r0:r0 + st.sizes[0]] = s
+        known[1][r0:r0 + st.sizes[0]] = True
+
+    def _recall(self, rank: int, t: QuantTarget, c: Chunk, g: Box) -> np.ndarray[Any, Any] | None:
+        known = self._known.get((rank, t.weight, c.region.offsets))
+        if known is None:
+            return None
+        rel = g.relative_to(_image(c.region, t.scheme.block).offsets)
+        return known[0][rel.slices] if known[1][rel.slices[0]].all() else None
 
     def fill(self, rank: int, name: str, slab: Box, out: U8, filler: Filler) -> None:
         """``out``: the stored bytes of ``slab`` of local tensor ``name`` on ``rank``."""
@@ -229,7 +263,8 @@ class Quantizer:
         t, shape = p.target, self.stored.arrays[p.target.weight].shape
         out = []
         for step in self._steps(g, t.scheme.block, shape):
-            q, _ = self._quantized(rank, t, p.chunk, step, filler)
+            q, s = self._quantized(rank, t, p.chunk, step, filler)
+            self._remember(rank, t, p.chunk, step, s)
             piece = step.intersect(g)
             if piece is not None and not piece.empty:
                 out.append((piece, np.ascontiguousarray(q[piece.relative_to(step.offsets).slices])))
@@ -241,6 +276,9 @@ class Quantizer:
         lo = tuple(o * b for o, b in zip(g.offsets, block))
         rows = Box(lo, tuple(min(s * b, n) - o for s, b, n, o in zip(g.stops, block, shape, lo)))
         c = next(c for c in self.weight_chunks[(rank, t.weight)] if c.region.contains(rows))
+        known = self._recall(rank, t, c, g)
+        if known is not None:
+            return [(g, np.ascontiguousarray(known))]
         out = []
         for step in self._steps(rows, block, shape):
             _, s = self._quantized(rank, t, c, step, filler)

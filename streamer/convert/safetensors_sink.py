@@ -206,6 +206,9 @@ class SafetensorsSink:
             stream.end(ok=False)
             w.abort()
             raise
+        finally:
+            if self.quantizer is not None:
+                self.quantizer.forget()
         return checksums
 
     def _fill_tensor(self, name: str, ts: TensorSpec, rank: int, filler: Filler,
