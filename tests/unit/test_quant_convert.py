@@ -98,9 +98,14 @@ def _like(tmp: Path, arrays: dict[str, tuple[tuple[int, ...], str]], rules: list
 
 
 @pytest.mark.parametrize("ue8m0", [False, True])
-def test_block_fp8_uneven_shards_fp32_source(tmp_path: Path, capsys: Any, ue8m0: bool) -> None:
+@pytest.mark.parametrize("keep_scales", [True, False])
+def test_block_fp8_uneven_shards_fp32_source(tmp_path: Path, capsys: Any, monkeypatch: Any, ue8m0: bool,
+                                             keep_scales: bool) -> None:
     """16x16 blocks, 48x50 weight: tp=3 rows of 16 (whole blocks), the last column block partial;
-    and a 1-D-sharded second weight cut by column boundaries on the grid."""
+    and a 1-D-sharded second weight cut by column boundaries on the grid. Without the scales
+    kept from the data, the scale tensor reads the weight again: same bytes."""
+    if not keep_scales:
+        monkeypatch.setattr("streamer.convert.quantize.SCALE_CACHE_BYTES", 0)
     g = torch.Generator().manual_seed(1)
     a = torch.randn((48, 50), generator=g) * 3
     a[16:32, :16] = 0  # an all-zero block
