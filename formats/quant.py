@@ -78,21 +78,29 @@ def to_float32(raw: _Arr, dtype: str, shape: tuple[int, ...]) -> _Arr:
 
 def e4m3fn_from_f32(x: _Arr) -> _Arr:
     """float32 -> float8_e4m3fn bits, exactly as torch's ``.to(torch.float8_e4m3fn)``: round to
-    nearest even, saturating (``|x| > 464`` and ±inf become ±448), NaN stays NaN (sign kept)."""
+    nearest even, saturating (``|x| > 464`` and ±inf become ±448), NaN stays NaN (sign kept).
+
+    In place on a few uint32 arrays: the normal path runs on every element, the rare ones
+    (subnormal, saturated, NaN) only where they occur."""
     bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-    sign = bits & np.uint32(0x80000000)
-    f = bits ^ sign
+    f = bits & np.uint32(0x7FFFFFFF)
     # normal: round the mantissa to 3 bits, nearest even, rebias the exponent (7 - 127)
-    odd = (f >> np.uint32(20)) & np.uint32(1)
-    normal = ((f + np.uint32((((7 - 127) << 23) + 0x7FFFF) & 0xFFFFFFFF) + odd) >> np.uint32(20)).astype(np.uint8)
-    # subnormal: let a float32 addition of 2^14 do the rounding
-    magic = np.uint32(141 << 23)
-    with np.errstate(over="ignore", invalid="ignore"):
-        sub = ((f.view(np.float32) + magic.view(np.float32)).view(np.uint32) - magic).astype(np.uint8)
-    out = np.where(f < np.uint32(121 << 23), sub, normal)
-    out = np.where(f > np.uint32(0x43E80000), np.uint8(0x7E), out)  # > 464 (incl. inf): saturate to 448
-    out = np.where(f > np.uint32(0x7F800000), np.uint8(0x7F), out)  # NaN stays NaN
-    return (out | (sign >> np.uint32(24)).astype(np.uint8)).astype(np.uint8)
+    n = f >> np.uint32(20)
+    n &= np.uint32(1)
+    n += f
+    n += np.uint32((((7 - 127) << 23) + 0x7FFFF) & 0xFFFFFFFF)
+    n >>= np.uint32(20)
+    out = n.astype(np.uint8)
+    small = np.flatnonzero(f < np.uint32(121 << 23))
+    if small.size:  # subnormal: let a float32 addition of 2^14 do the rounding
+        magic = np.uint32(141 << 23)
+        fs = f.reshape(-1)[small]
+        out.reshape(-1)[small] = ((fs.view(np.float32) + magic.view(np.float32)).view(np.uint32) - magic
+                                  ).astype(np.uint8)
+    out[f > np.uint32(0x43E80000)] = 0x7E  # > 464 (incl. inf): saturate to 448
+    out[f > np.uint32(0x7F800000)] = 0x7F  # NaN stays NaN
+    out |= (bits >> np.uint32(24)).astype(np.uint8) & np.uint8(0x80)
+    return out
 
 
 def _blocked(x: _Arr, block: tuple[int, ...]) -> _Arr:
