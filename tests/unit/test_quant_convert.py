@@ -90,11 +90,12 @@ def test_hf_bf16_to_vllm_fp8_preset_matches_reference(tmp_path: Path, capsys: An
     assert main(["validate", "--data", str(tmp_path / "out")]) == 0
 
 
-def _like(tmp: Path, arrays: dict[str, tuple[tuple[int, ...], str]], rules: list[Rule], tp: int) -> Path:
+def _like(tmp: Path, arrays: dict[str, tuple[tuple[int, ...], str]], rules: list[Rule], tp: int,
+          name: str = "dst.json") -> Path:
     m = apply_layout(manifest_from_arrays(arrays), Mesh(("tp",), (tp,)), rules,
                      file_pattern="rank-{rank:05d}.safetensors")
-    save_manifest(m, tmp / "dst.json")
-    return tmp / "dst.json"
+    save_manifest(m, tmp / name)
+    return tmp / name
 
 
 @pytest.mark.parametrize("ue8m0", [False, True])
@@ -151,3 +152,23 @@ def test_unaligned_destination_is_refused_in_one_line(tmp_path: Path, capsys: An
     assert len(err) == 1 and "w.weight:" in err[0], err
     assert ("does not match" if case == "scale-shape" else "not aligned") in err[0]
     assert not (tmp_path / "out").exists()
+
+
+def test_source_shards_cutting_blocks(tmp_path: Path, capsys: Any) -> None:
+    """A bf16 TP3 trainer checkpoint whose shards cut 128x128 blocks (rows 100/100/100) -> one
+    FP8 rank: each block is assembled from several source files, then quantized."""
+    g = torch.Generator().manual_seed(5)
+    W = _hf(tmp_path / "hf", {"w.weight": (torch.randn((300, 260), generator=g)).to(torch.bfloat16)})
+    tp3 = _like(tmp_path, {"w.weight": ((300, 260), "bfloat16")}, [Rule("w.*", (Shard(0),))], 3, "tp3.json")
+    assert main(["convert", str(tmp_path / "hf"), str(tp3), "--out", str(tmp_path / "tp3")]) == 0
+    dst = _like(tmp_path, {"w.weight": ((300, 260), "float8_e4m3fn"), "w.weight_scale_inv": ((3, 3), "float32")},
+                [], 1)
+    capsys.readouterr()
+    assert main(["plan", str(tmp_path / "tp3"), str(dst), "--json"]) == 0
+    st = json.loads(capsys.readouterr().out)
+    assert list(st["quantized"]["arrays"]) == ["w.weight"] and st["quantized"]["bytes_saved"] == 300 * 260 - 9 * 4
+    assert main(["convert", str(tmp_path / "tp3"), str(dst), "--out", str(tmp_path / "out"),
+                 "--memory-limit", "64KiB"]) == 0
+    q, s = ref_block_fp8(W["w.weight"])
+    _equal_on_holders(tmp_path / "out", "w.weight", q.view(torch.uint8))
+    _equal_on_holders(tmp_path / "out", "w.weight_scale_inv", s)
