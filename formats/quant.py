@@ -5,21 +5,22 @@ Two schemes, both with ``float8_e4m3fn`` data:
 * ``block`` — DeepGEMM's ``per_block_cast_to_fp8`` (DeepSeek-V3 / vLLM ``weight_scale_inv``):
   per block (128×128 by default; the last block of a dim may be partial)
   ``amax = max(max|w| in float32, 1e-4)``, ``q = e4m3fn(w.float() * (448 / amax))``,
-  ``scale_inv = amax / 448`` (float32). ``448 / amax`` is rounded as torch computes it, as
-  ``(1 / amax) * 448`` (torch's scalar / tensor), so the bytes match the torch reference. With ``ue8m0`` the scale is rounded up to a power of
-  two (DeepGEMM ``use_ue8m0``) and ``q = e4m3fn(w.float() * (1 / scale_inv))``.
+  ``scale_inv = amax / 448`` (float32). ``448 / amax`` is rounded as torch computes a scalar
+  divided by a tensor, ``(1 / amax) * 448``, so the bytes match the torch reference. With
+  ``ue8m0`` the scale is rounded up to a power of two (DeepGEMM ``use_ue8m0``; exactly, by
+  ``frexp``, not through a rounded ``log2``) and ``q = e4m3fn(w.float() * (1 / scale_inv))``.
 * ``mx`` — OCP MX (MXFP8): blocks of 32 along the last dim, ``float8_e8m0fnu`` scales
-  ``X = 2^(floor(log2 amax) - 8)`` (8: the largest exponent of e4m3), clamped to ``[2^-127,
-  2^127]``; an all-zero block gets ``2^-127``; ``q = e4m3fn(clamp(w / X, ±448))``.
+  ``X = 2^(floor(log2 amax) - 8)`` (8: the largest exponent of e4m3), clamped to
+  ``[2^-127, 2^127]``; an all-zero block gets ``2^-127``; ``q = e4m3fn(clamp(w / X, ±448))``.
 
 ``e4m3fn`` conversion follows torch's ``.to(torch.float8_e4m3fn)`` (checked bit for bit on torch
 2.13): round to nearest even, saturating: ``|x| > 464`` and ±inf become ±448; NaN stays NaN.
 
-Non-finite input (documented choice): ``block`` follows the arithmetic of the definition, as
-torch does: a block holding ±inf gets ``scale_inv = inf``, its inf elements become NaN (inf·0)
-and the others ±0; a block holding NaN gets a NaN scale and NaN elements. ``mx`` follows the OCP rule: a block holding
-inf or NaN gets the NaN scale (0xFF) and every element is NaN (0x7F). NaN sign bits under
-``block`` are the platform's (x86 and CUDA differ), so only NaN-ness is portable there.
+Non-finite input (a documented choice): ``block`` follows the definition's arithmetic, as torch
+does: a block holding ±inf gets ``scale_inv = inf``, its inf elements become NaN (inf·0) and the
+others ±0; a block holding NaN gets a NaN scale and NaN elements. NaN sign bits there are the
+platform's (x86 and CUDA differ), so only NaN-ness is portable. ``mx`` follows the OCP rule: a
+block holding inf or NaN gets the NaN scale (0xFF) and every element is NaN (0x7F).
 
 Pure numpy: no torch, no MPI.
 """
