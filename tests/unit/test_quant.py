@@ -6,6 +6,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from quant_reference import ref_block_fp8, ref_mxfp8
 
 from formats.quant import MX_BLOCK, QuantScheme, e4m3fn_from_f32, quantize, to_float32
@@ -112,3 +114,13 @@ def test_formats_quant_imports_no_torch() -> None:
 
     code = "import sys, formats.quant; assert 'torch' not in sys.modules and 'mpi4py' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@settings(max_examples=30)
+@given(rows=st.integers(1, 200), cols=st.integers(1, 200), br=st.integers(1, 64), bc=st.integers(1, 64),
+       ue8m0=st.booleans(), seed=st.integers(0, 2**16))
+def test_block_fp8_any_shape_and_block(rows: int, cols: int, br: int, bc: int, ue8m0: bool, seed: int) -> None:
+    w = _weights((rows, cols), seed)
+    q, s = quantize(_np(w), QuantScheme("block", (br, bc), ue8m0))
+    rq, rs = ref_block_fp8(w, (br, bc), ue8m0)
+    assert np.array_equal(q, _bits(rq)) and np.array_equal(s.view(np.uint32), rs.numpy().view(np.uint32))
