@@ -146,6 +146,56 @@ def quant_report(dst: Manifest, targets: Mapping[str, QuantTarget], where: str) 
     return {"arrays": arrays, "bytes_saved": sum(a["bytes_saved"] for a in arrays.values())}
 
 
+# ------------------------------------------------------------------ blocks and steps
+
+#: fills ``buf`` with the source bytes of a box of weight elements (whole blocks)
+Read = Callable[[Box, U8], None]
+
+
+def steps(box: Box, block: Sequence[int], shape: Sequence[int]) -> list[Box]:
+    """``box`` (weight elements) grown to whole blocks, cut along dim 0 into steps of a bounded
+    element count, each on the block grid."""
+    lo = tuple(o // b * b for o, b in zip(box.offsets, block))
+    hi = tuple(min(-(-s // b) * b, n) for s, b, n in zip(box.stops, block, shape))
+    grown = Box(lo, tuple(h - o for o, h in zip(lo, hi)))
+    row = max(1, grown.volume // max(grown.sizes[0], 1))
+    rows = max(block[0], STEP_ELEMENTS // row // block[0] * block[0])
+    return [Box((r,) + lo[1:], (min(rows, hi[0] - r),) + grown.sizes[1:]) for r in range(lo[0], hi[0], rows)]
+
+
+def blocks_of(g: Box, block: Sequence[int], shape: Sequence[int]) -> Box:
+    """The weight elements scaled by the scale indices ``g``."""
+    lo = tuple(o * b for o, b in zip(g.offsets, block))
+    return Box(lo, tuple(min(s * b, n) - o for s, b, n, o in zip(g.stops, block, shape, lo)))
+
+
+def quantize_step(t: QuantTarget, step: Box, read: Read, buf: Buffer) -> tuple[np.ndarray[Any, Any],
+                                                                               np.ndarray[Any, Any]]:
+    """(FP8 bits, scales) of ``step`` (whole blocks), its source bytes read through ``read``."""
+    raw = buf.take(step.volume * by_name(t.src_dtype).itemsize)
+    read(step, raw)
+    return quantize(to_float32(raw, t.src_dtype, step.sizes), t.scheme)
+
+
+def quantized_box(t: QuantTarget, shape: Sequence[int], g: Box, read: Read, buf: Buffer, *,
+                  scales: bool) -> np.ndarray[Any, Any]:
+    """The stored values of box ``g`` of the weight (FP8 bits) or, with ``scales``, of its scale
+    array (``g`` in scale indices), computed from whole blocks in bounded steps."""
+    block = t.scheme.block
+    rows = blocks_of(g, block, shape) if scales else g
+    out: np.ndarray[Any, Any] | None = None
+    for step in steps(rows, block, shape):
+        q, s = quantize_step(t, step, read, buf)
+        have, at = (s, _image(step, block)) if scales else (q, step)
+        if out is None:
+            out = np.zeros(g.sizes, have.dtype)
+        piece = at.intersect(g)
+        if piece is not None and not piece.empty:
+            out[piece.relative_to(g.offsets).slices] = have[piece.relative_to(at.offsets).slices]
+    assert out is not None
+    return out
+
+
 # ------------------------------------------------------------------ filling slabs
 
 @dataclass(frozen=True)
@@ -236,34 +286,19 @@ class Quantizer:
 
     # ---- the weight's source elements, quantized block by block
 
-    def _steps(self, box: Box, block: Sequence[int], shape: Sequence[int]) -> list[Box]:
-        """``box`` (in weight elements) grown to whole blocks, cut along dim 0 into steps of a
-        bounded element count, each on the block grid."""
-        lo = tuple(o // b * b for o, b in zip(box.offsets, block))
-        hi = tuple(min(-(-s // b) * b, n) for s, b, n in zip(box.stops, block, shape))
-        grown = Box(lo, tuple(h - o for o, h in zip(lo, hi)))
-        row = max(1, grown.volume // max(grown.sizes[0], 1))
-        rows = max(block[0], STEP_ELEMENTS // row // block[0] * block[0])
-        out = []
-        for r in range(lo[0], hi[0], rows):
-            n = min(rows, hi[0] - r)
-            out.append(Box((r,) + lo[1:], (n,) + grown.sizes[1:]))
-        return out
-
-    def _quantized(self, rank: int, t: QuantTarget, c: Chunk, step: Box, filler: Filler
-                   ) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
-        """Quantize ``step`` (weight elements, whole blocks, inside chunk ``c`` on ``rank``)."""
+    def _reader(self, rank: int, t: QuantTarget, c: Chunk, filler: Filler) -> Read:
+        """Reads weight elements of chunk ``c`` from its local tensor on ``rank``, as planned."""
         isz = by_name(t.src_dtype).itemsize
-        local = step.shift(tuple(lo - r for r, lo in zip(c.region.offsets, c.local_offsets)))
-        buf = self._src.take(step.volume * isz)
-        filler.fill(local, self.transfers(rank, c.tensor(t.weight)), isz, buf)
-        return quantize(to_float32(buf, t.src_dtype, step.sizes), t.scheme)
+        delta = tuple(lo - r for r, lo in zip(c.region.offsets, c.local_offsets))
+        transfers = self.transfers(rank, c.tensor(t.weight))
+        return lambda step, buf: filler.fill(step.shift(delta), transfers, isz, buf)
 
     def _data(self, rank: int, p: _Part, g: Box, filler: Filler) -> list[tuple[Box, np.ndarray[Any, Any]]]:
         t, shape = p.target, self.stored.arrays[p.target.weight].shape
+        read = self._reader(rank, t, p.chunk, filler)
         out = []
-        for step in self._steps(g, t.scheme.block, shape):
-            q, s = self._quantized(rank, t, p.chunk, step, filler)
+        for step in steps(g, t.scheme.block, shape):
+            q, s = quantize_step(t, step, read, self._src)
             self._remember(rank, t, p.chunk, step, s)
             piece = step.intersect(g)
             if piece is not None and not piece.empty:
@@ -272,15 +307,10 @@ class Quantizer:
 
     def _scales(self, rank: int, t: QuantTarget, g: Box, filler: Filler) -> list[tuple[Box, np.ndarray[Any, Any]]]:
         """The scales of the blocks ``g`` (scale indices), from the weight rows they scale."""
-        block, shape = t.scheme.block, self.stored.arrays[t.weight].shape
-        lo = tuple(o * b for o, b in zip(g.offsets, block))
-        rows = Box(lo, tuple(min(s * b, n) - o for s, b, n, o in zip(g.stops, block, shape, lo)))
+        shape = self.stored.arrays[t.weight].shape
+        rows = blocks_of(g, t.scheme.block, shape)
         c = next(c for c in self.weight_chunks[(rank, t.weight)] if c.region.contains(rows))
         known = self._recall(rank, t, c, g)
-        if known is not None:
-            return [(g, np.ascontiguousarray(known))]
-        out = []
-        for step in self._steps(rows, block, shape):
-            _, s = self._quantized(rank, t, c, step, filler)
-            out.append((_image(step, block), np.ascontiguousarray(s)))
-        return out
+        if known is None:
+            known = quantized_box(t, shape, g, self._reader(rank, t, c, filler), self._src, scales=True)
+        return [(g, np.ascontiguousarray(known))]
