@@ -80,10 +80,7 @@ def convert(src: Manifest, dst: Manifest, out_dir: str | os.PathLike[str], opts:
     if opts.format == "zarr":
         from .zarr_sink import ZarrSink  # zarr is an optional dependency
 
-        if targets:
-            raise UsageError(f"--format zarr: quantizing on convert ({next(iter(targets))}, ...) writes "
-                             "safetensors only; convert to safetensors")
-        rep, plan = _run(src, ZarrSink(planned, opts, dst_where, stored=dst), Path(out_dir), opts,
+        rep, plan = _run(src, ZarrSink(planned, opts, dst_where, stored=dst, quantize=targets), Path(out_dir), opts,
                          _Workers.of(comm), where)
     elif opts.format == "safetensors":
         sink = SafetensorsSink(planned, opts, stored=dst, quantize=targets)

@@ -4,8 +4,9 @@ while it is written (``formats.quant``).
 
 The plan moves the weight in its source dtype (as for a cast, ``with_dtypes``) and knows nothing
 of the scale array. While a sink fills a slab of the FP8 local tensor, or of its scale local
-tensor, the ``Quantizer`` reads the source elements of the whole blocks the slab meets through
-the weight's transfers, quantizes them, and writes the slab's part. Every block lies in one
+tensor (safetensors: the ``Quantizer``), or a unit of the FP8 or scale zarr array
+(``quantized_box``), the source elements of the whole blocks it meets are read through the
+weight's transfers and quantized, and its part is written. Every block lies in one
 destination chunk (the destination is block-aligned, which ``quant_targets`` checks), so a
 block's scale is the same on every holder and in every slab that computes it.
 """

@@ -172,3 +172,25 @@ def test_source_shards_cutting_blocks(tmp_path: Path, capsys: Any) -> None:
     q, s = ref_block_fp8(W["w.weight"])
     _equal_on_holders(tmp_path / "out", "w.weight", q.view(torch.uint8))
     _equal_on_holders(tmp_path / "out", "w.weight_scale_inv", s)
+
+
+@pytest.mark.parametrize("scheme", ["block", "mx"])
+def test_zarr_output_quantizes_too(tmp_path: Path, scheme: str) -> None:
+    """--format zarr: the FP8 and scale arrays hold the reference's bytes; a zarr unit that is
+    not on the block grid still quantizes whole blocks."""
+    zarr = pytest.importorskip("zarr")
+    g = torch.Generator().manual_seed(6)
+    W = _hf(tmp_path / "hf", {"w.weight": torch.randn((400, 300), generator=g).to(torch.bfloat16)})
+    scale = ((25, 19), "float32") if scheme == "block" else ((400, 10), "float8_e8m0fnu")
+    dst = _like(tmp_path, {"w.weight": ((400, 300), "float8_e4m3fn"), "w.weight_scale_inv": scale},
+                [Rule("w.*", (Shard(0),))], 1)
+    extra = ["--fp8-block", "16,16"] if scheme == "block" else []
+    assert main(["convert", str(tmp_path / "hf"), str(dst), "--out", str(tmp_path / "out"), "--format", "zarr",
+                 "--memory-limit", "64KiB", *extra]) == 0
+    q, s = ref_block_fp8(W["w.weight"], (16, 16)) if scheme == "block" else ref_mxfp8(W["w.weight"])
+    grp = zarr.open_group(str(tmp_path / "out"), mode="r")
+    assert grp["w.weight"].chunks[0] < 400  # several units
+    assert (grp["w.weight"][:] == q.view(torch.uint8).numpy()).all()
+    got = grp["w.weight_scale_inv"][:]
+    assert (got.view("u4") == s.numpy().view("u4")).all() if scheme == "block" else (got == s.numpy()).all()
+    assert main(["validate", "--data", str(tmp_path / "out")]) == 0
