@@ -124,7 +124,7 @@ def test_block_fp8_uneven_shards_fp32_source(tmp_path: Path, capsys: Any, monkey
     assert "quantized on write" in capsys.readouterr().out
 
 
-def test_mxfp8_from_bf16(tmp_path: Path) -> None:
+def test_mxfp8_from_bf16(tmp_path: Path, capsys: Any) -> None:
     g = torch.Generator().manual_seed(2)
     w = (torch.randn((37, 100), generator=g) * 10.0 ** torch.randint(-4, 4, (37, 100), generator=g))
     W = _hf(tmp_path / "hf", {"m.weight": w.to(torch.bfloat16)})
@@ -136,6 +136,9 @@ def test_mxfp8_from_bf16(tmp_path: Path) -> None:
     _equal_on_holders(tmp_path / "out", "m.weight", q)
     _equal_on_holders(tmp_path / "out", "m.weight_scale_inv", s)
     assert main(["validate", "--data", str(tmp_path / "out")]) == 0
+    capsys.readouterr()
+    assert main(["convert", str(tmp_path / "hf"), str(dst), "--out", str(tmp_path / "out"), "--resume", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["files_skipped"] == 3  # a finished output is reused whole
 
 
 @pytest.mark.parametrize("case", ["block", "mx", "scale-shape"])
