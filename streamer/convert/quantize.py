@@ -111,7 +111,9 @@ def quant_targets(src: Manifest, dst: Manifest, *, block: tuple[int, int] = FP8_
             continue
         scale = next((fqn + x for x in SCALE_SUFFIXES if fqn + x in dst.arrays and fqn + x not in src.arrays), None)
         if scale is None:
-            continue  # no scales to compute: the plan reports the data_type mismatch
+            problems.append(f"{fqn}: float8_e4m3fn destination fed from {s_src.data_type} has no {fqn}_scale_inv "
+                            "array to quantize with (describe the scales in the destination, e.g. layout --fp8)")
+            continue
         sch = _scheme(fqn, w, dst.arrays[scale], block, ue8m0)
         if isinstance(sch, str):
             problems.append(sch)
@@ -120,9 +122,20 @@ def quant_targets(src: Manifest, dst: Manifest, *, block: tuple[int, int] = FP8_
         problems.extend(lay)
         if not lay:
             targets[fqn] = QuantTarget(fqn, scale, s_src.data_type, sch)
+    problems.extend(_mixed_tensors(dst, targets))
     if problems:
         raise PlanError(problems=problems)
     return targets
+
+
+def _mixed_tensors(dst: Manifest, targets: Mapping[str, QuantTarget]) -> list[str]:
+    """A local tensor holding quantized weights or their scales may hold nothing else: it is
+    filled by the quantizer alone."""
+    quantized = set(targets) | {t.scale for t in targets.values()}
+    held = {(h, c.tensor(f)) for f in quantized for c in dst.arrays[f].chunks for h in c.holders}
+    return sorted({f"{fqn}: stored in local tensor {c.tensor(fqn)!r} beside quantized weights or their scales; "
+                   "such a local tensor may hold only those" for fqn, _, c in dst.iter_chunks()
+                   if fqn not in quantized and any((h, c.tensor(fqn)) in held for h in c.holders)})
 
 
 def planned_destination(dst: Manifest, targets: Mapping[str, QuantTarget], casts: Mapping[str, str]) -> Manifest:
@@ -231,12 +244,6 @@ class Quantizer:
         # scales computed with the data, so the scale tensor needs no second read of the weight
         self._known: dict[tuple[int, str, tuple[int, ...]], tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]] = {}
         self._known_bytes = 0
-        problems = sorted({f"{fqn}: stored in local tensor {c.tensor(fqn)!r} beside quantized weights or scales; "
-                           "a quantized local tensor may hold only those" for fqn, _, c in stored.iter_chunks()
-                           if fqn not in targets and fqn not in {t.scale for t in targets.values()}
-                           and any((h, c.tensor(fqn)) in self.parts for h in c.holders)})
-        if problems:
-            raise PlanError(problems=problems)
 
     def holds(self, rank: int, name: str) -> bool:
         return (rank, name) in self.parts

@@ -197,3 +197,29 @@ def test_zarr_output_quantizes_too(tmp_path: Path, scheme: str) -> None:
     got = grp["w.weight_scale_inv"][:]
     assert (got.view("u4") == s.numpy().view("u4")).all() if scheme == "block" else (got == s.numpy()).all()
     assert main(["validate", "--data", str(tmp_path / "out")]) == 0
+
+
+@pytest.mark.parametrize("case", ["no-scale", "mixed-tensor"])
+def test_fp8_destination_it_cannot_quantize_is_refused(tmp_path: Path, capsys: Any, case: str) -> None:
+    import dataclasses
+
+    from formats.manifest import Source
+
+    _hf(tmp_path / "hf", {"w.weight": torch.ones((256, 256), dtype=torch.bfloat16),
+                          "e.bias": torch.ones((1, 2), dtype=torch.float32)})
+    arrays: dict[str, tuple[tuple[int, ...], str]] = {"w.weight": ((256, 256), "float8_e4m3fn"),
+                                                     "e.bias": ((1, 2), "float32")}
+    if case == "mixed-tensor":
+        arrays["w.weight_scale_inv"] = ((2, 2), "float32")
+    m = apply_layout(manifest_from_arrays(arrays), Mesh(("tp",), (1,)), [], file_pattern="rank-{rank:05d}.safetensors")
+    if case == "mixed-tensor":  # another array stored in the scales' local tensor, past them
+        c = m.arrays["e.bias"].chunks[0]
+        src = dataclasses.replace(c.source or Source(), tensor="w.weight_scale_inv", offsets=(2, 0))
+        m = m.with_arrays({**m.arrays, "e.bias": dataclasses.replace(
+            m.arrays["e.bias"], chunks=(dataclasses.replace(c, source=src),))})
+    save_manifest(m, tmp_path / "dst.json")
+    capsys.readouterr()
+    assert main(["convert", str(tmp_path / "hf"), str(tmp_path / "dst.json"), "--out", str(tmp_path / "out")]) == 1
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    want = "has no w.weight_scale_inv" if case == "no-scale" else "e.bias: stored in local tensor"
+    assert len(err) == 1 and want in err[0], err
