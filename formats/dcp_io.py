@@ -9,7 +9,9 @@ payload once, so the manifest addresses it with ``source.byte_range`` + ``source
 (design §3) and ``convert`` moves it with ranged reads.
 
 Security: both pickles are read with restricted unpicklers. ``.metadata`` may only name DCP's
-metadata classes (mapped onto plain stand-ins defined here; no torch class is built), torch
+metadata classes and the planner records Megatron stores in it (``all_local_plans``: ``SavePlan``,
+``WriteItem``, ``TensorWriteData``, ``WriteItemType`` taken by value), all mapped onto plain
+stand-ins defined here (no torch class is built), torch
 dtypes by name, ``torch.Size``, the layout helper and a few harmless builtins. ``data.pkl`` may
 only name the tensor-rebuild functions and storage classes, whose calls are recorded, not run.
 Anything else is refused with ``FormatError``; so is every malformed file. ``torch`` is never
@@ -127,6 +129,46 @@ class _StoragePrefix(_Plain):
     prefix: Any = None
 
 
+# Megatron's torch_dist writer attaches every rank's SavePlan to Metadata (``all_local_plans``);
+# they are read as plain records and ignored
+
+
+class _SavePlan(_Plain):
+    items: Any = None
+    storage_data: Any = None
+    planner_data: Any = None
+    usable: Any = True
+
+
+class _WriteItem(_Plain):
+    index: Any = None
+    type: Any = None
+    bytes_io_data: Any = None
+    tensor_data: Any = None
+
+
+class _TensorWriteData(_Plain):
+    chunk: Any = None
+    properties: Any = None
+    size: Any = None
+
+
+class _BytesIOWriteData(_Plain):
+    nbytes: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class _WriteItemType:
+    value: int
+
+
+def _write_item_type(value: Any) -> _WriteItemType:
+    # the enum pickles as a call of its class with the member's value: take the value, run nothing
+    if type(value) is not int:
+        raise TypeError("WriteItemType value must be an integer")
+    return _WriteItemType(value)
+
+
 @dataclass(frozen=True, slots=True)
 class _TorchDType:
     name: str
@@ -197,6 +239,13 @@ for _mod in _DCP_MODULES:
         (_mod, "StorageMeta"): _StorageMeta,
         (_mod, "_MEM_FORMAT_ENCODING"): _mem_format_encoding,
     })
+_META_ALLOWED.update({
+    ("torch.distributed.checkpoint.planner", "SavePlan"): _SavePlan,
+    ("torch.distributed.checkpoint.planner", "WriteItem"): _WriteItem,
+    ("torch.distributed.checkpoint.planner", "WriteItemType"): _write_item_type,
+    ("torch.distributed.checkpoint.planner", "TensorWriteData"): _TensorWriteData,
+    ("torch.distributed.checkpoint.planner", "BytesIOWriteData"): _BytesIOWriteData,
+})
 for _mod in _FS_MODULES:
     _META_ALLOWED.update({(_mod, "_StorageInfo"): _StorageInfo, (_mod, "_StoragePrefix"): _StoragePrefix})
 for _n in _TORCH_DTYPE_NAMES:

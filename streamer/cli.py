@@ -93,11 +93,28 @@ def cmd_import(args: argparse.Namespace) -> int:
     from .importer import import_checkpoint
 
     out = Path(args.output)
-    m = import_checkpoint(args.paths, manifest_dir=out.parent.resolve(), name=args.name)
+    extra: dict[str, Any] = {}
+    if args.to is not None and args.model is None:
+        raise UsageError("--to hf needs --model CFG (the model's HF config.json)")
+    if args.model is not None and args.to is None:
+        raise UsageError("--model applies with --to hf (import a Megatron checkpoint under HF names)")
+    p = Path(args.paths[0])
+    from formats.megatron_dist import is_megatron_save_dir
+
+    if len(args.paths) == 1 and p.is_dir() and not (p / "manifest.json").exists() and is_megatron_save_dir(p):
+        from .importer import import_megatron
+
+        m, skipped = import_megatron(p, manifest_dir=out.parent.resolve(), name=args.name, model=args.model)
+        extra["skipped"] = skipped.to_dict()
+    elif args.to is not None:
+        raise UsageError(f"{p}: --to hf reads Megatron torch_dist checkpoints (a directory with "
+                         "latest_checkpointed_iteration.txt, or an iter_NNNNNNN directory)")
+    else:
+        m = import_checkpoint(args.paths, manifest_dir=out.parent.resolve(), name=args.name)
     save_manifest(m, out)
     chunks = sum(len(a.chunks) for a in m.arrays.values())
     nbytes = sum(a.nbytes for a in m.arrays.values())
-    _out(args, {"manifest": str(out), "arrays": len(m.arrays), "chunks": chunks, "bytes": nbytes},
+    _out(args, {"manifest": str(out), "arrays": len(m.arrays), "chunks": chunks, "bytes": nbytes, **extra},
          f"wrote {out}: {len(m.arrays)} arrays, {chunks} chunks, {nbytes / 1e9:.3f} GB")
     return 0
 
@@ -433,6 +450,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("paths", nargs="+", metavar="PATH")
     p.add_argument("-o", "--output", required=True, metavar="MANIFEST")
     p.add_argument("--name")
+    p.add_argument("--model", metavar="CFG", help="with --to hf: the model's HF config.json")
+    p.add_argument("--to", choices=("hf",), help="Megatron torch_dist: arrays under HF names (unstacked layers, "
+                   "q/k/v and gate/up split, vocab padding dropped), still addressing the stored bytes")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_import)
 

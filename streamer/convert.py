@@ -650,6 +650,7 @@ def convert(src: Manifest, dst: Manifest, out_dir: str | os.PathLike[str], opts:
     filled, jobs = plan_files(cast_manifest(dst, opts.cast) if opts.cast else dst, max_shard_size=opts.max_shard_size)
     src_dtypes = ({(r, n): ts.data_type for r in dst.ranks_holding() for n, ts in dst.local_tensors(r).items()}
                   if opts.cast else {})
+    src_dtypes.update(_moved_in_source_dtype(src, dst))
 
     # ---- from here on we write; bad input has been ruled out
     lock = _open_output(out, opts, jobs) if rank == 0 else None
@@ -686,6 +687,21 @@ class _RunResult:
 
 def report_checksums(r: _RunResult, fqn: str, ci: int) -> str | None:
     return r.checksums.get(f"{fqn}|{ci}")
+
+
+def _moved_in_source_dtype(src: Manifest, dst: Manifest) -> dict[tuple[int, str], str]:
+    """Destination local tensors whose arrays are stored in another float type in the source
+    (Megatron's float32 norms next to bfloat16 weights): slabs are read in the source dtype and
+    cast while writing. The planner only allows casts between floating-point types."""
+    out: dict[tuple[int, str], str] = {}
+    for fqn, d in dst.arrays.items():
+        s = src.arrays.get(fqn)
+        if s is None or s.data_type == d.data_type:
+            continue
+        for c in d.chunks:
+            for r in c.holders:
+                out[(r, c.tensor(fqn))] = s.data_type
+    return out
 
 
 def _run_jobs(src: Manifest, filled: Manifest, plan: Plan, out: Path, jobs: list[FileJob],

@@ -1,0 +1,142 @@
+"""Megatron torch_dist arrays -> Hugging Face arrays, as a view of the stored bytes.
+
+A Megatron ``torch_dist`` checkpoint stores each weight under one global key with the layers
+stacked on a leading dim (``decoder.layers.self_attention.linear_qkv.weight [L, ...]``; MoE
+experts add a second one, ``decoder.layers.mlp.experts.local_experts.linear_fc1.weight [L, E, ...]``).
+Every global tensor is the TP = 1 local tensor of the megatron preset: ``linear_qkv`` interleaved
+per query group, ``linear_fc1`` = ``[gate; up]``, the vocab padded. So the mapping is a
+composition:
+
+1. the megatron preset at one rank maps each HF array region onto a local tensor
+   ``decoder.layers.{l}.<rest>`` at some offsets (de-interleaving, the gate/up split and the
+   dropped vocab padding all come from it);
+2. ``decoder.layers.{l}.<rest>`` is index ``l`` of the stored ``decoder.layers.<rest>`` (each
+   numeric path component becomes one leading index);
+3. the region is cut along the stored DCP chunks; each piece addresses the one-layer slab of its
+   chunk's ``.distcp`` payload by byte range (layer-major, so the slab is contiguous).
+
+Norm names: torch_dist files store the Transformer Engine names (``linear_qkv.layer_norm_weight``)
+even for the local module spec; the local names (``input_layernorm.weight``,
+``pre_mlp_layernorm.weight``) are accepted when the TE ones are absent.
+
+No I/O beyond the config file, no MPI, no torch.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from math import prod
+from pathlib import Path
+from typing import Any
+
+from ..box import Box
+from ..dtypes import by_name
+from ..errors import FormatError
+from ..manifest import ArraySpec, Chunk, Manifest, Source
+from .mesh import Mesh
+
+__all__ = ["megatron_to_hf"]
+
+#: TE fused-norm name -> the local module spec's name (per layer, after ``decoder.layers.``)
+_LOCAL_NORMS = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+}
+_INDEX = re.compile(r"\.(\d+)(?=\.)")
+
+
+def _stacked(local: str) -> tuple[str, tuple[int, ...]]:
+    """``decoder.layers.3.mlp.experts.local_experts.1.linear_fc1.weight`` ->
+    (``decoder.layers.mlp.experts.local_experts.linear_fc1.weight``, (3, 1))."""
+    idx = tuple(int(x) for x in _INDEX.findall(local))
+    return _INDEX.sub("", local), idx
+
+
+def _stored_name(stored: Mapping[str, ArraySpec], name: str) -> str | None:
+    if name in stored:
+        return name
+    for te, loc in _LOCAL_NORMS.items():
+        if name.endswith("." + te):
+            alt = name[: -len(te)] + loc
+            if alt in stored:
+                return alt
+    return None
+
+
+def megatron_to_hf(stored: Manifest, cfg: Mapping[str, Any] | str | os.PathLike[str], *,
+                   where: str = "<megatron>") -> Manifest:
+    """The HF-named manifest whose chunks address the bytes of ``stored`` (a manifest from
+    :func:`formats.megatron_dist.read_megatron_dist`). ``cfg``: the model's HF ``config.json``.
+
+    Each HF array keeps the stored data_type (Megatron keeps norms in float32 next to bfloat16
+    weights; ``convert`` casts to the destination's). Raises ``FormatError`` listing every
+    stored array that is missing or does not fit the config.
+    """
+    from .presets import preset_manifest
+
+    view = preset_manifest(cfg, "megatron", Mesh(("tp",), (1,)))
+    arrays: dict[str, ArraySpec] = {}
+    problems: list[str] = []
+    for fqn, spec in view.arrays.items():
+        chunks: list[Chunk] = []
+        dtypes: set[str] = set()
+        for c in spec.chunks:
+            local = c.tensor(fqn)
+            name, lead = _stacked(local)
+            sname = _stored_name(stored.arrays, name)
+            if sname is None:
+                problems.append(f"{where}: {fqn}: the checkpoint has no array {name} (needed for {local})")
+                break
+            sa = stored.arrays[sname]
+            dtypes.add(sa.data_type)
+            off = c.local_offsets
+            box = Box(offsets=lead + off, sizes=(1,) * len(lead) + c.region.sizes)
+            if len(sa.shape) != box.ndim or not box.fits_in(sa.shape):
+                problems.append(f"{where}: {fqn}: needs {sname} region {box} (from {local}), but the stored array "
+                                f"has shape {list(sa.shape)}; does --model match the checkpoint?")
+                break
+            chunks.extend(_pieces(fqn, c, box, len(lead), sname, sa, where, problems))
+        if len(dtypes) > 1:
+            problems.append(f"{where}: {fqn}: maps onto stored arrays of several data_types {sorted(dtypes)}")
+        if dtypes and not problems:
+            arrays[fqn] = ArraySpec(spec.shape, dtypes.pop(), tuple(chunks))
+    if problems:
+        raise FormatError(problems=problems)
+    base = stored.base_dir if stored.base_dir is not None else Path(".")
+    return Manifest(world_size=1, arrays=arrays, name=stored.name, base_dir=base)
+
+
+def _pieces(fqn: str, c: Chunk, box: Box, k: int, sname: str, sa: ArraySpec, where: str,
+            problems: list[str]) -> list[Chunk]:
+    """Cut ``box`` (in the stored array, ``k`` leading one-element dims) along the stored chunks."""
+    isz = by_name(sa.data_type).itemsize
+    out: list[Chunk] = []
+    covered = 0
+    for sc in sa.chunks:
+        part = sc.region.intersect(box)
+        if part is None or part.empty:
+            continue
+        src = sc.source
+        if src is None or src.byte_range is None or src.stored_shape is None:
+            problems.append(f"{where}: {fqn}: stored chunk {sc.region} of {sname} has no byte range")
+            continue
+        st_shape = src.stored_shape
+        st_off = src.offsets or (0,) * len(st_shape)
+        inside = tuple(p - r + s for p, r, s in zip(part.offsets, sc.region.offsets, st_off))
+        inner = st_shape[k:]
+        slab = 0
+        for i, n in zip(inside[:k], st_shape[:k]):
+            slab = slab * n + i  # row-major index of the one-layer (one-expert) slab
+        nbytes = prod(inner) * isz
+        start = src.byte_range[0] + slab * nbytes
+        region = Box(offsets=tuple(r + p - b for r, p, b in zip(c.region.offsets, part.offsets[k:], box.offsets[k:])),
+                     sizes=part.sizes[k:])
+        out.append(Chunk(region, (0,), Source(tensor=c.tensor(fqn), offsets=inside[k:], file=src.file,
+                                              byte_range=(start, start + nbytes), stored_shape=inner)))
+        covered += part.volume
+    if covered != box.volume and not problems:
+        problems.append(f"{where}: {fqn}: the stored chunks of {sname} cover {covered} of the {box.volume} elements "
+                        f"of region {box}")
+    return out
