@@ -77,6 +77,9 @@ def megatron_to_hf(stored: Manifest, cfg: Mapping[str, Any] | str | os.PathLike[
     from .presets import preset_manifest
 
     view = preset_manifest(cfg, "megatron", Mesh(("tp",), (1,)))
+    local_shapes = {n: t.shape for n, t in view.local_tensors(0).items()}
+    padded = set(view.tensors.get(0, {}))  # vocab-padded: the stored padding depends on the saving tp
+    stacks: dict[str, tuple[int, ...]] = {}  # stored name -> largest leading index + 1 the config needs
     arrays: dict[str, ArraySpec] = {}
     problems: list[str] = []
     for fqn, spec in view.arrays.items():
@@ -93,15 +96,30 @@ def megatron_to_hf(stored: Manifest, cfg: Mapping[str, Any] | str | os.PathLike[
             dtypes.add(sa.data_type)
             off = c.local_offsets
             box = Box(offsets=lead + off, sizes=(1,) * len(lead) + c.region.sizes)
-            if len(sa.shape) != box.ndim or not box.fits_in(sa.shape):
-                problems.append(f"{where}: {fqn}: needs {sname} region {box} (from {local}), but the stored array "
-                                f"has shape {list(sa.shape)}; does --model match the checkpoint?")
+            want = local_shapes[local]
+            got = sa.shape[len(lead):]
+            if local in padded:
+                ok = len(got) == len(want) and got[1:] == want[1:] and got[0] >= spec.shape[0]
+            else:
+                ok = got == want
+            if not ok or len(sa.shape) != box.ndim or not box.fits_in(sa.shape):
+                problems.append(f"{where}: {fqn}: needs {sname} of {len(lead)} stacked dim(s) + {list(want)} (from "
+                                f"{local}), but the stored array has shape {list(sa.shape)}; does --model match the "
+                                "checkpoint?")
                 break
+            if lead:
+                prev = stacks.get(sname, (0,) * len(lead))
+                stacks[sname] = tuple(max(p, i + 1) for p, i in zip(prev, lead))
             chunks.extend(_pieces(fqn, c, box, len(lead), sname, sa, where, problems))
         if len(dtypes) > 1:
             problems.append(f"{where}: {fqn}: maps onto stored arrays of several data_types {sorted(dtypes)}")
         if dtypes and not problems:
             arrays[fqn] = ArraySpec(spec.shape, dtypes.pop(), tuple(chunks))
+    for sname, need in sorted(stacks.items()):
+        have = stored.arrays[sname].shape[:len(need)]
+        if have != need:
+            problems.append(f"{where}: {sname}: stacked dims {list(have)} in the checkpoint, the config has "
+                            f"{list(need)} (num_hidden_layers / experts); does --model match the checkpoint?")
     if problems:
         raise FormatError(problems=problems)
     base = stored.base_dir if stored.base_dir is not None else Path(".")

@@ -515,7 +515,7 @@ def _spec(p: argparse.ArgumentParser) -> list[str]:
 
 GOLDEN = {
     '': ['--debug', '--version'],
-    'import': ['--json', '--name', '-o/--output!', '<paths>'],
+    'import': ['--json', '--model', '--name', '--to{hf}', '-o/--output!', '<paths>'],
     'layout': ['--domain-size', '--dtype{bfloat16,float16,float32}', '--file-pattern', '--first-stage-layers', '--fp8', '--include-mtp', '--json',
                '--last-stage-layers', '--like',
         '--mesh', '--model', '--name', '--no-files', '--preset{megatron,vllm,sglang,fsdp2,hf}',

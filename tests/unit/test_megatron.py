@@ -1,0 +1,218 @@
+"""Megatron-LM checkpoints: torch_dist import (stored keys, skipped entries, a view of the
+.distcp bytes), ``--to hf`` + ``convert`` loading in transformers with Megatron's own logits,
+and hostile pickles refused.
+
+The fixtures in ``tests/data/megatron`` were written by megatron-core 0.16 on CPU
+(``make_fixtures.py``, ``VERSIONS``); megatron-core is not needed here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from formats.errors import FormatError
+from formats.megatron_dist import read_megatron_dist, resolve_iteration_dir
+from streamer.cli import main
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "megatron"
+CONFIG = DATA / "config.json"
+FIXTURES = ["torch_dist/tp1", "torch_dist/tp2pp2"]
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    capsys.readouterr()
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _copy(fixture: str, tmp_path: Path) -> Path:
+    """A writable copy (manifests live in or above the checkpoint directory)."""
+    d = tmp_path / fixture.replace("/", "-")
+    shutil.copytree(DATA / fixture, d)
+    return d
+
+
+# ------------------------------------------------------------------ torch_dist under the stored keys
+
+
+@pytest.mark.parametrize("fixture", FIXTURES)
+def test_import_keeps_stored_keys_and_skips_non_weights(fixture: str, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    d = _copy(fixture, tmp_path)
+    rc, out, err = run_cli(capsys, "import", str(d), "-o", str(d / "raw.json"), "--json")
+    assert rc == 0, err
+    rep = json.loads(out)
+    ranks = 4 if "pp2" in fixture else 1
+    assert rep["skipped"] == {"optimizer": 18, "rng": ranks, "extra_state": 8, "other": 0}
+    assert "skipped 18 optimizer-state arrays" in err and "8 _extra_state entries" in err
+    m = json.loads((d / "raw.json").read_text())
+    arrays = m["arrays"]
+    assert sorted(arrays) == sorted([
+        "embedding.word_embeddings.weight", "output_layer.weight", "decoder.final_layernorm.weight",
+        "decoder.layers.self_attention.linear_qkv.weight", "decoder.layers.self_attention.linear_qkv.layer_norm_weight",
+        "decoder.layers.self_attention.linear_proj.weight", "decoder.layers.mlp.linear_fc1.weight",
+        "decoder.layers.mlp.linear_fc1.layer_norm_weight", "decoder.layers.mlp.linear_fc2.weight"])
+    assert arrays["decoder.layers.self_attention.linear_qkv.weight"]["shape"] == [2, 64, 32]  # stacked, as stored
+    assert arrays["embedding.word_embeddings.weight"]["shape"] == [256, 32]  # vocab 200, padded
+    for a in arrays.values():  # a view: every chunk is a byte range of a .distcp file
+        for c in a["chunks"]:
+            src = c["source"]
+            assert src["file"].startswith("iter_0000001/__") and src["file"].endswith(".distcp")
+            lo, hi = src["byte_range"]
+            assert 0 < lo < hi <= (d / src["file"]).stat().st_size
+    rc, _, err = run_cli(capsys, "validate", str(d / "raw.json"), "--data")
+    assert rc == 0, err
+
+
+def test_stored_bytes_equal_between_tp1_and_tp2pp2() -> None:
+    """Megatron resharded TP1 into TP2xPP2: the global arrays read through the byte ranges agree."""
+    def arrays(fixture: str) -> dict[str, np.ndarray]:
+        m, _ = read_megatron_dist(DATA / fixture)
+        assert m.base_dir is not None
+        out = {}
+        for fqn, a in m.arrays.items():
+            isz = 4 if a.data_type == "float32" else 2
+            buf = np.zeros(a.shape + (isz,), np.uint8)
+            for c in a.chunks:
+                assert c.source is not None and c.source.byte_range is not None and c.source.file is not None
+                lo, hi = c.source.byte_range
+                with open(m.base_dir / c.source.file, "rb") as f:
+                    f.seek(lo)
+                    raw = np.frombuffer(f.read(hi - lo), np.uint8)
+                buf[c.region.slices] = raw.reshape(c.region.sizes + (isz,))
+            out[fqn] = buf
+        return out
+
+    a, b = arrays("torch_dist/tp1"), arrays("torch_dist/tp2pp2")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert np.array_equal(a[k], b[k]), k
+
+
+def test_tracker_file_picks_the_iteration(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = tmp_path / "ckpt"
+    shutil.copytree(DATA / "torch_dist/tp1/iter_0000001", root / "release")
+    (root / "latest_checkpointed_iteration.txt").write_text("release\n")
+    assert resolve_iteration_dir(root) == root / "release"
+    rc, _, err = run_cli(capsys, "import", str(root), "-o", str(root / "m.json"))
+    assert rc == 0, err
+    (root / "latest_checkpointed_iteration.txt").write_text("7")
+    rc, _, err = run_cli(capsys, "import", str(root), "-o", str(root / "m.json"))
+    assert rc == 1 and "Traceback" not in err
+    assert err.strip().splitlines()[-1].endswith("names iteration '7', but " + str(root / "iter_0000007")
+                                                  + " is not a directory")
+    (root / "latest_checkpointed_iteration.txt").write_text("latest please")
+    rc, _, err = run_cli(capsys, "import", str(root), "-o", str(root / "m.json"))
+    assert rc == 1 and "expected an iteration number or 'release', got 'latest please'" in err
+
+
+def test_to_hf_needs_model_and_a_megatron_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    d = _copy("torch_dist/tp1", tmp_path)
+    rc, _, err = run_cli(capsys, "import", str(d), "--to", "hf", "-o", str(d / "m.json"))
+    assert rc == 2 and "--to hf needs --model CFG" in err
+    (tmp_path / "x.safetensors").write_bytes(b"")
+    rc, _, err = run_cli(capsys, "import", str(tmp_path), "--model", str(CONFIG), "--to", "hf", "-o",
+                         str(tmp_path / "m.json"))
+    assert rc == 2 and "--to hf reads Megatron torch_dist checkpoints" in err
+
+
+def test_to_hf_with_the_wrong_config_says_which_array(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    d = _copy("torch_dist/tp1", tmp_path)
+    cfg = json.loads(CONFIG.read_text())
+    cfg["intermediate_size"] = 96
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    rc, _, err = run_cli(capsys, "import", str(d), "--model", str(tmp_path / "config.json"), "--to", "hf", "-o",
+                         str(tmp_path / "m.json"))
+    assert rc == 1 and "Traceback" not in err
+    assert ("model.layers.0.mlp.gate_proj.weight: needs decoder.layers.mlp.linear_fc1.weight of 1 stacked dim(s) "
+            "+ [192, 32]") in err
+    assert "does --model match the checkpoint?" in err
+
+
+# ------------------------------------------------------------------ Megatron -> HF, checked by logits
+
+
+@pytest.mark.parametrize("fixture", FIXTURES)
+def test_to_hf_convert_loads_in_transformers_with_megatrons_logits(
+        fixture: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    d = _copy(fixture, tmp_path)
+    hf, dst, out = tmp_path / "hf.json", tmp_path / "dst.json", tmp_path / "out"
+    rc, _, err = run_cli(capsys, "import", str(d), "--model", str(CONFIG), "--to", "hf", "-o", str(hf))
+    assert rc == 0, err
+    m = json.loads(hf.read_text())
+    assert m["arrays"]["model.embed_tokens.weight"]["shape"] == [200, 32]  # padding dropped
+    assert m["arrays"]["model.layers.1.self_attn.k_proj.weight"]["shape"] == [16, 32]
+    for a in m["arrays"].values():  # still a view of the .distcp files
+        assert all(c["source"]["file"].endswith(".distcp") and "byte_range" in c["source"] for c in a["chunks"])
+    rc, _, err = run_cli(capsys, "layout", "--model", str(CONFIG), "--preset", "hf", "-o", str(dst))
+    assert rc == 0, err
+    rc, _, err = run_cli(capsys, "convert", str(hf), str(dst), "--out", str(out))
+    assert rc == 0, err
+    shutil.copy(CONFIG, out / "config.json")
+    model = transformers.LlamaForCausalLM.from_pretrained(str(out), dtype=torch.bfloat16)
+    ref = json.loads((DATA / "logits.json").read_text())
+    with torch.no_grad():
+        got = model(torch.tensor(ref["tokens"])).logits.float()
+    want = torch.tensor(ref["logits"])
+    assert got.shape == want.shape
+    # bf16 noise: Megatron's torch RMSNorm/attention vs HF's fp32 norm, logits up to ~4
+    assert (got - want).abs().max().item() < 0.1
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+# ------------------------------------------------------------------ hostile pickles
+
+
+class _Pwn:
+    """Unpickling this would run a shell command."""
+
+    def __init__(self, target: Path) -> None:
+        self.target = target
+
+    def __reduce__(self) -> Any:
+        return (os.system, (f"touch {self.target}",))
+
+
+def test_hostile_pickle_in_megatron_metadata_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("torch")
+    d = _copy("torch_dist/tp1", tmp_path)
+    it = d / "iter_0000001"
+    with open(it / ".metadata", "rb") as f:
+        md = pickle.load(f)  # test-only: the committed fixture, read with the trusting unpickler
+    pwned = tmp_path / "PWNED"
+    from dataclasses import replace
+
+    plan = md.all_local_plans[0]  # deep inside Megatron's save plans (frozen dataclasses)
+    items = [replace(plan.items[0], bytes_io_data=_Pwn(pwned)), *plan.items[1:]]
+    md.all_local_plans[0] = replace(plan, items=items)
+    with open(it / ".metadata", "wb") as f:
+        pickle.dump(md, f)
+    rc, _, err = run_cli(capsys, "import", str(d), "--model", str(CONFIG), "--to", "hf", "-o", str(d / "m.json"))
+    assert rc == 1
+    assert "Traceback" not in err
+    assert "posix.system" in err or "os.system" in err
+    assert "refusing to load it" in err
+    assert not pwned.exists() and not (d / "m.json").exists()
+    with pytest.raises(FormatError):
+        read_megatron_dist(d)
+    assert not pwned.exists()
+
+
+def test_write_item_type_must_be_a_plain_value(tmp_path: Path) -> None:
+    """WriteItemType is rebuilt from its value; the call takes an int and nothing else."""
+    from formats import dcp_io
+
+    assert dcp_io._write_item_type(2) == dcp_io._WriteItemType(2)
+    with pytest.raises(TypeError):
+        dcp_io._write_item_type("SHARD")
