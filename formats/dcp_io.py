@@ -754,7 +754,8 @@ def _open_archive(win: _Window) -> zipfile.ZipFile:
         raise ValueError(f"item is not a readable zip archive ({type(e).__name__}: {_clip(str(e))})") from None
 
 
-def _read_data_pkl(zf: zipfile.ZipFile, infos: dict[str, zipfile.ZipInfo]) -> tuple[str, bytes]:
+def _read_data_pkl(zf: zipfile.ZipFile, infos: dict[str, zipfile.ZipInfo],
+                   limit: int = MAX_DATA_PKL_BYTES) -> tuple[str, bytes]:
     """The archive's directory prefix and its ``data.pkl`` bytes (stored, bounded, little-endian)."""
     pkls = [n for n in infos if n.endswith("/data.pkl") and n.count("/") == 1]
     if len(pkls) != 1:
@@ -763,8 +764,8 @@ def _read_data_pkl(zf: zipfile.ZipFile, infos: dict[str, zipfile.ZipInfo]) -> tu
     pinfo = infos[pkls[0]]
     if pinfo.compress_type != zipfile.ZIP_STORED:
         raise ValueError(f"{pinfo.filename} is compressed (method {pinfo.compress_type}); torch.save stores it")
-    if pinfo.file_size > MAX_DATA_PKL_BYTES:
-        raise ValueError(f"{pinfo.filename} is {pinfo.file_size} bytes, over the {MAX_DATA_PKL_BYTES} byte limit")
+    if pinfo.file_size > limit:
+        raise ValueError(f"{pinfo.filename} is {pinfo.file_size} bytes, over the {limit} byte limit")
     bo = infos.get(prefix + "byteorder")
     if bo is not None:
         if bo.file_size > 16:

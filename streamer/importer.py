@@ -167,6 +167,18 @@ def import_megatron(path: str | os.PathLike[str], *, manifest_dir: str | os.Path
     from formats.megatron_dist import read_megatron_dist
 
     d = Path(path)
+    from formats.megatron_legacy import is_megatron_legacy
+
+    if is_megatron_legacy(d):
+        from formats.megatron_dist import MegatronSkipped
+        from formats.megatron_legacy import read_megatron_legacy
+
+        if model is None:
+            raise UsageError(f"{d}: a Megatron legacy checkpoint (mp_rank_XX/model_optim_rng.pt) holds per-rank "
+                             "local tensors; import it with --model CFG --to hf")
+        m = read_megatron_legacy(d, model)
+        base = Path(manifest_dir) if manifest_dir else d
+        return rebase_manifest(replace(m, name=name or m.name), base.resolve()), MegatronSkipped()
     m, skipped = read_megatron_dist(d)
     if not quiet:
         print(f"shardstream: note: {d}: skipped {skipped.summary()} (not model weights)", file=sys.stderr)

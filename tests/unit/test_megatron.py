@@ -141,7 +141,7 @@ def test_to_hf_with_the_wrong_config_says_which_array(tmp_path: Path, capsys: py
 # ------------------------------------------------------------------ Megatron -> HF, checked by logits
 
 
-@pytest.mark.parametrize("fixture", FIXTURES)
+@pytest.mark.parametrize("fixture", [*FIXTURES, "legacy/tp2"])
 def test_to_hf_convert_loads_in_transformers_with_megatrons_logits(
         fixture: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     torch = pytest.importorskip("torch")
@@ -153,8 +153,9 @@ def test_to_hf_convert_loads_in_transformers_with_megatrons_logits(
     m = json.loads(hf.read_text())
     assert m["arrays"]["model.embed_tokens.weight"]["shape"] == [200, 32]  # padding dropped
     assert m["arrays"]["model.layers.1.self_attn.k_proj.weight"]["shape"] == [16, 32]
-    for a in m["arrays"].values():  # still a view of the .distcp files
-        assert all(c["source"]["file"].endswith(".distcp") and "byte_range" in c["source"] for c in a["chunks"])
+    stored = "model_optim_rng.pt" if fixture.startswith("legacy") else ".distcp"
+    for a in m["arrays"].values():  # still a view of the checkpoint's own files
+        assert all(c["source"]["file"].endswith(stored) and "byte_range" in c["source"] for c in a["chunks"])
     rc, _, err = run_cli(capsys, "layout", "--model", str(CONFIG), "--preset", "hf", "-o", str(dst))
     assert rc == 0, err
     rc, _, err = run_cli(capsys, "convert", str(hf), str(dst), "--out", str(out))
@@ -216,3 +217,17 @@ def test_write_item_type_must_be_a_plain_value(tmp_path: Path) -> None:
     assert dcp_io._write_item_type(2) == dcp_io._WriteItemType(2)
     with pytest.raises(TypeError):
         dcp_io._write_item_type("SHARD")
+
+
+def test_legacy_needs_model_and_refuses_hostile_args(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    torch = pytest.importorskip("torch")
+    d = _copy("legacy/tp2", tmp_path)
+    rc, _, err = run_cli(capsys, "import", str(d), "-o", str(d / "m.json"))
+    assert rc == 2 and "import it with --model CFG --to hf" in err
+    pwned = tmp_path / "PWNED"
+    f = d / "iter_0000001" / "mp_rank_01" / "model_optim_rng.pt"
+    torch.save({"args": _Pwn(pwned), "model": {"w": torch.ones(2)}}, f)  # args would run a command
+    rc, _, err = run_cli(capsys, "import", str(d), "--model", str(CONFIG), "--to", "hf", "-o", str(d / "m.json"))
+    assert rc == 1 and "Traceback" not in err
+    assert f"{f}: data.pkl refers to posix.system" in err and "refusing to load it" in err
+    assert not pwned.exists() and not (d / "m.json").exists()
