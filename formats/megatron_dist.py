@@ -74,10 +74,6 @@ def is_megatron_save_dir(path: Path) -> bool:
     """A Megatron save root (with the iteration tracker) or one of its iteration directories."""
     if (path / TRACKER_FILE).is_file():
         return True
-    from .megatron_legacy import is_megatron_legacy
-
-    if is_megatron_legacy(path):
-        return True
     return (path / ".metadata").is_file() and (path / "metadata.json").is_file() and _backend(path) == "torch_dist"
 
 

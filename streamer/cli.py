@@ -99,16 +99,15 @@ def cmd_import(args: argparse.Namespace) -> int:
     if args.model is not None and args.to is None:
         raise UsageError("--model applies with --to hf (import a Megatron checkpoint under HF names)")
     p = Path(args.paths[0])
-    from formats.megatron_dist import is_megatron_save_dir
+    from .importer import import_megatron, is_megatron_checkpoint
 
-    if len(args.paths) == 1 and p.is_dir() and not (p / "manifest.json").exists() and is_megatron_save_dir(p):
-        from .importer import import_megatron
-
+    if len(args.paths) == 1 and is_megatron_checkpoint(p):
         m, skipped = import_megatron(p, manifest_dir=out.parent.resolve(), name=args.name, model=args.model)
         extra["skipped"] = skipped.to_dict()
     elif args.to is not None:
-        raise UsageError(f"{p}: --to hf reads Megatron torch_dist checkpoints (a directory with "
-                         "latest_checkpointed_iteration.txt, or an iter_NNNNNNN directory)")
+        raise UsageError(f"{p}: --to hf reads Megatron checkpoints (a directory with "
+                         "latest_checkpointed_iteration.txt, or an iter_NNNNNNN directory: torch_dist or legacy "
+                         "mp_rank_XX)")
     else:
         m = import_checkpoint(args.paths, manifest_dir=out.parent.resolve(), name=args.name)
     save_manifest(m, out)

@@ -21,7 +21,7 @@ from formats.manifest import ArraySpec, Chunk, Manifest, Source, load_manifest
 if TYPE_CHECKING:
     from formats.megatron_dist import MegatronSkipped
 
-__all__ = ["import_checkpoint", "import_megatron", "rebase_manifest"]
+__all__ = ["import_checkpoint", "import_megatron", "is_megatron_checkpoint", "rebase_manifest"]
 
 
 def _rel(path: Path, base: Path) -> str:
@@ -113,9 +113,7 @@ def import_checkpoint(paths: list[str | os.PathLike[str]], *, manifest_dir: str 
     if len(ps) == 1 and ps[0].is_dir():
         d = ps[0]
         base = Path(manifest_dir) if manifest_dir else d
-        from formats.megatron_dist import is_megatron_save_dir
-
-        if not (d / "manifest.json").exists() and is_megatron_save_dir(d):
+        if is_megatron_checkpoint(d):
             m, _ = import_megatron(d, manifest_dir=base, name=name)
             return m
         if (d / "manifest.json").exists():
@@ -153,6 +151,15 @@ def import_checkpoint(paths: list[str | os.PathLike[str]], *, manifest_dir: str 
             raise UsageError(f"{p}: expected *.safetensors files, an index.json, or one directory")
     base = Path(manifest_dir) if manifest_dir else ps[0].parent
     return _from_files(ps, base, name)
+
+
+def is_megatron_checkpoint(d: Path) -> bool:
+    """A Megatron-LM save (root with its tracker file, torch_dist or legacy iteration directory)
+    that is not already described by a ``manifest.json``."""
+    from formats.megatron_dist import is_megatron_save_dir
+    from formats.megatron_legacy import is_megatron_legacy
+
+    return d.is_dir() and not (d / "manifest.json").exists() and (is_megatron_save_dir(d) or is_megatron_legacy(d))
 
 
 def import_megatron(path: str | os.PathLike[str], *, manifest_dir: str | os.PathLike[str] | None = None,

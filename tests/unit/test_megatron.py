@@ -122,7 +122,7 @@ def test_to_hf_needs_model_and_a_megatron_checkpoint(tmp_path: Path, capsys: pyt
     (tmp_path / "x.safetensors").write_bytes(b"")
     rc, _, err = run_cli(capsys, "import", str(tmp_path), "--model", str(CONFIG), "--to", "hf", "-o",
                          str(tmp_path / "m.json"))
-    assert rc == 2 and "--to hf reads Megatron torch_dist checkpoints" in err
+    assert rc == 2 and "--to hf reads Megatron checkpoints" in err
 
 
 def test_to_hf_with_the_wrong_config_says_which_array(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
