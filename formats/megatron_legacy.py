@@ -39,11 +39,6 @@ _RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?")
 FILE_NAME = "model_optim_rng.pt"
 #: a legacy data.pkl lists every tensor of model and optimizer: allow more than a DCP item's
 MAX_LEGACY_PKL_BYTES = 64 << 20
-#: local spec names of the norms the TE spec fuses into the next linear layer
-_TE_TO_LOCAL = {
-    ".self_attention.linear_qkv.layer_norm_weight": ".input_layernorm.weight",
-    ".mlp.linear_fc1.layer_norm_weight": ".pre_mlp_layernorm.weight",
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,7 +229,7 @@ def read_megatron_legacy(path: str | os.PathLike[str], cfg: Mapping[str, Any] | 
     files = find_rank_files(it)
     P = 1 + max(pp for pp, _ in files)
     T = 1 + max(tp for _, tp in files)
-    view = preset_manifest(cfg, "megatron", Mesh(("pp", "tp"), (P, T)))
+    view = preset_manifest(cfg, "megatron", Mesh(("pp", "tp"), (P, T)), megatron_spec="local")
     tables = {k: read_legacy_tensors(f) for k, f in files.items()}
     problems: list[str] = []
     arrays: dict[str, ArraySpec] = {}
@@ -245,8 +240,7 @@ def read_megatron_legacy(path: str | os.PathLike[str], cfg: Mapping[str, Any] | 
             pp, tp = divmod(c.holders[0], T)  # replicas hold the same bytes: read the first
             table, f = tables[(pp, tp)], files[(pp, tp)]
             local = c.tensor(fqn)
-            name = next((local[: -len(te)] + loc for te, loc in _TE_TO_LOCAL.items()
-                         if local.endswith(te) and local not in table), local)
+            name = local
             lt = table.get(name)
             want = view.local_tensors(c.holders[0])[local].shape
             if lt is None:

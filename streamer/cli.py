@@ -127,6 +127,8 @@ def cmd_layout(args: argparse.Namespace) -> int:
     if not getattr(args, "preset", None) and (args.first_stage_layers is not None
                                               or args.last_stage_layers is not None):
         raise UsageError("--first-stage-layers / --last-stage-layers go with --preset megatron")
+    if args.megatron_spec is not None and getattr(args, "preset", None) != "megatron":
+        raise UsageError("--megatron-spec goes with --preset megatron")
     if not getattr(args, "preset", None) and getattr(args, "dtype", None):
         raise UsageError("--dtype goes with --preset (other layouts take the dtypes of --model / --like)")
     if getattr(args, "preset", None):  # the framework's own local names and fused layouts
@@ -142,7 +144,7 @@ def cmd_layout(args: argparse.Namespace) -> int:
         dtype = preset_dtype(args.model, args.dtype)
         m = preset_manifest(args.model, args.preset, mesh, file_pattern=pattern, domain_size=args.domain_size,
                             name=args.name, dtype=dtype, fp8=args.fp8, first_stage_layers=args.first_stage_layers,
-                            last_stage_layers=args.last_stage_layers)
+                            last_stage_layers=args.last_stage_layers, megatron_spec=args.megatron_spec or "te")
         problems = validate_manifest(m, where=args.output, check_paths=False)
         if problems:
             raise ShardstreamError(problems=problems)
@@ -470,6 +472,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--preset megatron: layers on the first pipeline stage (decoder_first_pipeline_num_layers)")
     p.add_argument("--last-stage-layers", type=int, metavar="N",
                    help="--preset megatron: layers on the last pipeline stage (decoder_last_pipeline_num_layers)")
+    p.add_argument("--megatron-spec", choices=("te", "local"),
+                   help="--preset megatron: Transformer Engine layer specs (default; norms fused as "
+                        "layer_norm_weight) or the local spec (input_layernorm / pre_mlp_layernorm)")
     p.add_argument("--mesh", metavar="A=N,...", help="device mesh, row-major (default tp=1)")
     p.add_argument("--rule", action="append", default=[], metavar="GLOB=PLACEMENTS",
                    help="e.g. '*.q_proj.weight=S(0)'; one placement per mesh axis; first match wins")

@@ -517,7 +517,7 @@ GOLDEN = {
     '': ['--debug', '--version'],
     'import': ['--json', '--model', '--name', '--to{hf}', '-o/--output!', '<paths>'],
     'layout': ['--domain-size', '--dtype{bfloat16,float16,float32}', '--file-pattern', '--first-stage-layers', '--fp8', '--include-mtp', '--json',
-               '--last-stage-layers', '--like',
+               '--last-stage-layers', '--like', '--megatron-spec{te,local}',
         '--mesh', '--model', '--name', '--no-files', '--preset{megatron,vllm,sglang,fsdp2,hf}',
         '--rule', '-o/--output!'],
     'validate': ['--data', '--json', '<manifests>'],

@@ -231,3 +231,28 @@ def test_legacy_needs_model_and_refuses_hostile_args(tmp_path: Path, capsys: pyt
     assert rc == 1 and "Traceback" not in err
     assert f"{f}: data.pkl refers to posix.system" in err and "refusing to load it" in err
     assert not pwned.exists() and not (d / "m.json").exists()
+
+
+@pytest.mark.parametrize("spec", ["te", "local"])
+def test_megatron_spec_names_match_real_state_dicts(spec: str) -> None:
+    """``layout --preset megatron --megatron-spec local`` names what Megatron's local spec holds in
+    memory (the legacy files are its state_dict); ``te`` names what torch_dist stores."""
+    from formats.layouts.mesh import Mesh
+    from formats.layouts.presets import preset_manifest
+    from formats.megatron_legacy import read_legacy_tensors
+
+    m = preset_manifest(CONFIG, "megatron", Mesh(("tp",), (2,)), megatron_spec=spec)
+    for rank in (0, 1):
+        local = m.local_tensors(rank)
+        stored = read_legacy_tensors(DATA / f"legacy/tp2/iter_0000001/mp_rank_{rank:02d}/model_optim_rng.pt")
+        if spec == "local":
+            assert {n: t.shape for n, t in local.items()} == {n: t.shape for n, t in stored.items()}
+        else:
+            assert "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" in local
+            assert "decoder.layers.0.input_layernorm.weight" in stored
+    raw, _ = read_megatron_dist(DATA / "torch_dist/tp1")
+    if spec == "te":
+        from formats.layouts.megatron_hf import _stacked
+
+        m1 = preset_manifest(CONFIG, "megatron", Mesh(("tp",), (1,)), megatron_spec=spec)
+        assert {_stacked(n)[0] for n in m1.local_tensors(0)} == set(raw.arrays)
