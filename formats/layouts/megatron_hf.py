@@ -15,9 +15,9 @@ composition:
 3. the region is cut along the stored DCP chunks; each piece addresses the one-layer slab of its
    chunk's ``.distcp`` payload by byte range (layer-major, so the slab is contiguous).
 
-Norm names: torch_dist files store the Transformer Engine names (``linear_qkv.layer_norm_weight``)
-even for the local module spec; the local names (``input_layernorm.weight``,
-``pre_mlp_layernorm.weight``) are accepted when the TE ones are absent.
+Norm names: torch_dist files of the local module spec store the Transformer Engine names
+(``linear_qkv.layer_norm_weight``, and ``mlp.linear_fc1.layer_norm_weight`` even in MoE layers,
+where TE has a separate ``pre_mlp_layernorm``); either name is accepted.
 
 No I/O beyond the config file, no MPI, no torch.
 """
@@ -39,11 +39,16 @@ from .mesh import Mesh
 
 __all__ = ["megatron_to_hf"]
 
-#: TE fused-norm name -> the local module spec's name (per layer, after ``decoder.layers.``)
-_LOCAL_NORMS = {
-    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
-    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
-}
+#: per-layer name pairs under which one weight may be stored (``decoder.layers.`` + name): the
+#: local spec's separate norms and TE's fused ``layer_norm_weight`` are mapped onto each other by
+#: Megatron's ``sharded_state_dict_keys_map`` in one spec and not the other
+_ALIASES = (
+    ("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"),
+    ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"),
+    ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"),
+)
+#: SequentialMLP's ``local_experts.{e}`` are stored as one ``experts.experts`` array, experts stacked
+_EXPERTS = ("mlp.experts.local_experts.", "mlp.experts.experts.")
 _INDEX = re.compile(r"\.(\d+)(?=\.)")
 
 
@@ -57,11 +62,12 @@ def _stacked(local: str) -> tuple[str, tuple[int, ...]]:
 def _stored_name(stored: Mapping[str, ArraySpec], name: str) -> str | None:
     if name in stored:
         return name
-    for te, loc in _LOCAL_NORMS.items():
-        if name.endswith("." + te):
-            alt = name[: -len(te)] + loc
-            if alt in stored:
-                return alt
+    name = name.replace(*_EXPERTS)
+    if name in stored:
+        return name
+    for a, b in _ALIASES:
+        if name.endswith("." + a) and name[: -len(a)] + b in stored:
+            return name[: -len(a)] + b
     return None
 
 

@@ -73,8 +73,9 @@ def test_import_keeps_stored_keys_and_skips_non_weights(fixture: str, tmp_path: 
     assert rc == 0, err
 
 
-def test_stored_bytes_equal_between_tp1_and_tp2pp2() -> None:
-    """Megatron resharded TP1 into TP2xPP2: the global arrays read through the byte ranges agree."""
+@pytest.mark.parametrize("pair", [("torch_dist/tp1", "torch_dist/tp2pp2"), ("moe/ep1", "moe/ep2")])
+def test_stored_bytes_equal_after_megatrons_resharding(pair: tuple[str, str]) -> None:
+    """Megatron resharded TP1 into TP2xPP2 (EP1 into EP2): the global arrays read through the byte ranges agree."""
     def arrays(fixture: str) -> dict[str, np.ndarray]:
         m, _ = read_megatron_dist(DATA / fixture)
         assert m.base_dir is not None
@@ -92,7 +93,7 @@ def test_stored_bytes_equal_between_tp1_and_tp2pp2() -> None:
             out[fqn] = buf
         return out
 
-    a, b = arrays("torch_dist/tp1"), arrays("torch_dist/tp2pp2")
+    a, b = arrays(pair[0]), arrays(pair[1])
     assert a.keys() == b.keys()
     for k in a:
         assert np.array_equal(a[k], b[k]), k
@@ -141,14 +142,19 @@ def test_to_hf_with_the_wrong_config_says_which_array(tmp_path: Path, capsys: py
 # ------------------------------------------------------------------ Megatron -> HF, checked by logits
 
 
-@pytest.mark.parametrize("fixture", [*FIXTURES, "legacy/tp2"])
+@pytest.mark.parametrize("fixture", [*FIXTURES, "legacy/tp2", "moe/ep1", "moe/ep2"])
 def test_to_hf_convert_loads_in_transformers_with_megatrons_logits(
         fixture: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """GQA, swiglu, untied, padded vocab (TP1, TP2xPP2, legacy TP2); Qwen3-MoE with q/k norms and
+    SequentialMLP experts (EP1, EP2). Logits: Megatron's own forward, recorded by make_fixtures.py."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
+    moe = fixture.startswith("moe")
+    config = DATA / "moe" / "config.json" if moe else CONFIG
+    logits = DATA / "moe" / "logits.json" if moe else DATA / "logits.json"
     d = _copy(fixture, tmp_path)
     hf, dst, out = tmp_path / "hf.json", tmp_path / "dst.json", tmp_path / "out"
-    rc, _, err = run_cli(capsys, "import", str(d), "--model", str(CONFIG), "--to", "hf", "-o", str(hf))
+    rc, _, err = run_cli(capsys, "import", str(d), "--model", str(config), "--to", "hf", "-o", str(hf))
     assert rc == 0, err
     m = json.loads(hf.read_text())
     assert m["arrays"]["model.embed_tokens.weight"]["shape"] == [200, 32]  # padding dropped
@@ -156,13 +162,16 @@ def test_to_hf_convert_loads_in_transformers_with_megatrons_logits(
     stored = "model_optim_rng.pt" if fixture.startswith("legacy") else ".distcp"
     for a in m["arrays"].values():  # still a view of the checkpoint's own files
         assert all(c["source"]["file"].endswith(stored) and "byte_range" in c["source"] for c in a["chunks"])
-    rc, _, err = run_cli(capsys, "layout", "--model", str(CONFIG), "--preset", "hf", "-o", str(dst))
+    if moe:
+        assert m["arrays"]["model.layers.1.mlp.experts.3.down_proj.weight"]["shape"] == [32, 16]
+    rc, _, err = run_cli(capsys, "layout", "--model", str(config), "--preset", "hf", "-o", str(dst))
     assert rc == 0, err
     rc, _, err = run_cli(capsys, "convert", str(hf), str(dst), "--out", str(out))
     assert rc == 0, err
-    shutil.copy(CONFIG, out / "config.json")
-    model = transformers.LlamaForCausalLM.from_pretrained(str(out), dtype=torch.bfloat16)
-    ref = json.loads((DATA / "logits.json").read_text())
+    shutil.copy(config, out / "config.json")
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.bfloat16)
+    assert type(model).__name__ == ("Qwen3MoeForCausalLM" if moe else "LlamaForCausalLM")
+    ref = json.loads(logits.read_text())
     with torch.no_grad():
         got = model(torch.tensor(ref["tokens"])).logits.float()
     want = torch.tensor(ref["logits"])

@@ -7,11 +7,18 @@ Needs megatron-core (0.16.x) and a CPU torch in a *separate* venv (tests never i
     /tmp/mcore/bin/torchrun --nproc-per-node 1 make_fixtures.py tp1
     /tmp/mcore/bin/torchrun --nproc-per-node 4 make_fixtures.py tp2pp2
     /tmp/mcore/bin/torchrun --nproc-per-node 2 make_fixtures.py legacy-tp2
+    /tmp/mcore/bin/torchrun --nproc-per-node 1 make_fixtures.py moe-ep1
+    /tmp/mcore/bin/torchrun --nproc-per-node 2 make_fixtures.py moe-ep2
     /tmp/mcore/bin/python make_fixtures.py versions
 
 The model is a Llama-style GPT (GQA 4 heads / 2 groups, swiglu, RMSNorm, RoPE, untied output
 layer, vocab 200 padded by Megatron to 256, bf16), built with Megatron-core's *local* layer
 spec (Transformer Engine does not run on CPU; its torch_dist files use the TE names anyway).
+
+``moe-ep1`` / ``moe-ep2`` do the same for a Qwen3-MoE-style model (``moe/config.json``: 4
+SequentialMLP experts, top-2, q/k norms, ``moe/logits.json``), saved at EP1 and, resharded by
+Megatron, at EP2. Grouped experts (TEGroupedMLP / GroupedMLP) need Transformer Engine or the
+CUDA ``grouped_gemm`` package and cannot be made on CPU.
 
 ``tp1`` (one rank) initialises the model from a fixed seed, runs Megatron's own forward on fixed
 tokens (``logits.json``: the first 200 logits in float32 of the bf16 output), and saves
@@ -26,7 +33,9 @@ CPU patches (only in this script): ``torch.cuda.manual_seed*`` are no-ops (Megat
 tracker is not seeded: ``model_parallel_cuda_manual_seed`` is skipped), ``torch.cuda.current_device``
 returns ``"cpu"`` (``RotaryEmbedding`` moves its frequencies there), ``torch.cuda.synchronize`` is a no-op (the torch_dist
 writer calls it before copying tensors), ``CudaRNGStatesTracker.fork``
-is a no-op context (dropout is 0), and the causal mask is passed explicitly (the default one is made on ``cuda``). The process group
+is a no-op context (dropout is 0), ``moe_utils.te_general_gemm`` is set to None (0.16.1 names
+it unguarded when Transformer Engine is absent), MoE uses the ``allgather`` token dispatcher
+(``alltoall`` makes a CUDA stream), and the causal mask is passed explicitly (the default one is made on ``cuda``). The process group
 is gloo.
 """
 
@@ -50,6 +59,16 @@ HF_CONFIG = {
     "torch_dtype": "bfloat16",
 }
 
+MOE_CONFIG = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 32,
+    "intermediate_size": 64, "moe_intermediate_size": 16, "num_experts": 4, "num_experts_per_tok": 2,
+    "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [], "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "vocab_size": VOCAB,
+    "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
+    "hidden_act": "silu", "attention_bias": False, "router_aux_loss_coef": 0.0, "output_router_logits": False,
+    "torch_dtype": "bfloat16",
+}
+
 
 def _patch_cpu() -> None:
     import torch
@@ -66,16 +85,22 @@ def _patch_cpu() -> None:
     from megatron.core.tensor_parallel import random as mrandom
 
     mrandom.CudaRNGStatesTracker.fork = lambda self, name="model-parallel-rng": contextlib.nullcontext()
+    # the MoE router's gemm names te_general_gemm, defined only when Transformer Engine imports
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
-def _setup(tp: int, pp: int) -> None:
+def _setup(tp: int, pp: int, ep: int = 1) -> None:
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
 
     _patch_cpu()
     dist.init_process_group("gloo")
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                             expert_model_parallel_size=ep)
     torch.manual_seed(1234)
     from megatron.core.tensor_parallel import random as mrandom
 
@@ -85,7 +110,7 @@ def _setup(tp: int, pp: int) -> None:
         print(f"note: model_parallel_cuda_manual_seed skipped on CPU ({type(e).__name__}: {e})", file=sys.stderr)
 
 
-def _model(pp: int):  # type: ignore[no-untyped-def]
+def _model(pp: int, moe: bool = False):  # type: ignore[no-untyped-def]
     import torch
     import torch.nn.functional as F
     from megatron.core import parallel_state
@@ -93,8 +118,13 @@ def _model(pp: int):  # type: ignore[no-untyped-def]
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    c = HF_CONFIG
-    cfg = TransformerConfig(
+    c = MOE_CONFIG if moe else HF_CONFIG
+    extra = dict(num_moe_experts=c["num_experts"], moe_router_topk=c["num_experts_per_tok"],
+                 moe_ffn_hidden_size=c["moe_intermediate_size"], moe_router_load_balancing_type="none",
+                 moe_aux_loss_coeff=0.0, moe_token_dispatcher_type="allgather", moe_grouped_gemm=False,
+                 qk_layernorm=True,
+                 expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size()) if moe else {}
+    cfg = TransformerConfig(**extra,
         num_layers=c["num_hidden_layers"], hidden_size=c["hidden_size"], ffn_hidden_size=c["intermediate_size"],
         num_attention_heads=c["num_attention_heads"], num_query_groups=c["num_key_value_heads"],
         kv_channels=c["head_dim"], normalization="RMSNorm", layernorm_epsilon=c["rms_norm_eps"],
@@ -105,7 +135,8 @@ def _model(pp: int):  # type: ignore[no-untyped-def]
         apply_rope_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         gradient_accumulation_fusion=False, persist_layer_norm=False,
     )
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec = (get_gpt_layer_local_spec(num_experts=c["num_experts"], moe_grouped_gemm=False, qk_layernorm=True,
+                                     normalization="RMSNorm") if moe else get_gpt_layer_local_spec(normalization="RMSNorm"))
     return GPTModel(cfg, spec, vocab_size=PADDED, max_sequence_length=c["max_position_embeddings"],
                     position_embedding_type="rope", rotary_base=int(c["rope_theta"]),
                     share_embeddings_and_output_weights=False,
@@ -154,6 +185,10 @@ def _rng_state():  # type: ignore[no-untyped-def]
                   parallel_state.get_tensor_model_parallel_world_size())
     rng = [{"random_rng_state": None, "np_rng_state": None, "torch_rng_state": torch.get_rng_state(),
             "cuda_rng_state": None, "rng_tracker_states": {}}]
+    ep_n = parallel_state.get_expert_model_parallel_world_size()
+    if ep_n > 1:  # as Megatron-LM: one RNG shard per expert-parallel rank too
+        ep_r = parallel_state.get_expert_model_parallel_rank()
+        return ShardedObject("rng_state", rng, (pp_n, tp_n, ep_n), (pp_r, tp_r, ep_r), replica_id=0)
     return ShardedObject("rng_state", rng, (pp_n, tp_n), (pp_r, tp_r), replica_id=0)
 
 
@@ -232,6 +267,29 @@ def cmd_legacy_tp2() -> None:
         (root / "latest_checkpointed_iteration.txt").write_text("1")
 
 
+def cmd_moe_ep1() -> None:
+    import torch
+
+    _setup(1, 1)
+    model = _model(1, moe=True)
+    logits = _forward(model)
+    _save_dist(model, HERE / "moe" / "ep1")
+    (HERE / "moe" / "config.json").write_text(json.dumps(MOE_CONFIG, indent=1) + "\n")
+    (HERE / "moe" / "logits.json").write_text(json.dumps({
+        "tokens": TOKENS, "dtype": "bfloat16",
+        "logits": logits[..., :VOCAB].to(torch.float32).tolist()}) + "\n")
+
+
+def cmd_moe_ep2() -> None:
+    from megatron.core import dist_checkpointing
+
+    _setup(1, 1, ep=2)
+    model = _model(1, moe=True)
+    sd = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(HERE / "moe" / "ep1" / "iter_0000001"))
+    model.load_state_dict(sd["model"])
+    _save_dist(model, HERE / "moe" / "ep2")
+
+
 def cmd_versions() -> None:
     import platform
 
@@ -245,10 +303,11 @@ def cmd_versions() -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["tp1", "tp2pp2", "legacy-tp2", "versions"])
+    ap.add_argument("what", choices=["tp1", "tp2pp2", "legacy-tp2", "moe-ep1", "moe-ep2", "versions"])
     a = ap.parse_args()
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    {"tp1": cmd_tp1, "tp2pp2": cmd_tp2pp2, "legacy-tp2": cmd_legacy_tp2, "versions": cmd_versions}[a.what]()
+    {"tp1": cmd_tp1, "tp2pp2": cmd_tp2pp2, "legacy-tp2": cmd_legacy_tp2, "moe-ep1": cmd_moe_ep1,
+     "moe-ep2": cmd_moe_ep2, "versions": cmd_versions}[a.what]()
 
 
 if __name__ == "__main__":
