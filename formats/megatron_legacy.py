@@ -81,7 +81,7 @@ def find_rank_files(it: Path) -> dict[tuple[int, int], Path]:
     missing = [f"mp_rank_{t:02d}" + (f"_{p:03d}" if P > 1 else "") for p in range(P) for t in range(T)
                if (p, t) not in out]
     if missing:
-        raise FormatError(f"{it}: tp = {T}, pp = {P}, but {', '.join(missing)} are missing")
+        raise FormatError(f"{it}: the mp_rank directories span tp = {T}, pp = {P}; missing: {', '.join(missing)}")
     return out
 
 

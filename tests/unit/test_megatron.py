@@ -265,3 +265,25 @@ def test_megatron_spec_names_match_real_state_dicts(spec: str) -> None:
 
         m1 = preset_manifest(CONFIG, "megatron", Mesh(("tp",), (1,)), megatron_spec=spec)
         assert {_stacked(n)[0] for n in m1.local_tensors(0)} == set(raw.arrays)
+
+
+@pytest.mark.parametrize("damage,expect", [
+    ("truncate", "mp_rank_00/model_optim_rng.pt: not a readable torch.save archive"),
+    ("drop-rank", "the mp_rank directories span tp = 3, pp = 1; missing: mp_rank_01"),
+    ("moe-config", "model.layers.0.mlp.gate.weight: no tensor decoder.layers.0.mlp.router.weight"),
+])
+def test_bad_legacy_checkpoints_fail_in_one_line_each(damage: str, expect: str, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    d = _copy("legacy/tp2", tmp_path)
+    it, cfg = d / "iter_0000001", CONFIG
+    if damage == "truncate":
+        f = it / "mp_rank_00" / "model_optim_rng.pt"
+        f.write_bytes(f.read_bytes()[:3000])
+    elif damage == "drop-rank":
+        shutil.move(it / "mp_rank_01", it / "mp_rank_02")
+    else:
+        cfg = DATA / "moe" / "config.json"
+    rc, _, err = run_cli(capsys, "import", str(d), "--model", str(cfg), "--to", "hf", "-o", str(d / "m.json"))
+    assert rc == 1 and "Traceback" not in err
+    assert expect in err, err
+    assert not (d / "m.json").exists()
