@@ -32,7 +32,7 @@ from formats.layouts.models import (
 )
 from formats.manifest import dumps_manifest
 from streamer.plan import plan_transfers
-from streamer.simulate import CLUSTERS, broadcast_cost, pair_bytes, reshard_cost, simulate, with_overrides
+from streamer.simulate import CLUSTERS, broadcast_cost, reshard_cost, simulate, with_overrides
 
 WORKLOADS = ROOT / "workloads"
 MODELS = WORKLOADS / "models"
@@ -94,9 +94,9 @@ def rings8(row: Row) -> float:
     r = row.result
     b = r["broadcast"]
     c = with_overrides(CLUSTERS[row.cluster], broadcast_rings=8)
-    return broadcast_cost(gather_local_bytes=b["gather_local_bytes"], gather_network_bytes=b["gather_network_bytes"],
-                          gather_chunks=b["gather_chunks"], total_bytes=r["model_bytes"],
-                          ring_ranks=r["generation_gpus"], cluster=c)["seconds"]
+    return float(broadcast_cost(gather_local_bytes=b["gather_local_bytes"],
+                                gather_network_bytes=b["gather_network_bytes"], gather_chunks=b["gather_chunks"],
+                                total_bytes=r["model_bytes"], ring_ranks=r["generation_gpus"], cluster=c)["seconds"])
 
 
 def fmt_s(x: float | None) -> str:
@@ -134,23 +134,22 @@ def pub_s(p: float | tuple[float, float] | None) -> str:
 def seed_rows() -> list[Row]:
     dsv3, q235, q30 = "models/deepseek-v3.config.json", "models/qwen3-235b-a22b.config.json", "models/qwen3-30b-a3b.config.json"
     nemo_dsv3 = "NeMo RL design doc: DSV3 PP16×EP16 → TP32×DP8"
+
+    def dsv3_rows(key: str, system: str, cluster: str, published: dict[str, Any]) -> list[Row]:
+        """DeepSeek-V3 PP16×EP16 -> TP32×DP8 on 256 GPUs, in BF16 and in FP8 blocks."""
+        return [Row(f"{key}-dsv3-{tag}", system, f"DeepSeek-V3 ({what})", dsv3, fp8, cluster,
+                    side(num_gpus=256, pp=16, ep=16), side(num_gpus=256, tp=32, dp=8), nemo_dsv3, dict(published))
+                for tag, what, fp8 in (("bf16", "BF16", False), ("fp8", "FP8 blocks", True))]
+
     rows = [
         Row("h100-qwen3-235b", "DGX H100", "Qwen3-235B-A22B (BF16)", q235, False, "dgx-h100",
             side(num_gpus=128, tp=4, pp=8, ep=16), side(num_gpus=128, tp=8, dp=16),
             "NeMo RL PR #2413: 235B TP4×PP8×EP16 → TP8×DP16 (the published figure names no layout)",
             {"baseline": 6.4, "reshard": 1.9, "speedup": 3.3}),
-        Row("h100-dsv3-bf16", "DGX H100", "DeepSeek-V3 (BF16)", dsv3, False, "dgx-h100",
-            side(num_gpus=256, pp=16, ep=16), side(num_gpus=256, tp=32, dp=8), nemo_dsv3,
-            {"baseline": 14.9, "reshard": 2.6, "speedup": 5.7, "nemo": (2.39, 2.83)}),
-        Row("h100-dsv3-fp8", "DGX H100", "DeepSeek-V3 (FP8 blocks)", dsv3, True, "dgx-h100",
-            side(num_gpus=256, pp=16, ep=16), side(num_gpus=256, tp=32, dp=8), nemo_dsv3,
-            {"baseline": 14.9, "reshard": 2.6, "speedup": 5.7, "nemo": (2.39, 2.83)}),
-        Row("gb200-dsv3-bf16", "GB200 NVL72", "DeepSeek-V3 (BF16)", dsv3, False, "gb200-nvl72",
-            side(num_gpus=256, pp=16, ep=16), side(num_gpus=256, tp=32, dp=8), nemo_dsv3,
-            {"baseline": 6.1, "reshard": 2.3, "speedup": 2.7, "nemo": (1.93, 2.59)}),
-        Row("gb200-dsv3-fp8", "GB200 NVL72", "DeepSeek-V3 (FP8 blocks)", dsv3, True, "gb200-nvl72",
-            side(num_gpus=256, pp=16, ep=16), side(num_gpus=256, tp=32, dp=8), nemo_dsv3,
-            {"baseline": 6.1, "reshard": 2.3, "speedup": 2.7, "nemo": (1.93, 2.59)}),
+        *dsv3_rows("h100", "DGX H100", "dgx-h100", {"baseline": 14.9, "reshard": 2.6, "speedup": 5.7,
+                                                    "nemo": (2.39, 2.83)}),
+        *dsv3_rows("gb200", "GB200 NVL72", "gb200-nvl72", {"baseline": 6.1, "reshard": 2.3, "speedup": 2.7,
+                                                           "nemo": (1.93, 2.59)}),
         Row("h100-qwen3-30b", "DGX H100", "Qwen3-30B-A3B (BF16)", q30, False, "dgx-h100",
             side(num_gpus=16, pp=2, ep=8), side(num_gpus=16, tp=8, dp=2),
             "NeMo RL design doc: Qwen3-30B EP8×PP2 → TP8×DP2", {"nemo": (0.74, 1.0)}),
@@ -246,10 +245,10 @@ def runtimes(full_plan: bool) -> dict[str, Any]:
             out["plan_cpu_s"] = time.process_time() - c0
             out["plan_transfers"] = plan.num_transfers
             out["plan_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GB
-            st = plan.stats()
+            st = plan.stats().to_dict()
             out["plan_stats"] = {k: st[k] for k in ("moved_bytes", "network_bytes", "local_bytes", "max_send_bytes",
                                                    "max_recv_bytes", "ideal_max_send_bytes", "min_network_bytes")}
-            cost = reshard_cost(pair_bytes(plan), S=256, cluster=CLUSTERS["dgx-h100"])
+            cost = reshard_cost(plan.pair_bytes(), S=256, cluster=CLUSTERS["dgx-h100"])
             out["plan_reshard_s"] = cost["seconds"]
             del plan
     finally:
@@ -308,9 +307,8 @@ def md_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def render(seed: list[Row], m2n: list[Row], shipped: list[Row], mscale: list[Row], gscale: list[Row],
-           rt: dict[str, Any], wall: float, full_plan: bool) -> str:
-    used_reasons: set[str] = set()
+def _intro(full_plan: bool) -> list[str]:
+    """The title, the clusters' constants, what reshard and baseline mean, and the approximation."""
     h, g = CLUSTERS["dgx-h100"], CLUSTERS["gb200-nvl72"]
     out = [
         "# Benchmarks: simulated refit on DGX H100 and GB200 NVL72",
@@ -341,9 +339,13 @@ def render(seed: list[Row], m2n: list[Row], shipped: list[Row], mscale: list[Row
         + (", and the \"Runtimes\" section below compares it with the whole DSv3 plan at full size." if full_plan
            else "; run with `--full-plan` to also compare with the whole DSv3 plan at full size."),
         "",
-        "## Seed table: simulated vs published (NVIDIA Reshard / NeMo RL `nccl_reshard`)",
-        "",
     ]
+    return out
+
+
+def _seed_section(seed: list[Row], used_reasons: set[str]) -> list[str]:
+    """Simulated vs published, row by row (adds the reasons its misses need to ``used_reasons``)."""
+    out: list[str] = ["## Seed table: simulated vs published (NVIDIA Reshard / NeMo RL `nccl_reshard`)", ""]
     trs = []
     notes: list[str] = []
     for r in seed:
@@ -386,6 +388,11 @@ def render(seed: list[Row], m2n: list[Row], shipped: list[Row], mscale: list[Row
             f"({fmt_s(bf16.result['broadcast_s'])}) is not: the published runs probably moved FP8 weights "
             "(the model's native format), and the FP8 rows are the ones to compare. Layout sources:"), "", *notes, ""]
 
+    return out
+
+
+def _m2n_section(m2n: list[Row], used_reasons: set[str]) -> list[str]:
+    out: list[str] = []
     out += ["## NCCL M2N model bench (GB200 NVL72): hierarchical vs direct", ""]
     mrs = []
     for r in m2n:
@@ -402,6 +409,11 @@ def render(seed: list[Row], m2n: list[Row], shipped: list[Row], mscale: list[Row
                          "sim. direct (sim/pub)", "published direct/hier.", "sim. direct/reshard",
                          "rate implied per busiest GPU (hier. / direct)"], mrs))
 
+    return out
+
+
+def _why_section(used_reasons: set[str]) -> list[str]:
+    out: list[str] = []
     out += ["", "## Why they differ", ""]
     for k in ("reshard_low", "reshard_high", "baseline_high", "baseline_low", "m2n"):
         if k in used_reasons:
@@ -410,19 +422,25 @@ def render(seed: list[Row], m2n: list[Row], shipped: list[Row], mscale: list[Row
             "times, how evenly they spread over NICs, and what a layout change does to it. The speedups it "
             "reports are ratios of two link-bound models and should be read as upper bounds."), ""]
 
-    def scale_table(rows: list[Row], first: str) -> str:
-        body = []
-        for r in rows:
-            res = r.result
-            body.append([first and (r.model_label if first == "model" else str(r.train["num_gpus"] + r.gen["num_gpus"])),
-                         f"{mesh_label(r.train)} → {mesh_label(r.gen)}", f"{res['model_bytes'] / GB:.0f} GB",
-                         fmt_s(res["reshard_s"]), fmt_s(res["broadcast_s"]), f"{res['speedup']:.1f}×",
-                         f"{res['max_send_bytes'] / GB:.2f} GB", f"{res['max_recv_bytes'] / GB:.2f} GB",
-                         f"{res['bytes_per_generator_gpu'] / GB:.2f} GB",
-                         f"{res['network_bytes'] / GB:.0f} / {res['local_bytes'] / GB:.0f} GB"])
-        return md_table([first, "layout", "model bytes", "reshard", "baseline", "speedup", "max send / trainer GPU",
-                         "max recv / generator GPU", "lands / generator GPU", "network / NVLink bytes"], body)
+    return out
 
+
+def scale_table(rows: list[Row], first: str) -> str:
+    body = []
+    for r in rows:
+        res = r.result
+        body.append([first and (r.model_label if first == "model" else str(r.train["num_gpus"] + r.gen["num_gpus"])),
+                     f"{mesh_label(r.train)} → {mesh_label(r.gen)}", f"{res['model_bytes'] / GB:.0f} GB",
+                     fmt_s(res["reshard_s"]), fmt_s(res["broadcast_s"]), f"{res['speedup']:.1f}×",
+                     f"{res['max_send_bytes'] / GB:.2f} GB", f"{res['max_recv_bytes'] / GB:.2f} GB",
+                     f"{res['bytes_per_generator_gpu'] / GB:.2f} GB",
+                     f"{res['network_bytes'] / GB:.0f} / {res['local_bytes'] / GB:.0f} GB"])
+    return md_table([first, "layout", "model bytes", "reshard", "baseline", "speedup", "max send / trainer GPU",
+                     "max recv / generator GPU", "lands / generator GPU", "network / NVLink bytes"], body)
+
+
+def _scale_sections(mscale: list[Row], gscale: list[Row]) -> list[str]:
+    out: list[str] = []
     out += ["## Scale: the model grows (DGX H100, 128 + 128 GPUs)", "",
             ("Trainer PP8 with 16 GPUs per stage (dense: TP8×DP2; MoE: EP16, ETP 1), generator TP32×DP4 (a TP "
             "that fits DeepSeek-V3 BF16 in 80 GB). TP32 splits Qwen3-32B's 8 KV heads into row blocks, where vLLM "
@@ -436,6 +454,11 @@ def render(seed: list[Row], m2n: list[Row], shipped: list[Row], mscale: list[Row
             "the number of generator GPUs."), "",
             scale_table(gscale, "GPUs"), ""]
 
+    return out
+
+
+def _shipped_section(shipped: list[Row]) -> list[str]:
+    out: list[str] = []
     out += ["## Every shipped NCCL M2N system config", "",
             md_table(["system config", "model", "trainer → generator", "reshard", "baseline", "speedup",
                       "network / NVLink bytes", "plans", "simulate wall"],
@@ -444,6 +467,11 @@ def render(seed: list[Row], m2n: list[Row], shipped: list[Row], mscale: list[Row
                        f"{r.result['network_bytes'] / GB:.1f} / {r.result['local_bytes'] / GB:.1f} GB",
                        str(r.result["plans"]), f"{r.wall_s:.1f} s"] for r in shipped]), ""]
 
+    return out
+
+
+def _runtimes_section(seed: list[Row], rt: dict[str, Any], wall: float, full_plan: bool) -> list[str]:
+    out: list[str] = []
     d = next(r for r in seed if r.key == "h100-dsv3-bf16").result
     out += ["## Runtimes (this machine: " + f"{platform.processor() or platform.machine()}, Python "
             f"{platform.python_version()})", "",
@@ -477,8 +505,20 @@ def render(seed: list[Row], m2n: list[Row], shipped: list[Row], mscale: list[Row
              if "plan_s" in rt else
              "Design §9's planner target (full DSv3 plan ≤ 2 s): run with `--full-plan` to time the whole plan."), "",
             f"This file took {wall:.0f} s to generate" + (" (with `--full-plan`)." if full_plan else "."), ""]
-    return "\n".join(out)
+    return out
 
+
+def render(seed: list[Row], m2n: list[Row], shipped: list[Row], mscale: list[Row], gscale: list[Row],
+           rt: dict[str, Any], wall: float, full_plan: bool) -> str:
+    used_reasons: set[str] = set()
+    out = _intro(full_plan)
+    out += _seed_section(seed, used_reasons)
+    out += _m2n_section(m2n, used_reasons)
+    out += _why_section(used_reasons)
+    out += _scale_sections(mscale, gscale)
+    out += _shipped_section(shipped)
+    out += _runtimes_section(seed, rt, wall, full_plan)
+    return "\n".join(out)
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])

@@ -9,9 +9,14 @@ Names are imported on first use, so ``import streamer`` stays cheap (no torch, n
 
 from __future__ import annotations
 
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-__version__ = "0.1.0"
+try:
+    __version__ = version("shardstream")
+except PackageNotFoundError:  # a source tree that was never installed
+    __version__ = "0+unknown"
+
 __all__ = ["RefitSession", "RefusedError", "StateDictError", "StepStats", "__version__", "manifest_from_state_dict"]
 
 _LAZY = {"RefitSession": "refit", "RefusedError": "refit", "StepStats": "refit",

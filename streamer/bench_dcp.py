@@ -124,25 +124,122 @@ def _rss() -> int:
     return 0
 
 
-def _worker(argv: list[str]) -> int:
+def _worker_args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m streamer.bench_dcp")
     ap.add_argument("mode", choices=["save", "load"])
     ap.add_argument("--manifest", required=True, help="the layout of this side (shardstream manifest)")
     ap.add_argument("--ckpt", required=True, help="the DCP checkpoint directory")
     ap.add_argument("--data", help="save: the source ranks' safetensors (the trainer's memory)")
     ap.add_argument("--out", help="load: where each rank writes rank-NNNNN.safetensors")
-    a = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class _Side:
+    """One rank of a DCP save or load: its mesh and the manifest's placements."""
+
+    def __init__(self, rank: int, mesh: Any, specs: dict[str, Any]) -> None:
+        self.rank, self.mesh, self.specs = rank, mesh, specs
+
+    def placement(self, dim: int | None) -> Any:
+        from torch.distributed.tensor import Replicate, Shard
+
+        return Replicate() if dim is None else Shard(dim)
+
+    def check(self, name: str, dt: Any) -> None:
+        """The DTensor's own offsets/sizes (what DCP records and reads) are the manifest's."""
+        (chunk,) = dt.__create_chunk_list__()
+        got = (list(chunk.offsets), list(chunk.sizes))
+        want = self.specs[name][3][self.rank]
+        if got != (list(want[0]), list(want[1])) or list(dt.to_local().shape) != list(want[1]):
+            raise SystemExit(f"{name}: DTensor gives rank {self.rank} offsets {got[0]} sizes {got[1]} (local "
+                             f"{list(dt.to_local().shape)}), the manifest {want[0]} {want[1]}")
+
+
+def _save(a: argparse.Namespace, side: _Side, res: dict[str, Any]) -> None:
+    """The trainer side: wrap the source shards as DTensors and ``dcp.save`` them."""
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+    from torch.distributed.tensor import DTensor
+
+    t0 = time.perf_counter()
+    local = load_file(str(Path(a.data) / f"rank-{side.rank:05d}.safetensors"))
+    res["read_source_s"] = time.perf_counter() - t0
+    sd = {}
+    for name, (shape, _, dim, _) in side.specs.items():
+        stride: list[int] = []
+        s = 1
+        for d in reversed(shape):
+            stride.insert(0, s)
+            s *= d
+        dt = DTensor.from_local(local[name], side.mesh, [side.placement(dim)], run_check=False,
+                                shape=torch.Size(shape), stride=tuple(stride))
+        side.check(name, dt)
+        sd[name] = dt
+    dist.barrier()
+    io0, t0 = _io(), time.perf_counter()
+    dcp_save(sd, checkpoint_id=a.ckpt)  # ends in a collective: every rank's files are written (fsynced)
+    res["save_s"] = time.perf_counter() - t0
+    res["write_bytes"] = _io().get("wchar", 0) - io0.get("wchar", 0)
+
+
+def _load(a: argparse.Namespace, side: _Side, res: dict[str, Any]) -> None:
+    """The generator side: ``dcp.load`` into DTensors of the target placements, then write them
+    as safetensors; the step runs from the barrier to every rank's file fsynced."""
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+    from torch.distributed.tensor import empty as dtensor_empty
+
+    sd = {}
+    for name, (shape, dtype, dim, _) in side.specs.items():
+        tdt = getattr(torch, dtype, None)
+        if not isinstance(tdt, torch.dtype):
+            raise SystemExit(f"{name}: data type {dtype} has no torch dtype")
+        dt = dtensor_empty(shape, dtype=tdt, device_mesh=side.mesh, placements=[side.placement(dim)])
+        side.check(name, dt)
+        sd[name] = dt
+    res["rss_before_load_bytes"] = _rss()
+    dist.barrier()
+    io0, t0 = _io(), time.perf_counter()
+    dcp_load(sd, checkpoint_id=a.ckpt)
+    io1, t1 = _io(), time.perf_counter()
+    res["load_s"] = t1 - t0
+    res["rchar"] = io1.get("rchar", 0) - io0.get("rchar", 0)
+    res["read_bytes"] = io1.get("read_bytes", 0) - io0.get("read_bytes", 0)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"rank-{side.rank:05d}.safetensors"
+    save_file({name: dt.to_local() for name, dt in sd.items()}, str(path))
+    _fsync(path)
+    res["write_s"] = time.perf_counter() - t1
+    if side.rank == 0:
+        _fsync(out)
+    dist.barrier()
+    res["step_s"] = time.perf_counter() - t0
+
+
+def _worker(argv: list[str]) -> int:
+    a = _worker_args(argv)
 
     from datetime import timedelta
 
     try:
-        import torch
         import torch.distributed as dist
-        import torch.distributed.checkpoint as dcp
-        from safetensors.torch import load_file, save_file
+        import torch.distributed.checkpoint  # noqa: F401  (what the DCP path needs, checked up front)
+        from safetensors.torch import load_file, save_file  # noqa: F401
         from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.tensor import DTensor, Replicate, Shard
-        from torch.distributed.tensor import empty as dtensor_empty
+        from torch.distributed.tensor import DTensor  # noqa: F401
     except ImportError as e:
         print(f"{e.name or 'torch.distributed.checkpoint'} is not importable ({e})", file=sys.stderr)
         return MISSING
@@ -156,74 +253,9 @@ def _worker(argv: list[str]) -> int:
     timeout = timedelta(seconds=float(os.environ.get("SHARDSTREAM_DCP_TIMEOUT", "900")))
     dist.init_process_group("gloo", init_method="file://" + os.environ["SHARDSTREAM_DCP_INIT"], rank=rank,
                             world_size=world, timeout=timeout)
-    mesh = DeviceMesh("cpu", list(range(world)))
-
-    def check(name: str, dt: Any) -> None:
-        (chunk,) = dt.__create_chunk_list__()  # DTensor's own offsets/sizes: what DCP records and reads
-        got = (list(chunk.offsets), list(chunk.sizes))
-        want = specs[name][3][rank]
-        if got != (list(want[0]), list(want[1])) or list(dt.to_local().shape) != list(want[1]):
-            raise SystemExit(f"{name}: DTensor gives rank {rank} offsets {got[0]} sizes {got[1]} (local "
-                             f"{list(dt.to_local().shape)}), the manifest {want[0]} {want[1]}")
-
-    def place(dim: int | None) -> Any:
-        return Replicate() if dim is None else Shard(dim)
-
+    side = _Side(rank, DeviceMesh("cpu", list(range(world))), specs)
     res: dict[str, Any] = {"rank": rank}
-    if a.mode == "save":
-        t0 = time.perf_counter()
-        local = load_file(str(Path(a.data) / f"rank-{rank:05d}.safetensors"))
-        res["read_source_s"] = time.perf_counter() - t0
-        sd = {}
-        for name, (shape, _, dim, _) in specs.items():
-            stride, s = [], 1
-            for d in reversed(shape):
-                stride.insert(0, s)
-                s *= d
-            dt = DTensor.from_local(local[name], mesh, [place(dim)], run_check=False, shape=torch.Size(shape),
-                                    stride=tuple(stride))
-            check(name, dt)
-            sd[name] = dt
-        dist.barrier()
-        io0, t0 = _io(), time.perf_counter()
-        dcp.save(sd, checkpoint_id=a.ckpt)  # ends in a collective: every rank's files are written (fsynced)
-        res["save_s"] = time.perf_counter() - t0
-        res["write_bytes"] = _io().get("wchar", 0) - io0.get("wchar", 0)
-    else:
-        sd = {}
-        for name, (shape, dtype, dim, _) in specs.items():
-            tdt = getattr(torch, dtype, None)
-            if not isinstance(tdt, torch.dtype):
-                raise SystemExit(f"{name}: data type {dtype} has no torch dtype")
-            dt = dtensor_empty(shape, dtype=tdt, device_mesh=mesh, placements=[place(dim)])
-            check(name, dt)
-            sd[name] = dt
-        res["rss_before_load_bytes"] = _rss()
-        dist.barrier()
-        io0, t0 = _io(), time.perf_counter()  # the step: from here to every rank's file fsynced
-        dcp.load(sd, checkpoint_id=a.ckpt)
-        io1, t1 = _io(), time.perf_counter()
-        res["load_s"] = t1 - t0
-        res["rchar"] = io1.get("rchar", 0) - io0.get("rchar", 0)
-        res["read_bytes"] = io1.get("read_bytes", 0) - io0.get("read_bytes", 0)
-        out = Path(a.out)
-        out.mkdir(parents=True, exist_ok=True)
-        path = out / f"rank-{rank:05d}.safetensors"
-        save_file({name: dt.to_local() for name, dt in sd.items()}, str(path))
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        res["write_s"] = time.perf_counter() - t1
-        if rank == 0:
-            fd = os.open(out, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        dist.barrier()
-        res["step_s"] = time.perf_counter() - t0
+    (_save if a.mode == "save" else _load)(a, side, res)
     dist.destroy_process_group()
     print(json.dumps(res), flush=True)
     return 0

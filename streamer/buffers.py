@@ -62,8 +62,10 @@ def _copy(dst: Any, src: Any) -> None:
 def host_bytes(x: Any) -> np.ndarray:
     """The bytes of a (byte-view) region as a flat host numpy array (copied when needed)."""
     if isinstance(x, np.ndarray):
-        return np.ascontiguousarray(x).reshape(-1)
-    return x.contiguous().cpu().numpy().reshape(-1)
+        flat: np.ndarray = np.ascontiguousarray(x).reshape(-1)
+        return flat
+    host: np.ndarray = x.contiguous().cpu().numpy().reshape(-1)
+    return host
 
 
 def region_view(t: Any, box: Box) -> Any:

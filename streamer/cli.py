@@ -9,49 +9,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 from pathlib import Path
 from typing import Any
 
 from formats.errors import PlanError, ShardstreamError, UsageError
 
+from . import __version__
+from .args import emit as _out
+from .args import parse_size
+from .args import positive_int as _positive_int
+
 __all__ = ["main", "parse_size", "build_parser"]
-
-_UNITS = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "TB": 1000**4,
-          "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "TIB": 1024**4}
-
-
-def parse_size(text: str) -> int:
-    """``256MiB`` -> 268435456; ``1GB`` -> 10**9; plain integers are bytes."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
-    if not m or m.group(2).upper() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"invalid size {text!r} (expected bytes or a number with "
-                                         "KB MB GB / KiB MiB GiB, e.g. 256MiB)")
-    v = float(m.group(1)) * _UNITS[m.group(2).upper()]
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"size {text!r} must be at least 1 byte")
-    return int(v)
-
-
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
-    return v
-
-
-def _out(args: argparse.Namespace, obj: dict[str, Any], text: str) -> None:
-    """One JSON object on stdout with --json (human text then goes to stderr), else text."""
-    if getattr(args, "json", False):
-        print(json.dumps(obj, sort_keys=False))
-        if text:
-            print(text, file=sys.stderr)
-    else:
-        print(text)
 
 
 def _mpi_comm() -> Any:
@@ -269,7 +238,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     except PlanError as e:  # its lines name the array; say which manifests were being matched
         raise PlanError(problems=[f"{args.dst}: {ln}; source manifest {args.src}" for ln in e.problems]) from e
     dt = time.perf_counter() - t0
-    st = plan.stats()
+    st = plan.stats().to_dict()
     st["plan_seconds"] = round(dt, 4)
     st["digest"] = plan.digest()
     _out(args, st, f"plan {args.src} -> {args.dst} ({dt:.3f} s)\n{_fmt_stats(st)}")
@@ -382,7 +351,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     work = args.work or tempfile.mkdtemp(prefix="shardstream-bench-")
     if args.what == "convert":
         r = bench.bench_convert(work, preset=args.preset or "qwen3-2g", memory_limit=args.memory_limit,
-                                repeats=args.repeats, src_tp=args.src_tp, dst_tp=args.dst_tp, dcp=not args.no_dcp)
+                                repeats=args.repeats or 2, src_tp=args.src_tp, dst_tp=args.dst_tp, dcp=not args.no_dcp)
         text = bench.convert_table(r)
     elif args.what == "plan":
         r = bench.bench_plan(tuple(args.sweep), model=args.model)
@@ -404,10 +373,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     else:
         r = bench.bench_refit(work, senders=args.senders, receivers=args.receivers,
                               preset=args.preset or "qwen3-small", train_mesh=args.train_mesh,
-                              serve_mesh=args.serve_mesh, repeats=args.repeats or 5, bucket_size=args.bucket_size)
-        text = (f"bench refit ({r['senders']}+{r['receivers']} ranks, {r['train_mesh']} -> {r['serve_mesh']}, "
-                f"{r['bytes_moved'] / 1e9:.3f} GB planned, median of {r['repeats']}):\n"
+                              serve_mesh=args.serve_mesh, repeats=args.repeats or 5, bucket_size=args.bucket_size,
+                              source=args.source)
+        text = (f"bench refit ({r['senders']}+{r['receivers']} ranks, {r['source']} {r['train_mesh']} -> "
+                f"{r['serve_mesh']}{', cast to bf16 on the way' if r['cast_arrays'] else ''}, "
+                f"{r['bytes_moved'] / 1e9:.3f} GB planned, median of {r['repeats']} after the first push):\n"
                 f"  reshard              {r['reshard_s']:8.3f} s\n"
+                f"  first push (cold)    {r['first_push_s']:8.3f} s  ({r['first_push_ratio_to_floor']:.2f} x the "
+                f"floor; buffers, connections)\n"
                 f"  gather-broadcast     {r['broadcast_s']:8.3f} s  ({r['broadcast_bytes_moved'] / 1e9:.3f} GB)\n"
                 f"  Alltoallv floor      {r['floor_s']:8.3f} s\n"
                 f"  speedup vs broadcast {r['speedup_vs_broadcast']:8.2f} x   (target >= 3)\n"
@@ -441,12 +414,7 @@ def cmd_synth(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------ parser
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="shardstream", description="Move model weights between parallelism layouts.")
-    ap.add_argument("--debug", action="store_true", help="show Python tracebacks")
-    ap.add_argument("--version", action="version", version="shardstream 0.1.0")
-    sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
-
+def _add_import(sub: Any) -> None:
     p = sub.add_parser("import", help="describe an existing checkpoint as a manifest")
     p.add_argument("paths", nargs="+", metavar="PATH")
     p.add_argument("-o", "--output", required=True, metavar="MANIFEST")
@@ -457,6 +425,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_import)
 
+
+def _add_layout(sub: Any) -> None:
     p = sub.add_parser("layout", help="generate a manifest from a mesh and placement rules")
     p.add_argument("--like", metavar="MANIFEST", help="take arrays, shapes and dtypes from this manifest/checkpoint")
     p.add_argument("--model", metavar="CFG", help="take arrays from an HF config.json or an NCCL M2N model JSON "
@@ -487,12 +457,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_layout)
 
+
+def _add_validate(sub: Any) -> None:
     p = sub.add_parser("validate", help="check manifests (and with --data, their files)")
     p.add_argument("manifests", nargs="+", metavar="MANIFEST")
     p.add_argument("--data", action="store_true", help="also open the files: headers, tensors, byte ranges, checksums")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_validate)
 
+
+def _add_plan(sub: Any) -> None:
     p = sub.add_parser("plan", help="plan the transfers from SRC's layout to DST's and print the figures")
     p.add_argument("src", metavar="SRC")
     p.add_argument("dst", metavar="DST")
@@ -503,6 +477,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_plan)
 
+
+def _add_convert(sub: Any) -> None:
     p = sub.add_parser("convert", help="convert a checkpoint to another layout, with bounded memory")
     p.add_argument("src", metavar="SRC", help="source manifest, convert output dir, or HF checkpoint")
     p.add_argument("dst", metavar="DST", help="destination manifest (from `layout`)")
@@ -521,6 +497,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_convert)
 
+
+def _add_refit(sub: Any) -> None:
     p = sub.add_parser("refit", help="live refit: push weights from a trainer job to an inference job")
     p.add_argument("role", choices=["send", "recv"])
     p.add_argument("--manifest", required=True, metavar="M", help="this side's manifest (sender: with files)")
@@ -543,6 +521,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_refit)
 
+
+def _add_bench(sub: Any) -> None:
     p = sub.add_parser("bench", help="benchmarks: ratios measured side by side in one run")
     p.add_argument("what", choices=["plan", "convert", "refit", "validate"])
     p.add_argument("--sweep", type=_positive_int, nargs="+", default=[1200, 4800, 19200, 102400],
@@ -552,7 +532,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--work", metavar="DIR", help="scratch directory (default: a new temp dir)")
     p.add_argument("--preset", choices=["qwen3-tiny", "qwen3-small", "qwen3-2g"])
     p.add_argument("--memory-limit", default="256MiB")
-    p.add_argument("--repeats", type=_positive_int, default=2)
+    p.add_argument("--repeats", type=_positive_int, default=None,
+                   help="bench convert: runs (default 2); bench refit: steady-state pushes after the first (default 5)")
     p.add_argument("--src-tp", type=_positive_int, default=4, help="bench convert: source TP size")
     p.add_argument("--dst-tp", type=_positive_int, default=3, help="bench convert: target TP size")
     p.add_argument("--no-dcp", action="store_true", help="bench convert: skip the torch.distributed.checkpoint path")
@@ -561,10 +542,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--receivers", type=_positive_int, default=4)
     p.add_argument("--train-mesh", default="pp=2,tp=2")
     p.add_argument("--serve-mesh", default="tp=4")
+    p.add_argument("--source", choices=["files", "fsdp2"], default="files",
+                   help="bench refit: the trainer's rank files, or a real FSDP2 model (fp32 masters, cast to bf16)")
     p.add_argument("--bucket-size", type=parse_size, default=64 << 20)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench)
 
+
+def _add_synth(sub: Any) -> None:
     p = sub.add_parser("synth", help="write a seeded synthetic HF checkpoint shaped like a Qwen3 model")
     p.add_argument("--preset", choices=["qwen3-tiny", "qwen3-small", "qwen3-2g"], default="qwen3-small")
     p.add_argument("--seed", type=int, default=0)
@@ -573,14 +558,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_synth)
 
-    from .simulate import add_simulate_parser
 
-    add_simulate_parser(sub)
-
+def _add_inspect(sub: Any) -> None:
     p = sub.add_parser("inspect", help="summarise a safetensors file or a manifest")
     p.add_argument("path", metavar="PATH")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_inspect)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="shardstream", description="Move model weights between parallelism layouts.")
+    ap.add_argument("--debug", action="store_true", help="show Python tracebacks")
+    ap.add_argument("--version", action="version", version=f"shardstream {__version__}")
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    for add in (_add_import, _add_layout, _add_validate, _add_plan, _add_convert, _add_refit, _add_bench, _add_synth):
+        add(sub)
+    from .simulate import add_simulate_parser
+
+    add_simulate_parser(sub)
+    _add_inspect(sub)
     return ap
 
 

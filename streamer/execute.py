@@ -260,7 +260,7 @@ class Executor:
             raise ValidationError(problems=sorted(set(problems))[:50])
 
     # -- packing
-    def _region(self, name: str, box: Box, dst: bool) -> np.ndarray:
+    def _region(self, name: str, box: Box, dst: bool) -> Any:
         v = (self.dst_views if dst else self.src_views)[name]
         return v[box.slices] if box.ndim else v
 
@@ -303,7 +303,7 @@ class Executor:
             _copy(self._dst(tr), buf[off:off + n].reshape(tr.region.sizes + (tr.itemsize,)))
             off += n
 
-    def _inplace(self, m: Message, send: bool) -> np.ndarray | None:
+    def _inplace(self, m: Message, send: bool) -> Any:
         if len(m.transfers) != 1:
             return None
         tr = m.transfers[0]
@@ -401,7 +401,7 @@ class Executor:
 
                 def name(p: int, upstream: dict[int, set[int]] = upstream, name0: Any = name0) -> str:
                     up = sorted(upstream.get(p, ()))
-                    return name0(p) + (f" (which forwards bytes from {', '.join(name0(u) for u in up)})" if up else "")
+                    return str(name0(p)) + (f" (which forwards bytes from {', '.join(name0(u) for u in up)})" if up else "")
                 for a in active:
                     a.req.cancel()
                 raise PeerTimeoutError(f"rank {self.rank}: timed out after {self.timeout:g} s waiting for "
@@ -419,7 +419,7 @@ class Executor:
     def _digest(self, region: Any) -> int:
         import xxhash
 
-        return xxhash.xxh64_intdigest(host_bytes(region))
+        return xxhash.xxh64_intdigest(host_bytes(region).data)
 
     def _verify(self) -> int:
         """Senders hash the regions they sent (from their own tensors); receivers hash what landed

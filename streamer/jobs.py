@@ -251,7 +251,7 @@ def _connect_mpi_port(role: str, path: Path, timeout: float) -> Group:
             path.unlink(missing_ok=True)
 
         with Watchdog(timeout, f"waiting for the sender job to connect through {path}", cleanup):
-            inter = role_comm.Accept(port, root=0)
+            inter = role_comm.Accept(port or "", root=0)  # the port matters on the root only
         cleanup()
         if port is not None:
             MPI.Close_port(port)

@@ -13,7 +13,7 @@ import numpy as np
 from formats.box import Box, contiguous_slabs
 from formats.checksum import DEFAULT_ALGO, new_hasher
 from formats.dtypes import by_name, np_storage
-from formats.manifest import ArraySpec, Chunk, Manifest, save_manifest
+from formats.manifest import ArraySpec, Chunk, Manifest, Source, save_manifest
 from formats.store import SourceStore
 
 from .convert import plan_files
@@ -90,7 +90,7 @@ def finish_save(out_dir: str | os.PathLike[str], m: Manifest, checksums: dict[st
     filled, _ = plan_files(m)
     arrays = {}
     for fqn, a in filled.arrays.items():
-        chunks = tuple(Chunk(c.region, c.holders, replace(c.source, checksum=checksums.get(f"{fqn}|{ci}")))
+        chunks = tuple(Chunk(c.region, c.holders, replace(c.source or Source(), checksum=checksums.get(f"{fqn}|{ci}")))
                        for ci, c in enumerate(a.chunks))
         arrays[fqn] = ArraySpec(a.shape, a.data_type, chunks)
     final = replace(filled, arrays=arrays)

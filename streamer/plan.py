@@ -41,8 +41,8 @@ import io
 import pickle
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -53,6 +53,7 @@ from formats.manifest import ArraySpec, Chunk, Manifest
 __all__ = [
     "DEFAULT_SPLIT_BYTES",
     "Plan",
+    "PlanStats",
     "Transfer",
     "match_arrays",
     "array_casts",
@@ -113,6 +114,54 @@ class Transfer:
                 f"{self.dst_offsets}|{self.itemsize}|{self.phase}")
 
 
+@dataclass(frozen=True, slots=True)
+class PlanStats:
+    """The figures of a plan (design §5), in bytes unless named otherwise. ``to_dict()`` is the
+    JSON object ``plan --json`` prints, keys in this order."""
+
+    arrays: int
+    #: what lands on destination ranks: destination chunk bytes x their holders
+    total_bytes: int
+    #: what crosses from one rank to another
+    moved_bytes: int
+    #: moved bytes that cross a domain boundary / stay inside one
+    network_bytes: int
+    local_bytes: int
+    #: the busiest rank's send and receive
+    max_send_bytes: int
+    max_recv_bytes: int
+    #: transfers that move bytes (phases 1 and 2), local copies (phase 0), phase-2 forwards
+    transfers: int
+    local_copies: int
+    phase2_transfers: int
+    #: what destinations need and do not already hold
+    lower_bound_bytes: int
+    #: per destination domain, the bytes it needs that no rank inside it holds
+    min_network_bytes: int
+    #: a lower bound on ``max_send_bytes`` (the busiest holder set's bytes over its size)
+    ideal_max_send_bytes: int
+    src_world: int
+    dst_world: int
+    src_domain_size: int
+    dst_domain_size: int
+    same_job: bool
+    #: FP8 weights planned with their scales; scale arrays planned alone
+    fp8_pairs: int
+    unpaired_scales: tuple[str, ...]
+    #: the same figures for the gather-broadcast baseline
+    broadcast_moved_bytes: int
+    broadcast_gather_bytes: int
+    broadcast_bytes: int
+    broadcast_network_bytes: int
+    broadcast_max_recv_bytes: int
+    broadcast_max_send_bytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["unpaired_scales"] = list(self.unpaired_scales)
+        return out
+
+
 # --------------------------------------------------------------------------- chunk layouts
 
 def _chunk_order(c: Chunk) -> tuple[Any, ...]:
@@ -123,12 +172,12 @@ def _chunk_order(c: Chunk) -> tuple[Any, ...]:
 class _Layout:
     """One array's chunks in canonical order (memoised per chunks tuple: layouts share them)."""
 
-    perm: tuple[int, ...]  # canonical position -> index in the manifest's chunk list
-    boxes: tuple[Box, ...]
+    chunk_index: tuple[int, ...]  # canonical position -> index in the manifest's chunk list
+    regions: tuple[Box, ...]
     holders: tuple[tuple[int, ...], ...]
     tensors: tuple[str | None, ...]  # source.tensor (None: the array's own name)
-    local: tuple[tuple[int, ...], ...]  # source.offsets (defaults filled in)
-    geom: tuple[Any, ...]  # regions and holder counts: what a class shares
+    local_offsets: tuple[tuple[int, ...], ...]  # source.offsets (defaults filled in)
+    geometry: tuple[Any, ...]  # regions and holder counts: what a class shares
 
     @functools.cached_property
     def content(self) -> bytes:
@@ -138,7 +187,7 @@ class _Layout:
         buf = io.BytesIO()
         p = pickle.Pickler(buf, protocol=4)
         p.fast = True
-        p.dump((self.geom, self.holders, self.tensors, self.local))
+        p.dump((self.geometry, self.holders, self.tensors, self.local_offsets))
         return hashlib.sha256(buf.getvalue()).digest()
 
     @staticmethod
@@ -150,12 +199,16 @@ class _Layout:
         if any(keys[a] == keys[b] for a, b in zip(perm, perm[1:])):
             perm = tuple(sorted(range(len(chunks)), key=lambda i: _chunk_order(chunks[i])))
         cs = [chunks[i] for i in perm]
-        boxes = tuple(c.region for c in cs)
+        regions = tuple(c.region for c in cs)
         holders = tuple(c.holders for c in cs)
         tensors = tuple(c.source.tensor if c.source is not None else None for c in cs)
         local = tuple(c.local_offsets for c in cs)
-        geom = tuple((b.offsets, b.sizes, len(h)) for b, h in zip(boxes, holders))
-        return _Layout(perm, boxes, holders, tensors, local, geom)
+        geometry = tuple((b.offsets, b.sizes, len(h)) for b, h in zip(regions, holders))
+        return _Layout(perm, regions, holders, tensors, local, geometry)
+
+
+#: each array's (source, destination) layouts
+Layouts = Mapping[str, tuple[_Layout, _Layout]]
 
 
 class _Memo:
@@ -176,40 +229,42 @@ class _Memo:
 
 @dataclass(eq=False)
 class _Block:
-    """A class of arrays planned by one template of T items, expanded over A arrays.
+    """A class of arrays planned by one template of T transfers (*items*), expanded over A arrays.
 
-    Item t of array a moves ``size[t]`` elements at ``off[t]``. Its sender is a holder of the
-    source chunk ``si[t]`` (``side[t] == 0``) or of the destination chunk ``di[t]`` (phase 2
-    forwards, phase-0 local copies): slot ``cand[(k + rot + a) % n]`` of that chunk's holders,
-    so rotating ``a`` spreads equal work round-robin over replicas and domain ranks.
+    Item t of array a moves the region ``sizes[t]`` at ``offsets[t]``. Its sender is a holder of
+    the source chunk ``src_chunk[t]`` (``sender_side[t] == 0``) or of the destination chunk
+    ``dst_chunk[t]`` (phase-2 forwards, phase-0 local copies): holder slot
+    ``sender_slots[t][(sender_first[t] + rotation[t] + a) % sender_count[t]]`` of that chunk, so
+    rotating ``a`` spreads equal work round-robin over replicas and domain ranks. Its receiver is
+    the holder of ``dst_chunk[t]`` picked the same way from ``receiver_slots``.
     """
 
     fqns: tuple[str, ...]
     itemsize: int
     ndim: int
-    off: np.ndarray  # [T, ndim]
-    size: np.ndarray  # [T, ndim]
+    offsets: np.ndarray  # [T, ndim] the regions, in global array coordinates
+    sizes: np.ndarray  # [T, ndim]
     phase: np.ndarray  # [T] int8
-    si: np.ndarray  # [T] canonical source chunk position
-    di: np.ndarray  # [T] canonical destination chunk position
-    side: np.ndarray  # [T] 0: sender from source holders, 1: from destination holders
-    scand: np.ndarray  # [T, c] slot candidates, padded
-    sk: np.ndarray
-    sn: np.ndarray
-    dcand: np.ndarray
-    dk: np.ndarray
-    dn: np.ndarray
-    rot: np.ndarray  # [T]
-    hs: np.ndarray  # [Us, src chunks, max holders] source holders (global ranks)
-    us: np.ndarray  # [A] row of hs for each array
-    hd: np.ndarray  # [Ud, dst chunks, max holders] destination holders (global ranks)
-    ud: np.ndarray  # [A]
-    src_lay: tuple[_Layout, ...]  # per array, for tensors / offsets / manifest chunk indices
-    dst_lay: tuple[_Layout, ...]
+    src_chunk: np.ndarray  # [T] canonical source chunk position
+    dst_chunk: np.ndarray  # [T] canonical destination chunk position
+    sender_side: np.ndarray  # [T] int8, _SRC: the sender holds the source chunk, _DST: the destination chunk
+    sender_slots: np.ndarray  # [T, c] holder slots the sender rotates over, padded
+    sender_first: np.ndarray  # [T] position in sender_slots before rotation
+    sender_count: np.ndarray  # [T] valid entries of sender_slots
+    receiver_slots: np.ndarray  # [T, c] the same for the receiver (destination chunk holders)
+    receiver_first: np.ndarray
+    receiver_count: np.ndarray
+    rotation: np.ndarray  # [T]
+    src_holders: np.ndarray  # [Us, src chunks, max holders] source holders (global ranks)
+    src_row: np.ndarray  # [A] each array's row of src_holders
+    dst_holders: np.ndarray  # [Ud, dst chunks, max holders] destination holders (global ranks)
+    dst_row: np.ndarray  # [A]
+    src_layouts: tuple[_Layout, ...]  # per array, for tensors / offsets / manifest chunk indices
+    dst_layouts: tuple[_Layout, ...]
     grid: tuple[int, ...] | None = None  # FP8 weights: cuts only on the scale-block grid
 
     @property
-    def items(self) -> int:
+    def num_items(self) -> int:
         return int(self.phase.shape[0])
 
     def ranks(self) -> tuple[np.ndarray, np.ndarray]:
@@ -219,56 +274,58 @@ class _Block:
 
     def ranks_ta(self) -> tuple[np.ndarray, np.ndarray]:
         """Sender and receiver of every (item, array), shaped [T, A], C-contiguous."""
-        A, T = len(self.fqns), self.items
+        A, T = len(self.fqns), self.num_items
         if T == 0 or A == 0:
             z = np.zeros((T, A), dtype=_I64)
             return z, z
-        dslot = _slots(self.dcand, self.dk, self.dn, self.rot, A)
-        dst = _gather(self.hd, self.ud, self.di, dslot)
-        sslot = _slots(self.scand, self.sk, self.sn, self.rot, A)
-        from_src = self.side == 0
+        dslot = _slots(self.receiver_slots, self.receiver_first, self.receiver_count, self.rotation, A)
+        dst = _gather(self.dst_holders, self.dst_row, self.dst_chunk, dslot)
+        sslot = _slots(self.sender_slots, self.sender_first, self.sender_count, self.rotation, A)
+        from_src = self.sender_side == 0
         if from_src.all():
-            src = _gather(self.hs, self.us, self.si, sslot)
+            src = _gather(self.src_holders, self.src_row, self.src_chunk, sslot)
         else:
             src = np.empty_like(dst)
             m = np.nonzero(from_src)[0]
             if len(m):
-                src[m] = _gather(self.hs, self.us, self.si[m], sslot[m])
+                src[m] = _gather(self.src_holders, self.src_row, self.src_chunk[m], sslot[m])
             m = np.nonzero(~from_src)[0]
-            src[m] = _gather(self.hd, self.ud, self.di[m], sslot[m])
+            src[m] = _gather(self.dst_holders, self.dst_row, self.dst_chunk[m], sslot[m])
         return src, dst
 
     def item_bytes(self) -> np.ndarray:
-        out: np.ndarray = np.prod(self.size, axis=1, dtype=_I64) * self.itemsize
+        out: np.ndarray = np.prod(self.sizes, axis=1, dtype=_I64) * self.itemsize
         return out
 
     def digest_into(self, h: Any) -> None:
         h.update(("\x00".join(self.fqns) + f"|{self.itemsize}|{self.ndim}\n").encode())
-        for x in (self.off, self.size, self.phase, self.si, self.di, self.side, self.scand, self.sk,
-                  self.sn, self.dcand, self.dk, self.dn, self.rot, self.hs, self.us, self.hd, self.ud):
+        for x in (self.offsets, self.sizes, self.phase, self.src_chunk, self.dst_chunk, self.sender_side,
+                  self.sender_slots, self.sender_first, self.sender_count, self.receiver_slots,
+                  self.receiver_first, self.receiver_count, self.rotation, self.src_holders, self.src_row,
+                  self.dst_holders, self.dst_row):
             h.update(np.ascontiguousarray(x).tobytes())
             h.update(repr(x.shape).encode())
-        for lay in self.src_lay + self.dst_lay:  # sources: tensors and offsets are part of the plan
+        for lay in self.src_layouts + self.dst_layouts:  # sources: tensors and offsets are part of the plan
             h.update(lay.content)
 
     def materialise(self, a: int, t: int, src_rank: int, dst_rank: int) -> Transfer:
         fqn = self.fqns[a]
         nd = self.ndim
-        offs = tuple(int(v) for v in self.off[t, :nd])
-        region = Box(offs, tuple(int(v) for v in self.size[t, :nd]))
-        sl, dl = self.src_lay[a], self.dst_lay[a]
-        si, di, phase = int(self.si[t]), int(self.di[t]), int(self.phase[t])
-        dlo, dbase = dl.boxes[di].offsets, dl.local[di]
+        offs = tuple(int(v) for v in self.offsets[t, :nd])
+        region = Box(offs, tuple(int(v) for v in self.sizes[t, :nd]))
+        sl, dl = self.src_layouts[a], self.dst_layouts[a]
+        si, di, phase = int(self.src_chunk[t]), int(self.dst_chunk[t]), int(self.phase[t])
+        dlo, dbase = dl.regions[di].offsets, dl.local_offsets[di]
         do = tuple(b + o - lo for b, o, lo in zip(dbase, offs, dlo))
         dtensor = dl.tensors[di] or fqn
         if phase == 2:  # the forwarder reads its own copy of the destination chunk
             stensor, so = dtensor, do
         else:
-            slo, sbase = sl.boxes[si].offsets, sl.local[si]
+            slo, sbase = sl.regions[si].offsets, sl.local_offsets[si]
             so = tuple(b + o - lo for b, o, lo in zip(sbase, offs, slo))
             stensor = sl.tensors[si] or fqn
         return Transfer(fqn, region, src_rank, stensor, so, dst_rank, dtensor, do, self.itemsize, phase,
-                        sl.perm[si], dl.perm[di])
+                        sl.chunk_index[si], dl.chunk_index[di])
 
 
 def _slots(cand: np.ndarray, k: np.ndarray, n: np.ndarray, rot: np.ndarray, A: int) -> np.ndarray:
@@ -299,29 +356,21 @@ def _gather(table: np.ndarray, row: np.ndarray, chunk: np.ndarray, slot: np.ndar
 class Plan:
     """Every transfer that makes the destination's chunks out of the source's.
 
-    Built by :func:`plan_transfers` (compressed, see the module docstring) or from an explicit
-    list of transfers (:meth:`from_transfers`).
+    Built by :func:`plan_transfers`, compressed (see the module docstring).
     """
 
     def __init__(self, blocks: Sequence[_Block], src_world: int, dst_world: int, same_job: bool,
-                 src_domain_size: int, dst_domain_size: int, stats: Mapping[str, Any] | None = None,
-                 *, explicit: Sequence[Transfer] | None = None) -> None:
+                 src_domain_size: int, dst_domain_size: int, stats: PlanStats) -> None:
         self._blocks = tuple(blocks)
         self.src_world = src_world
         self.dst_world = dst_world
         self.same_job = same_job
         self.src_domain_size = src_domain_size
         self.dst_domain_size = dst_domain_size
-        self._stats = dict(stats or {})
+        self._stats = stats
+        self._all: tuple[Transfer, ...] | None = None
         #: arrays the sender casts while packing: fqn -> (source, destination data_type)
         self.casts: dict[str, tuple[str, str]] = {}
-        self._explicit = tuple(explicit) if explicit is not None else None
-        self._all: tuple[Transfer, ...] | None = self._explicit
-
-    @classmethod
-    def from_transfers(cls, transfers: Sequence[Transfer], src_world: int, dst_world: int, same_job: bool,
-                       src_domain_size: int = 1, dst_domain_size: int = 1) -> Plan:
-        return cls((), src_world, dst_world, same_job, src_domain_size, dst_domain_size, explicit=transfers)
 
     # -- rank numbering
     def dst_global(self, rank: int) -> int:
@@ -352,18 +401,12 @@ class Plan:
 
     def transfers_of(self, rank: int) -> list[Transfer]:
         """Every transfer ``rank`` (global) sends, receives or copies locally, in plan order."""
-        if self._explicit is not None:
-            return [t for t in self._explicit if rank in (t.src_rank, t.dst_rank)]
         return list(self._select(lambda s, d, p: (s == rank) | (d == rank)))
 
     def schedule_transfers(self, rank: int) -> list[Transfer]:
         """What ordering ``rank``'s messages needs, in plan order: its own transfers plus the
         phase-1 transfers into the ranks that forward bytes to it (a phase-2 message is ordered
         after the phase-1 messages that bring its bytes to the forwarder)."""
-        if self._explicit is not None:
-            ends = {t.src_rank for t in self._explicit if t.phase == 2 and t.dst_rank == rank}
-            return [t for t in self._explicit
-                    if rank in (t.src_rank, t.dst_rank) or (t.phase == 1 and t.dst_rank in ends)]
         fwd_set: set[int] = set()
         ranks = [b.ranks() for b in self._blocks]  # [A, T]; computed once for both passes
         for b, (src, dst) in zip(self._blocks, ranks):
@@ -374,23 +417,14 @@ class Plan:
         return list(self._select(lambda s, d, p: (s == rank) | (d == rank) | ((p == 1) & np.isin(d, fwd)), ranks))
 
     def sends(self, rank: int) -> list[Transfer]:
-        if self._explicit is not None:
-            return [t for t in self._explicit if t.src_rank == rank and t.phase != 0]
         return list(self._select(lambda s, d, p: (s == rank) & (p != 0)))
 
     def recvs(self, rank: int) -> list[Transfer]:
-        if self._explicit is not None:
-            return [t for t in self._explicit if t.dst_rank == rank and t.phase != 0]
         return list(self._select(lambda s, d, p: (d == rank) & (p != 0)))
 
     def pair_bytes(self) -> dict[tuple[int, int, int], int]:
         """Bytes per ``(phase, src global rank, dst global rank)`` (phase-0 local copies left out)."""
         out: dict[tuple[int, int, int], int] = defaultdict(int)
-        if self._explicit is not None:
-            for tr in self._explicit:
-                if tr.phase:
-                    out[(tr.phase, tr.src_rank, tr.dst_rank)] += tr.nbytes
-            return dict(out)
         W = max(self.world_size, 1)
         for b in self._blocks:
             src, dst = b.ranks()
@@ -404,24 +438,18 @@ class Plan:
                 out[(k // (W * W), (k // W) % W, k % W)] += int(v)
         return dict(out)
 
-    def stats(self) -> dict[str, Any]:
-        return dict(self._stats)
+    def stats(self) -> PlanStats:
+        return self._stats
 
     @property
     def num_transfers(self) -> int:
         """Transfers of every phase (local copies included), without materialising them."""
-        if self._explicit is not None:
-            return len(self._explicit)
-        return int(self._stats["transfers"] + self._stats["local_copies"])
+        return self._stats.transfers + self._stats.local_copies
 
     def digest(self) -> str:
         h = hashlib.sha256()
         h.update(f"{self.src_world}|{self.dst_world}|{self.same_job}|{self.src_domain_size}|"
                  f"{self.dst_domain_size}\n".encode())
-        if self._explicit is not None:
-            for t in self._explicit:
-                h.update(t.key().encode())
-                h.update(b"\n")
         for b in self._blocks:
             b.digest_into(h)
         return h.hexdigest()
@@ -503,25 +531,52 @@ def _overlaps(boxes: Sequence[Box], box: Box, index: _Index) -> list[tuple[int, 
 
 # --------------------------------------------------------------------------- templates
 
+#: which chunk's holders a sender is picked from: the source chunk's or the destination chunk's
 _SRC, _DST = 0, 1
 
 
+class _Item(NamedTuple):
+    """One transfer of a template, with holder slots in place of ranks (see :class:`_Block`)."""
+
+    phase: int
+    src_chunk: int
+    dst_chunk: int
+    sender_side: int
+    sender_slots: tuple[int, ...]
+    sender_first: int
+    receiver_slots: tuple[int, ...]
+    receiver_first: int
+    rotation: int
+
+
+class _Gap(NamedTuple):
+    """A destination chunk the source chunks do not cover exactly."""
+
+    dst_chunk: int  # canonical position
+    covered: int  # elements the overlapping source chunks cover
+    volume: int  # elements of the destination chunk
+
+
 class _Template:
-    """The items of one class, built from canonical chunk geometry (slots, not ranks)."""
+    """The items of one class, built from canonical chunk geometry (slots, not ranks), and the
+    class's lower-bound figures for one array."""
 
     def __init__(self) -> None:
-        self.off: list[tuple[int, ...]] = []
-        self.size: list[tuple[int, ...]] = []
-        self.cols: list[tuple[int, int, int, int, tuple[int, ...], int, tuple[int, ...], int, int]] = []
+        self.offsets: list[tuple[int, ...]] = []
+        self.sizes: list[tuple[int, ...]] = []
+        self.items: list[_Item] = []
         self.total = self.lower = self.min_net = 0
-        self.needed: dict[tuple[int, tuple[int, ...]], int] = defaultdict(int)  # (si, sender slots)
-        self.uncovered: list[tuple[int, int, int]] = []  # (dst position, covered, volume)
+        #: bytes needed per (source chunk, sender slots)
+        self.needed: dict[tuple[int, tuple[int, ...]], int] = defaultdict(int)
+        self.uncovered: list[_Gap] = []
 
-    def add(self, box: Box, phase: int, si: int, di: int, side: int, scand: tuple[int, ...], sk: int,
-            dcand: tuple[int, ...], dk: int, rot: int) -> None:
-        self.off.append(box.offsets)
-        self.size.append(box.sizes)
-        self.cols.append((phase, si, di, side, scand, sk, dcand, dk, rot))
+    def add(self, region: Box, phase: int, src_chunk: int, dst_chunk: int, sender_side: int,
+            sender_slots: tuple[int, ...], sender_first: int, receiver_slots: tuple[int, ...],
+            receiver_first: int, rotation: int) -> None:
+        self.offsets.append(region.offsets)
+        self.sizes.append(region.sizes)
+        self.items.append(_Item(phase, src_chunk, dst_chunk, sender_side, sender_slots, sender_first,
+                                receiver_slots, receiver_first, rotation))
 
 
 #: ``(source chunk position, sender slots) -> each slot's share of the bytes``, or None for
@@ -552,22 +607,23 @@ def _split_weighted(box: Box, shares: Sequence[float], grid: Sequence[int] | Non
     return out
 
 
-def _build_template(sl: _Layout, dl: _Layout, runs: Sequence[Sequence[tuple[int, int]]], isz: int,
-                    split_bytes: int, same_job: bool, dom: Any, rot0: int,
+def _build_template(sl: _Layout, dl: _Layout, runs: Runs, isz: int, topo: _Topology, rot0: int,
                     shares: Shares | None = None, grid: Sequence[int] | None = None) -> tuple[_Template, int]:
+    """The items of one array (``sl`` -> ``dl``, canonical chunk order), and the rotation after them."""
+    split_bytes, same_job, dom = topo.split_bytes, topo.same_job, topo.domain
     tp = _Template()
     given: dict[tuple[int, int], float] = defaultdict(float)  # bytes per (source chunk, slot), weighted sets
-    index = _Index(sl.boxes)
+    index = _Index(sl.regions)
     rot = rot0
-    for di, dbox in enumerate(dl.boxes):
-        pieces = _overlaps(sl.boxes, dbox, index)
+    for di, dbox in enumerate(dl.regions):
+        pieces = _overlaps(sl.regions, dbox, index)
         pieces.sort(key=lambda p: (p[1].offsets, p[1].sizes, p[0]))
         dvol = dbox.volume
         dh = dl.holders[di]
         tp.total += dvol * isz * len(dh)
         covered = sum(b.volume for _, b in pieces)
         if covered != dvol:
-            tp.uncovered.append((di, covered, dvol))
+            tp.uncovered.append(_Gap(di, covered, dvol))
             continue
         for si, inter in pieces:
             sh = sl.holders[si]
@@ -651,23 +707,26 @@ def _holder_table(lays: Sequence[_Layout], shift: int) -> tuple[np.ndarray, np.n
 
 def _make_block(tp: _Template, fqns: Sequence[str], isz: int, ndim: int, src_lay: Sequence[_Layout],
                 dst_lay: Sequence[_Layout], dst_shift: int, grid: tuple[int, ...] | None = None) -> _Block:
-    T = len(tp.cols)
-    cw = max((max(len(c[4]), len(c[6])) for c in tp.cols), default=1)
-    cols = tp.cols
-    hs, us = _holder_table(src_lay, 0)
-    hd, ud = _holder_table(dst_lay, dst_shift)
+    T = len(tp.items)
+    items = tp.items
+    cw = max((max(len(c.sender_slots), len(c.receiver_slots)) for c in items), default=1)
+    src_holders, src_row = _holder_table(src_lay, 0)
+    dst_holders, dst_row = _holder_table(dst_lay, dst_shift)
+
+    def column(name: str, dtype: Any = _I64) -> np.ndarray:
+        return np.array([getattr(c, name) for c in items], dtype=dtype)
+
     return _Block(
         fqns=tuple(fqns), itemsize=isz, ndim=ndim,
-        off=_pad(tp.off, ndim), size=_pad(tp.size, ndim) if ndim else np.ones((T, 1), dtype=_I64),
-        phase=np.array([c[0] for c in cols], dtype=np.int8),
-        si=np.array([c[1] for c in cols], dtype=_I64), di=np.array([c[2] for c in cols], dtype=_I64),
-        side=np.array([c[3] for c in cols], dtype=np.int8),
-        scand=_pad([c[4] for c in cols], cw), sk=np.array([c[5] for c in cols], dtype=_I64),
-        sn=np.array([len(c[4]) for c in cols], dtype=_I64),
-        dcand=_pad([c[6] for c in cols], cw), dk=np.array([c[7] for c in cols], dtype=_I64),
-        dn=np.array([len(c[6]) for c in cols], dtype=_I64),
-        rot=np.array([c[8] for c in cols], dtype=_I64),
-        hs=hs, us=us, hd=hd, ud=ud, src_lay=tuple(src_lay), dst_lay=tuple(dst_lay), grid=grid)
+        offsets=_pad(tp.offsets, ndim), sizes=_pad(tp.sizes, ndim) if ndim else np.ones((T, 1), dtype=_I64),
+        phase=column("phase", np.int8), src_chunk=column("src_chunk"), dst_chunk=column("dst_chunk"),
+        sender_side=column("sender_side", np.int8),
+        sender_slots=_pad([c.sender_slots for c in items], cw), sender_first=column("sender_first"),
+        sender_count=np.array([len(c.sender_slots) for c in items], dtype=_I64),
+        receiver_slots=_pad([c.receiver_slots for c in items], cw), receiver_first=column("receiver_first"),
+        receiver_count=np.array([len(c.receiver_slots) for c in items], dtype=_I64),
+        rotation=column("rotation"), src_holders=src_holders, src_row=src_row, dst_holders=dst_holders,
+        dst_row=dst_row, src_layouts=tuple(src_lay), dst_layouts=tuple(dst_lay), grid=grid)
 
 
 # --------------------------------------------------------------------------- FP8 pairs
@@ -693,9 +752,9 @@ def _infer_block(wshape: Sequence[int], sshape: Sequence[int]) -> tuple[int, ...
 
 def _follows(w: _Layout, sc: _Layout, block: Sequence[int], wshape: Sequence[int]) -> bool:
     """Whether the scale chunks are the weight chunks' block images, on the same holders."""
-    if len(w.boxes) != len(sc.boxes) or w.holders != sc.holders:
+    if len(w.regions) != len(sc.regions) or w.holders != sc.holders:
         return False
-    for b, c in zip(w.boxes, sc.boxes):
+    for b, c in zip(w.regions, sc.regions):
         offs, sizes = [], []
         for o, n, g, full in zip(b.offsets, b.sizes, block, wshape):
             stop = o + n
@@ -708,13 +767,17 @@ def _follows(w: _Layout, sc: _Layout, block: Sequence[int], wshape: Sequence[int
     return True
 
 
-def _fp8_pairs(src: Manifest, dst: Manifest, lays: Mapping[str, tuple[_Layout, _Layout]]
-               ) -> tuple[dict[str, tuple[str, tuple[int, ...]]], list[str]]:
+class _Fp8Pair(NamedTuple):
+    scale: str  # the scale array's name
+    block: tuple[int, ...]  # elements of the weight per scale
+
+
+def _fp8_pairs(src: Manifest, dst: Manifest, lays: Layouts) -> tuple[dict[str, _Fp8Pair], list[str]]:
     """``{weight: (scale, block)}`` for every FP8 weight whose ``…_scale_inv`` array follows it
     block for block in both manifests: such a pair is planned as one, so each scale block moves
     from the same sender to the same receivers in the same phase as the weight rows it scales.
     The second value names the scale arrays that do not follow their weights (planned alone)."""
-    pairs: dict[str, tuple[str, tuple[int, ...]]] = {}
+    pairs: dict[str, _Fp8Pair] = {}
     alone: list[str] = []
     for sf in sorted(dst.arrays):
         if not sf.endswith(SCALE_SUFFIX):
@@ -725,27 +788,248 @@ def _fp8_pairs(src: Manifest, dst: Manifest, lays: Mapping[str, tuple[_Layout, _
             continue
         block = _infer_block(w.shape, dst.arrays[sf].shape)
         if block is not None and all(_follows(lays[wf][i], lays[sf][i], block, w.shape) for i in (0, 1)):
-            pairs[wf] = (sf, block)
+            pairs[wf] = _Fp8Pair(sf, block)
         else:
             alone.append(sf)
     return pairs, alone
 
 
-def _derive_scales(block: _Block, pairs: Mapping[str, tuple[str, tuple[int, ...]]],
-                   lays: Mapping[str, tuple[_Layout, _Layout]], itemsize: int) -> _Block:
+def _derive_scales(block: _Block, pairs: Mapping[str, _Fp8Pair], lays: Layouts, itemsize: int) -> _Block:
     """The scale arrays' block of a block of paired FP8 weights: every item's region mapped to
     the scale blocks it covers (cuts are on the grid, so images never overlap); senders,
     receivers and phases are the weights' own."""
     grid = np.array(block.grid, dtype=_I64)
-    off = block.off // grid
-    stop = -(-(block.off + block.size) // grid)
-    names = [pairs[f][0] for f in block.fqns]
-    return replace(block, fqns=tuple(names), itemsize=itemsize, off=off, size=stop - off,
-                   src_lay=tuple(lays[n][0] for n in names), dst_lay=tuple(lays[n][1] for n in names),
+    off = block.offsets // grid
+    stop = -(-(block.offsets + block.sizes) // grid)
+    names = [pairs[f].scale for f in block.fqns]
+    return replace(block, fqns=tuple(names), itemsize=itemsize, offsets=off, sizes=stop - off,
+                   src_layouts=tuple(lays[n][0] for n in names), dst_layouts=tuple(lays[n][1] for n in names),
                    grid=None)
 
 
 # --------------------------------------------------------------------------- planner
+
+#: destination holder slots of each chunk of a layout, grouped by domain: ``(start, stop)`` runs
+Runs = tuple[tuple[tuple[int, int], ...], ...]
+
+
+@dataclass(frozen=True)
+class _Topology:
+    """Rank numbering and domains of one plan."""
+
+    src_world: int
+    dst_world: int
+    src_domain_size: int
+    dst_domain_size: int
+    same_job: bool
+    split_bytes: int
+
+    @staticmethod
+    def of(src: Manifest, dst: Manifest, src_domain_size: int | None, dst_domain_size: int | None,
+           same_job: bool, split_bytes: int) -> _Topology:
+        sds = src_domain_size or src.domain_size or 1
+        dds = dst_domain_size or dst.domain_size or 1
+        if same_job:  # one process per rank: one domain numbering for both sides
+            sds = dds = (src_domain_size or dst_domain_size or src.domain_size or dst.domain_size or 1)
+        return _Topology(src.world_size, dst.world_size, sds, dds, same_job, split_bytes)
+
+    @property
+    def dst_shift(self) -> int:
+        """Global rank of the destination job's rank 0."""
+        return 0 if self.same_job else self.src_world
+
+    @property
+    def world_size(self) -> int:
+        return max(self.src_world, self.dst_world) if self.same_job else self.src_world + self.dst_world
+
+    def domain(self, rank: int) -> int:
+        """Domain of a rank of a same-job reshard (both sides share the numbering)."""
+        return rank // self.src_domain_size
+
+    def dst_domain(self, rank: int) -> int:
+        """Domain of a destination job rank."""
+        return rank // (self.src_domain_size if self.same_job else self.dst_domain_size)
+
+
+class _ClassKeys:
+    """What arrays of one class share, interned: chunk geometries and destination holder runs.
+
+    Hashing a geometry or a holder tuple is O(chunks): each is done once per layout (and, for
+    runs, once per holder tuple too: parsed manifests share no objects)."""
+
+    def __init__(self, topo: _Topology) -> None:
+        self._topo = topo
+        self._ids: dict[Any, int] = {}
+        self._geometry: dict[int, int] = {}  # layout id -> geometry id
+        self._runs: dict[int, tuple[int, Runs]] = {}  # layout id -> (runs id, runs)
+        self._runs_by_holders: dict[tuple[tuple[int, ...], ...], tuple[int, Runs]] = {}
+        self._chunk_runs: dict[tuple[int, ...], tuple[tuple[int, int], ...]] = {}
+
+    def _intern(self, key: Any) -> int:
+        return self._ids.setdefault(key, len(self._ids))
+
+    def geometry(self, lay: _Layout) -> int:
+        g = self._geometry.get(id(lay))
+        if g is None:
+            g = self._geometry[id(lay)] = self._intern(lay.geometry)
+        return g
+
+    def _runs_of_chunk(self, holders: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+        got = self._chunk_runs.get(holders)
+        if got is None:
+            dom = self._topo.dst_domain
+            groups: list[tuple[int, int]] = []
+            for j, r in enumerate(holders):
+                if groups and dom(holders[groups[-1][0]]) == dom(r):
+                    groups[-1] = (groups[-1][0], j + 1)
+                else:
+                    groups.append((j, j + 1))
+            got = self._chunk_runs[holders] = tuple(groups)
+        return got
+
+    def runs_id(self, lay: _Layout) -> int:
+        return self._runs_entry(lay)[0]
+
+    def runs(self, lay: _Layout) -> Runs:
+        """Destination holder slots grouped by domain (holders are sorted: groups are runs)."""
+        return self._runs_entry(lay)[1]
+
+    def _runs_entry(self, lay: _Layout) -> tuple[int, Runs]:
+        hit = self._runs.get(id(lay))
+        if hit is None:
+            hit = self._runs_by_holders.get(lay.holders)
+            if hit is None:
+                rt = tuple(self._runs_of_chunk(h) for h in lay.holders)
+                hit = self._runs_by_holders[lay.holders] = (self._intern(("runs", rt)), rt)
+            self._runs[id(lay)] = hit
+        return hit
+
+
+def _classify(src: Manifest, dst: Manifest, lays: Layouts, pairs: Mapping[str, _Fp8Pair],
+              keys: _ClassKeys, same_job: bool) -> list[list[str]]:
+    """The classes (arrays one template serves), in canonical order: the fewest source replicas
+    first (the most constrained), larger first. An FP8 pair's scale is planned with its weight."""
+    scales = {p.scale for p in pairs.values()}
+    classes: dict[Any, list[str]] = defaultdict(list)
+    for fqn in sorted(dst.arrays):
+        if fqn in scales:
+            continue
+        d = dst.arrays[fqn]
+        sl, dl = lays[fqn]
+        key: tuple[Any, ...] = (d.shape, d.data_type, keys.geometry(sl), keys.geometry(dl), keys.runs_id(dl))
+        if fqn in pairs:
+            key += (pairs[fqn].block,)
+        if same_job:  # which bytes are in place depends on the holders themselves
+            key += (sl.content, dl.content)
+        classes[key].append(fqn)
+
+    def class_order(fqns: list[str]) -> tuple[int, int, str]:
+        a = src.arrays[fqns[0]]
+        return (min((len(c.holders) for c in a.chunks), default=0), -a.nbytes, fqns[0])
+
+    return sorted(classes.values(), key=class_order)
+
+
+@dataclass
+class _Figures:
+    """The lower-bound figures, summed over the classes as they are planned."""
+
+    total: int = 0
+    lower: int = 0
+    min_net: int = 0
+    #: bytes needed from each distinct set of source holders (global ranks)
+    needed_by_set: dict[tuple[int, ...], int] = field(default_factory=lambda: defaultdict(int))
+
+    def add(self, tp: _Template, arrays: int) -> None:
+        self.total += tp.total * arrays
+        self.lower += tp.lower * arrays
+        self.min_net += tp.min_net * arrays
+
+    def add_needed(self, block: _Block, needed: Mapping[tuple[int, tuple[int, ...]], int]) -> None:
+        """``needed`` (bytes per source chunk and sender slots, one array) for every array of ``block``."""
+        counts = np.bincount(block.src_row, minlength=block.src_holders.shape[0])
+        for (si, senders), nbytes in needed.items():
+            for u in np.nonzero(counts)[0].tolist():
+                hs = tuple(int(block.src_holders[u, si, j]) for j in senders)
+                self.needed_by_set[hs] += nbytes * int(counts[u])
+
+    @property
+    def ideal_max_send(self) -> int:
+        ideal = max((v / len(k) for k, v in self.needed_by_set.items()), default=0.0)
+        return int(-(-ideal // 1))
+
+
+@dataclass
+class _Planned:
+    """A class's block as first planned (equal replica shares), before rebalancing."""
+
+    block: _Block
+    template: _Template
+    rotation: int  # where the class's rotation starts
+
+
+def _gaps(tp: _Template, fqns: Sequence[str], lays: Layouts) -> list[str]:
+    out = []
+    for gap in tp.uncovered:
+        what = "overlapping source chunks cover" if gap.covered > gap.volume else "source chunks cover only"
+        for fqn in fqns:
+            dl = lays[fqn][1]
+            out.append(f"{fqn}: destination chunk {dl.chunk_index[gap.dst_chunk]} region "
+                       f"{dl.regions[gap.dst_chunk]} ({what} {gap.covered} of {gap.volume} elements)")
+    return out
+
+
+def _plan_classes(classes: Sequence[Sequence[str]], dst: Manifest, lays: Layouts,
+                  pairs: Mapping[str, _Fp8Pair], keys: _ClassKeys, topo: _Topology) -> tuple[list[_Planned], _Figures]:
+    """One template per class, expanded into a block over the class's arrays; raises
+    ``PlanError`` naming every destination region the source chunks do not cover exactly."""
+    built: list[_Planned] = []
+    fig = _Figures()
+    uncovered: list[str] = []
+    rot = 0
+    for fqns in classes:
+        d0 = dst.arrays[fqns[0]]
+        sl0, dl0 = lays[fqns[0]]
+        pair = pairs.get(fqns[0])
+        grid = pair.block if pair is not None else None
+        rot0 = rot
+        tp, rot = _build_template(sl0, dl0, keys.runs(dl0), d0.dtype.itemsize, topo, rot0, grid=grid)
+        rot += len(fqns)  # the next class starts where this one's rotation ended
+        uncovered += _gaps(tp, fqns, lays)
+        if tp.uncovered:
+            continue
+        fig.add(tp, len(fqns))
+        block = _make_block(tp, fqns, d0.dtype.itemsize, len(d0.shape), [lays[f][0] for f in fqns],
+                            [lays[f][1] for f in fqns], topo.dst_shift, grid)
+        fig.add_needed(block, tp.needed)
+        if pair is not None:  # the scales' own figures (same geometry in block units, same holders)
+            ssl, sdl = lays[pair.scale]
+            tps, _ = _build_template(ssl, sdl, keys.runs(sdl), dst.arrays[pair.scale].dtype.itemsize, topo, 0)
+            fig.add(tps, len(fqns))
+            fig.add_needed(block, tps.needed)
+        if block.num_items:
+            built.append(_Planned(block, tp, rot0))
+    if uncovered:
+        raise PlanError(problems=uncovered)
+    return built, fig
+
+
+def _rebalance(built: Sequence[_Planned], fig: _Figures, dst: Manifest, lays: Layouts,
+               pairs: Mapping[str, _Fp8Pair], keys: _ClassKeys, topo: _Topology
+               ) -> tuple[list[_Block], list[tuple[np.ndarray, np.ndarray]]]:
+    """Re-plan the arrays whose replicas carry unequal fixed loads with their replica shares, and
+    add the FP8 scales' blocks; each final block with its (sender, receiver) ranks [T, A]."""
+    rk = {id(p.block): p.block.ranks_ta() for p in built}
+    shares = _replica_shares([(p.block, rk[id(p.block)]) for p in built], fig.needed_by_set, topo.world_size)
+    blocks: list[_Block] = []
+    for p in built:
+        for b in _reweight(p.block, p.template, p.rotation, shares, keys, topo):
+            blocks.append(b)
+            if b.grid is not None:
+                scale = pairs[b.fqns[0]].scale
+                blocks.append(_derive_scales(b, pairs, lays, dst.arrays[scale].dtype.itemsize))
+    return blocks, [rk[id(b)] if id(b) in rk else b.ranks_ta() for b in blocks]
+
 
 def plan_transfers(src: Manifest, dst: Manifest, *, src_domain_size: int | None = None,
                    dst_domain_size: int | None = None, same_job: bool = False,
@@ -758,166 +1042,23 @@ def plan_transfers(src: Manifest, dst: Manifest, *, src_domain_size: int | None 
     problems = match_arrays(src, dst, allow_extra=allow_extra)
     if problems:
         raise PlanError(problems=problems)
-    S, D = src.world_size, dst.world_size
-    sds = src_domain_size or src.domain_size or 1
-    dds = dst_domain_size or dst.domain_size or 1
-    if same_job:
-        # one process per rank: one domain numbering for both sides
-        sds = dds = (src_domain_size or dst_domain_size or src.domain_size or dst.domain_size or 1)
-    shift = 0 if same_job else S
-
-    def dom_local_dst(h: int) -> int:
-        return h // (sds if same_job else dds)
-
+    topo = _Topology.of(src, dst, src_domain_size, dst_domain_size, same_job, split_bytes)
     memo = _Memo()
-    geom_ids: dict[Any, int] = {}
-    runs_of: dict[int, tuple[int, tuple[tuple[tuple[int, int], ...], ...]]] = {}
-
-    def gid(g: Any) -> int:
-        return geom_ids.setdefault(g, len(geom_ids))
-
-    lay_gid: dict[int, int] = {}
-
-    def geom_id(lay: _Layout) -> int:  # hashing a geometry tuple is O(chunks): once per layout
-        g = lay_gid.get(id(lay))
-        if g is None:
-            g = lay_gid[id(lay)] = gid(lay.geom)
-        return g
-
-    chunk_runs: dict[tuple[int, ...], tuple[tuple[int, int], ...]] = {}
-    by_holders: dict[tuple[tuple[int, ...], ...], tuple[int, tuple[tuple[tuple[int, int], ...], ...]]] = {}
-
-    def one_run(h: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
-        got = chunk_runs.get(h)
-        if got is None:
-            groups: list[tuple[int, int]] = []
-            for j, r in enumerate(h):
-                if groups and dom_local_dst(h[groups[-1][0]]) == dom_local_dst(r):
-                    groups[-1] = (groups[-1][0], j + 1)
-                else:
-                    groups.append((j, j + 1))
-            got = chunk_runs[h] = tuple(groups)
-        return got
-
-    def runs(lay: _Layout) -> tuple[int, tuple[tuple[tuple[int, int], ...], ...]]:
-        # destination holder slots grouped by domain (holders are sorted: groups are runs);
-        # memoised per layout and per holder tuple: parsed manifests share no objects
-        hit = runs_of.get(id(lay))
-        if hit is None:
-            hit = by_holders.get(lay.holders)
-            if hit is None:
-                rt = tuple(one_run(h) for h in lay.holders)
-                hit = by_holders[lay.holders] = (gid(("runs", rt)), rt)
-            runs_of[id(lay)] = hit
-        return hit
-
-    # classes: arrays that one template serves
-    classes: dict[Any, list[str]] = defaultdict(list)
-    lays: dict[str, tuple[_Layout, _Layout]] = {}
-    for fqn in sorted(dst.arrays):
-        lays[fqn] = (memo.layout(src.arrays[fqn]), memo.layout(dst.arrays[fqn]))
+    lays = {fqn: (memo.layout(src.arrays[fqn]), memo.layout(dst.arrays[fqn])) for fqn in sorted(dst.arrays)}
     pairs, unpaired = _fp8_pairs(src, dst, lays)
-    scales = {sf for sf, _ in pairs.values()}
-    for fqn in sorted(dst.arrays):
-        if fqn in scales:  # planned with its weight
-            continue
-        d = dst.arrays[fqn]
-        sl, dl = lays[fqn]
-        key: tuple[Any, ...] = (d.shape, d.data_type, geom_id(sl), geom_id(dl), runs(dl)[0])
-        if fqn in pairs:
-            key += (pairs[fqn][1],)
-        if same_job:
-            key += (sl.content, dl.content)
-        classes[key].append(fqn)
-
-    # canonical class order: the fewest source replicas first (the most constrained), larger first
-    def class_order(item: tuple[Any, list[str]]) -> tuple[int, int, str]:
-        fqns = item[1]
-        a = src.arrays[fqns[0]]
-        return (min((len(c.holders) for c in a.chunks), default=0), -a.nbytes, fqns[0])
-
-    built: list[tuple[_Block, _Template, int]] = []  # (block, its template, rotation start)
-    total = lower = min_net = 0
-    needed_by_set: dict[tuple[int, ...], int] = defaultdict(int)
-    uncovered: list[str] = []
-    rot = 0
-
-    def gdom(g: int) -> int:
-        return g // sds
-
-    for _key, fqns in sorted(classes.items(), key=class_order):
-        d0 = dst.arrays[fqns[0]]
-        sl0, dl0 = lays[fqns[0]]
-        isz = d0.dtype.itemsize
-        rot0 = rot
-        grid = pairs[fqns[0]][1] if fqns[0] in pairs else None
-        tp, rot = _build_template(sl0, dl0, runs(dl0)[1], isz, split_bytes, same_job, gdom, rot0, grid=grid)
-        rot += len(fqns)  # the next class starts where this one's rotation ended
-        A = len(fqns)
-        for di, covered, dvol in tp.uncovered:
-            what = "overlapping source chunks cover" if covered > dvol else "source chunks cover only"
-            for fqn in fqns:
-                dl = lays[fqn][1]
-                uncovered.append(f"{fqn}: destination chunk {dl.perm[di]} region {dl.boxes[di]} ({what} "
-                                 f"{covered} of {dvol} elements)")
-        if tp.uncovered:
-            continue
-        total += tp.total * A
-        lower += tp.lower * A
-        min_net += tp.min_net * A
-        block = _make_block(tp, fqns, isz, len(d0.shape), [lays[f][0] for f in fqns],
-                            [lays[f][1] for f in fqns], shift, grid)
-        counts = np.bincount(block.us, minlength=block.hs.shape[0])
-        needs = [tp.needed]
-        if grid is not None:  # the scales' own figures (same geometry in block units, same holders)
-            ssl, sdl = lays[pairs[fqns[0]][0]]
-            tps, _ = _build_template(ssl, sdl, runs(sdl)[1], dst.arrays[pairs[fqns[0]][0]].dtype.itemsize,
-                                     split_bytes, same_job, gdom, 0)
-            total += tps.total * A
-            lower += tps.lower * A
-            min_net += tps.min_net * A
-            needs.append(tps.needed)
-        for need in needs:
-            for (si, senders), nbytes in need.items():
-                for u in np.nonzero(counts)[0].tolist():
-                    hs = tuple(int(block.hs[u, si, j]) for j in senders)
-                    needed_by_set[hs] += nbytes * int(counts[u])
-        if block.items:
-            built.append((block, tp, rot0))
-    if uncovered:
-        raise PlanError(problems=uncovered)
-
-    W = max(S, D) if same_job else S + D
-    rk = {id(b): b.ranks_ta() for b, _, _ in built}
-    shares = _replica_shares([(b, rk[id(b)]) for b, _, _ in built], needed_by_set, W)
-    blocks: list[_Block] = []
-    for block, tp, rot0 in built:
-        for b in _reweight(block, tp, rot0, shares, runs, split_bytes, same_job, gdom, shift):
-            blocks.append(b)
-            if b.grid is not None:
-                blocks.append(_derive_scales(b, pairs, lays, dst.arrays[pairs[b.fqns[0]][0]].dtype.itemsize))
-    ranks = [rk[id(b)] if id(b) in rk else b.ranks_ta() for b in blocks]
-    del rk
-
-    W = max(S, D) if same_job else S + D
-    stats: dict[str, Any] = {"arrays": len(dst.arrays), "total_bytes": total}
-    stats.update(_transfer_stats(blocks, ranks, W=W, S=S, same_job=same_job, sds=sds, dds=dds))
+    keys = _ClassKeys(topo)
+    built, fig = _plan_classes(_classify(src, dst, lays, pairs, keys, same_job), dst, lays, pairs, keys, topo)
+    blocks, ranks = _rebalance(built, fig, dst, lays, pairs, keys, topo)
+    del built
+    moves = _transfer_stats(blocks, ranks, topo)
     del ranks
-    ideal = max((v / len(k) for k, v in needed_by_set.items()), default=0.0)
-    stats.update({
-        "lower_bound_bytes": lower,
-        "min_network_bytes": min_net,
-        "ideal_max_send_bytes": int(-(-ideal // 1)),
-        "src_world": S,
-        "dst_world": D,
-        "src_domain_size": sds,
-        "dst_domain_size": dds,
-        "same_job": same_job,
-        "fp8_pairs": len(pairs),
-        "unpaired_scales": unpaired,
-    })
-    stats.update(_broadcast_baseline(src, dst, lays, same_job=same_job, S=S, sds=sds, dds=dds))
-    plan = Plan(blocks, S, D, same_job, sds, dds, stats)
+    stats = PlanStats(
+        arrays=len(dst.arrays), total_bytes=fig.total, **moves, lower_bound_bytes=fig.lower,
+        min_network_bytes=fig.min_net, ideal_max_send_bytes=fig.ideal_max_send, src_world=topo.src_world,
+        dst_world=topo.dst_world, src_domain_size=topo.src_domain_size, dst_domain_size=topo.dst_domain_size,
+        same_job=same_job, fp8_pairs=len(pairs), unpaired_scales=tuple(unpaired),
+        **_broadcast_baseline(src, dst, lays, topo))
+    plan = Plan(blocks, topo.src_world, topo.dst_world, same_job, topo.src_domain_size, topo.dst_domain_size, stats)
     plan.casts = array_casts(src, dst)
     return plan
 
@@ -936,7 +1077,7 @@ def _replica_shares(blocks: Sequence[tuple[_Block, tuple[np.ndarray, np.ndarray]
         return {}
     load = np.zeros(max(W, 1), dtype=np.float64)
     for b, (src, _) in blocks:  # ranks shaped [T, A]
-        fixed = ~((b.phase == 1) & (b.sn > 1))
+        fixed = ~((b.phase == 1) & (b.sender_count > 1))
         if fixed.any():
             A = src.shape[1]
             w = np.repeat(b.item_bytes()[fixed].astype(np.float64), A)
@@ -979,7 +1120,7 @@ def _uniform(fr: np.ndarray) -> bool:
 
 
 def _reweight(block: _Block, tp: _Template, rot0: int, shares: Mapping[tuple[int, ...], np.ndarray],
-              runs: Any, split_bytes: int, same_job: bool, gdom: Any, shift: int) -> list[_Block]:
+              keys: _ClassKeys, topo: _Topology) -> list[_Block]:
     """``block`` as is when every holder set it sends from has equal shares; otherwise the arrays
     whose holder sets do not are re-planned with their sets' shares (one block per holder table)."""
     multi = [(si, sd) for (si, sd) in tp.needed if len(sd) > 1]
@@ -987,25 +1128,26 @@ def _reweight(block: _Block, tp: _Template, rot0: int, shares: Mapping[tuple[int
         return [block]
 
     def fractions(u: int, si: int, senders: tuple[int, ...]) -> list[float] | None:
-        fr = shares.get(tuple(int(block.hs[u, si, j]) for j in senders))
+        fr = shares.get(tuple(int(block.src_holders[u, si, j]) for j in senders))
         return None if fr is None or _uniform(fr) else fr.tolist()
 
-    uneven = [u for u in range(block.hs.shape[0]) if any(fractions(u, si, sd) is not None for si, sd in multi)]
+    uneven = [u for u in range(block.src_holders.shape[0])
+              if any(fractions(u, si, sd) is not None for si, sd in multi)]
     if not uneven:
         return [block]
     out = []
-    keep = np.nonzero(~np.isin(block.us, uneven))[0]
+    keep = np.nonzero(~np.isin(block.src_row, uneven))[0]
     if len(keep):
         out.append(_subset(block, keep))
     for u in uneven:
-        rows = np.nonzero(block.us == u)[0]
+        rows = np.nonzero(block.src_row == u)[0]
         a0 = int(rows[0])
-        sl, dl = block.src_lay[a0], block.dst_lay[a0]
-        tpu, _ = _build_template(sl, dl, runs(dl)[1], block.itemsize, split_bytes, same_job, gdom, rot0,
+        sl, dl = block.src_layouts[a0], block.dst_layouts[a0]
+        tpu, _ = _build_template(sl, dl, keys.runs(dl), block.itemsize, topo, rot0,
                                  shares=functools.partial(fractions, u), grid=block.grid)
         out.append(_make_block(tpu, [block.fqns[i] for i in rows], block.itemsize, block.ndim,
-                               [block.src_lay[i] for i in rows], [block.dst_lay[i] for i in rows], shift,
-                               block.grid))
+                               [block.src_layouts[i] for i in rows], [block.dst_layouts[i] for i in rows],
+                               topo.dst_shift, block.grid))
     return out
 
 
@@ -1014,8 +1156,9 @@ def _subset(block: _Block, rows: np.ndarray) -> _Block:
     if len(rows) == len(block.fqns):
         return block
     sel = rows.tolist()
-    b = replace(block, fqns=tuple(block.fqns[i] for i in sel), us=block.us[rows], ud=block.ud[rows],
-                src_lay=tuple(block.src_lay[i] for i in sel), dst_lay=tuple(block.dst_lay[i] for i in sel))
+    b = replace(block, fqns=tuple(block.fqns[i] for i in sel), src_row=block.src_row[rows],
+                dst_row=block.dst_row[rows], src_layouts=tuple(block.src_layouts[i] for i in sel),
+                dst_layouts=tuple(block.dst_layouts[i] for i in sel))
     return b
 
 
@@ -1027,8 +1170,11 @@ def _domains(g: np.ndarray, *, S: int, same_job: bool, sds: int, dds: int) -> np
     return np.where(g < S, g // sds, big + (g - S) // dds)
 
 
-def _transfer_stats(blocks: Sequence[_Block], ranks: Sequence[tuple[np.ndarray, np.ndarray]], *, W: int,
-                    S: int, same_job: bool, sds: int, dds: int) -> dict[str, Any]:
+def _transfer_stats(blocks: Sequence[_Block], ranks: Sequence[tuple[np.ndarray, np.ndarray]],
+                    topo: _Topology) -> dict[str, int]:
+    """The plan's moved bytes, busiest ranks and transfer counts (``PlanStats`` fields)."""
+    W, S, same_job = topo.world_size, topo.src_world, topo.same_job
+    sds, dds = topo.src_domain_size, topo.dst_domain_size
     send = np.zeros(max(W, 1), dtype=np.float64)
     recv = np.zeros(max(W, 1), dtype=np.float64)
     moved = net = n_moved = n_local = n_p2 = 0
@@ -1072,14 +1218,14 @@ def _transfer_stats(blocks: Sequence[_Block], ranks: Sequence[tuple[np.ndarray, 
     }
 
 
-def _broadcast_baseline(src: Manifest, dst: Manifest, lays: Mapping[str, tuple[_Layout, _Layout]], *,
-                        same_job: bool, S: int, sds: int, dds: int) -> dict[str, int]:
+def _broadcast_baseline(src: Manifest, dst: Manifest, lays: Layouts, topo: _Topology) -> dict[str, int]:
     """Gather-broadcast: source rank 0 gathers each whole array, then broadcasts it (ring, so
     the root sends each byte once) to every destination rank that needs any part of it."""
+    S, same_job, sds, dds = topo.src_world, topo.same_job, topo.src_domain_size, topo.dst_domain_size
     root = 0
     gather = bcast = net = root_send = 0
-    shift = 0 if same_job else S
-    W = max(S, dst.world_size) if same_job else S + dst.world_size
+    shift = topo.dst_shift
+    W = topo.world_size
     recv = np.zeros(max(W, 1), dtype=_I64)
 
     def dom(g: int) -> int:  # _domains for one rank
@@ -1097,8 +1243,8 @@ def _broadcast_baseline(src: Manifest, dst: Manifest, lays: Mapping[str, tuple[_
         sl, dl = lays[fqn]
         hit = src_memo.get(id(sl))
         if hit is None:
-            held = sum(b.volume for b, h in zip(sl.boxes, sl.holders) if root in h)
-            far = sum(b.volume for b, h in zip(sl.boxes, sl.holders) if root not in h and dom(h[0]) != root_dom)
+            held = sum(b.volume for b, h in zip(sl.regions, sl.holders) if root in h)
+            far = sum(b.volume for b, h in zip(sl.regions, sl.holders) if root not in h and dom(h[0]) != root_dom)
             hit = src_memo[id(sl)] = (held, far)
         gather += nbytes - hit[0] * isz
         net += hit[1] * isz
@@ -1129,31 +1275,235 @@ def _broadcast_baseline(src: Manifest, dst: Manifest, lays: Mapping[str, tuple[_
 
 # --------------------------------------------------------------------------- checks
 
-def validate_plan(plan: Plan, src: Manifest, dst: Manifest) -> list[str]:
-    """Every problem with ``plan``: each destination (chunk, holder) must be written exactly
-    once (volumes add up, no two writes overlap), and every box must fit its chunk."""
-    problems = []
-    by_target: dict[tuple[str, int, int], list[Box]] = defaultdict(list)
-    for t in plan.transfers:
+
+@dataclass(frozen=True)
+class _ChunkRows:
+    """Every chunk of a manifest as a numpy row: region (padded to ``ndim`` dims), holders
+    (padded with -1), offsets in the local tensor; the rows of an array start at ``start[fqn]``."""
+
+    offsets: np.ndarray  # [chunks, ndim]
+    sizes: np.ndarray
+    local: np.ndarray
+    holders: np.ndarray  # [chunks, max holders]
+    tensors: list[str] = field(default_factory=list)
+    start: dict[str, int] = field(default_factory=dict)
+    count: dict[str, int] = field(default_factory=dict)
+
+    @staticmethod
+    def of(m: Manifest, ndim: int) -> _ChunkRows:
+        start: dict[str, int] = {}
+        count: dict[str, int] = {}
+        offs: list[tuple[int, ...]] = []
+        sizes: list[tuple[int, ...]] = []
+        local: list[tuple[int, ...]] = []
+        holders: list[tuple[int, ...]] = []
+        tensors: list[str] = []
+        for fqn, a in m.arrays.items():
+            start[fqn], count[fqn] = len(offs), len(a.chunks)
+            for c in a.chunks:
+                offs.append(_padded(c.region.offsets, ndim, 0))
+                sizes.append(_padded(c.region.sizes, ndim, 1))
+                local.append(_padded(c.local_offsets, ndim, 0))
+                holders.append(c.holders)
+                tensors.append(c.tensor(fqn))
+        n = len(offs)
+        tab = np.full((n, max((len(h) for h in holders), default=1)), -1, dtype=_I64)
+        for i, h in enumerate(holders):
+            tab[i, :len(h)] = h
+        return _ChunkRows(np.array(offs, dtype=_I64).reshape(n, ndim), np.array(sizes, dtype=_I64).reshape(n, ndim),
+                          np.array(local, dtype=_I64).reshape(n, ndim), tab, tensors, start, count)
+
+    def then(self, other: _ChunkRows) -> _ChunkRows:
+        """These rows followed by ``other``'s (geometry and holders only)."""
+        w = max(self.holders.shape[1], other.holders.shape[1])
+        tab = np.full((len(self.holders) + len(other.holders), w), -1, dtype=_I64)
+        tab[:len(self.holders), :self.holders.shape[1]] = self.holders
+        tab[len(self.holders):, :other.holders.shape[1]] = other.holders
+        return _ChunkRows(np.concatenate([self.offsets, other.offsets]), np.concatenate([self.sizes, other.sizes]),
+                          np.concatenate([self.local, other.local]), tab)
+
+    def row(self, fqn: str, chunk: int) -> int:
+        """The row of ``fqn``'s chunk ``chunk``; -1 when there is none."""
+        n = self.count.get(fqn, 0)
+        return self.start[fqn] + chunk if 0 <= chunk < n else -1
+
+
+def _padded(t: tuple[int, ...], ndim: int, fill: int) -> tuple[int, ...]:
+    return t + (fill,) * (ndim - len(t))
+
+
+def _placed(rows: _ChunkRows, r: np.ndarray, rank: np.ndarray, off: np.ndarray, size: np.ndarray,
+            local: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per transfer: whether chunk row ``r`` holds the region (``off``, ``size``), whether ``rank``
+    is one of its holders, and whether ``local`` is the region's place in the local tensor."""
+    lo = rows.offsets[r]
+    inside = ((off >= lo) & (off + size <= lo + rows.sizes[r])).all(axis=1)
+    held = (rows.holders[r] == rank[:, None]).any(axis=1)
+    at = (local == rows.local[r] + off - lo).all(axis=1)
+    return inside, held, at
+
+
+class _Sides(NamedTuple):
+    """The materialised transfers of a plan, one numpy row each (``ndim`` dims, padded)."""
+
+    position: np.ndarray  # in plan.transfers
+    phase: np.ndarray
+    dst_row: np.ndarray  # destination chunk row
+    sender_row: np.ndarray  # row of the chunk the sender reads: source chunk, or (phase 2) destination chunk
+    sender: np.ndarray  # sender's rank in its job
+    receiver: np.ndarray  # receiver's rank in the destination job
+    offsets: np.ndarray
+    sizes: np.ndarray
+    src_offsets: np.ndarray
+    dst_offsets: np.ndarray
+
+
+def _tabulate(plan: Plan, src: Manifest, dst: Manifest, srows: _ChunkRows, drows: _ChunkRows,
+              ndim: int, problems: list[str]) -> _Sides:
+    """One row per transfer, chunk rows looked up; what cannot be looked up, or names the wrong
+    local tensor or item size, goes to ``problems``."""
+    cols: list[tuple[int, int, int, int, int, int]] = []
+    geo: list[tuple[int, ...]] = []
+    nsrc = len(srows.tensors)
+    for i, t in enumerate(plan.transfers):
         d = dst.arrays.get(t.fqn)
-        if d is None or not 0 <= t.dst_chunk < len(d.chunks):
-            problems.append(f"{t.fqn}: transfer names destination chunk {t.dst_chunk} that does not exist")
+        dr = drows.row(t.fqn, t.dst_chunk)
+        sr = dr if t.phase == 2 else srows.row(t.fqn, t.src_chunk)
+        if d is None or dr < 0 or sr < 0:
+            problems.append(f"{t.fqn}: transfer {i} names a {'destination' if dr < 0 else 'source'} chunk that "
+                            f"does not exist (source {t.src_chunk}, destination {t.dst_chunk})")
             continue
-        dc = d.chunks[t.dst_chunk]
-        if not dc.region.contains(t.region):
-            problems.append(f"{t.fqn}: transfer region {t.region} is outside destination chunk {dc.region}")
-        by_target[(t.fqn, t.dst_chunk, plan.dst_local(t.dst_rank))].append(t.region)
-    for fqn, d in dst.arrays.items():
-        for ci, c in enumerate(d.chunks):
-            for h in c.holders:
-                boxes = by_target.get((fqn, ci, h), [])
-                vol = sum(b.volume for b in boxes)
-                if vol != c.region.volume:
-                    problems.append(f"{fqn}: chunk {ci} on rank {h} receives {vol} of {c.region.volume} elements")
-                    continue
-                boxes = sorted(boxes, key=lambda b: b.offsets)
-                for i in range(len(boxes)):
-                    for j in range(i + 1, min(len(boxes), i + 64)):
-                        if boxes[i].intersect(boxes[j]) is not None:
-                            problems.append(f"{fqn}: chunk {ci} on rank {h} is written twice in {boxes[i].intersect(boxes[j])}")
+        stensor = (drows if t.phase == 2 else srows).tensors[sr]
+        if t.dst_tensor != drows.tensors[dr] or t.src_tensor != stensor:
+            problems.append(f"{t.fqn}: transfer {i} reads {t.src_tensor!r} / writes {t.dst_tensor!r}, "
+                            f"not the chunks' local tensors {stensor!r} / {drows.tensors[dr]!r}")
+        if t.itemsize != d.dtype.itemsize:
+            problems.append(f"{t.fqn}: transfer {i} has item size {t.itemsize}, not {d.dtype.itemsize}")
+        sender = plan.dst_local(t.src_rank) if t.phase == 2 else t.src_rank
+        cols.append((i, t.phase, dr, sr + nsrc if t.phase == 2 else sr, sender, plan.dst_local(t.dst_rank)))
+        geo.append(_padded(t.region.offsets, ndim, 0) + _padded(t.region.sizes, ndim, 1)
+                   + _padded(t.src_offsets, ndim, 0) + _padded(t.dst_offsets, ndim, 0))
+    c = np.array(cols, dtype=_I64).reshape(len(cols), 6)
+    g = np.array(geo, dtype=_I64).reshape(len(cols), 4, ndim)
+    return _Sides(c[:, 0], c[:, 1], c[:, 2], c[:, 3], c[:, 4], c[:, 5], g[:, 0], g[:, 1], g[:, 2], g[:, 3])
+
+
+def _check_sides(plan: Plan, src: Manifest, sides: _Sides, srows: _ChunkRows, drows: _ChunkRows) -> list[str]:
+    """Each transfer reads a region of a chunk its sender holds (the source chunk; for a phase-2
+    forward, the forwarder's copy of the destination chunk) and writes a region of a chunk its
+    receiver holds, at the chunks' places in their local tensors; phases connect the right jobs."""
+    both = srows.then(drows)  # sender rows: source chunks, then destination chunks (phase-2 forwarders)
+    s_in, s_held, s_at = _placed(both, sides.sender_row, sides.sender, sides.offsets, sides.sizes, sides.src_offsets)
+    d_in, d_held, d_at = _placed(drows, sides.dst_row, sides.receiver, sides.offsets, sides.sizes, sides.dst_offsets)
+    S, ph = src.world_size, sides.phase
+    g_src = np.where(ph == 2, sides.sender + (0 if plan.same_job else S), sides.sender)
+    g_dst = sides.receiver + (0 if plan.same_job else S)
+    wrong_jobs = (ph == 0) & ((g_src != g_dst) | (not plan.same_job))
+    wrong_jobs |= (ph != 0) & (g_src == g_dst)
+    if not plan.same_job:
+        wrong_jobs |= (ph == 1) & ((sides.sender < 0) | (sides.sender >= S))
+        wrong_jobs |= (ph == 2) & (sides.sender < 0)
+    wrong_jobs |= (ph < 0) | (ph > 2)
+    checks = [(s_in, "reads outside its source chunk"), (s_held, "is sent by a rank that does not hold its source chunk"),
+              (s_at, "reads at the wrong source offsets"), (d_in, "writes outside its destination chunk"),
+              (d_held, "goes to a rank that does not hold its destination chunk"),
+              (d_at, "writes at the wrong destination offsets"), (~wrong_jobs, "connects the wrong ranks for its phase")]
+    problems = []
+    ts = plan.transfers
+    for ok, what in checks:
+        for k in np.nonzero(~ok)[0].tolist():
+            t = ts[int(sides.position[k])]
+            problems.append(f"{t.fqn}: phase-{t.phase} transfer of {t.region} from rank {t.src_rank} to rank "
+                            f"{t.dst_rank} {what}")
+    return problems
+
+
+def _check_coverage(sides: _Sides, drows: _ChunkRows) -> list[str]:
+    """Every (destination chunk, holder) is written exactly once: the regions written into it
+    add up to its volume and no two overlap (they lie inside it: :func:`_check_sides`)."""
+    width = int(max(drows.holders.max(initial=0), sides.receiver.max(initial=0))) + 1
+    want_keys = (np.arange(len(drows.holders))[:, None] * width + drows.holders)[drows.holders >= 0]
+    want_vol = np.repeat(np.prod(drows.sizes, axis=1), (drows.holders >= 0).sum(axis=1))
+    keys = sides.dst_row * width + np.clip(sides.receiver, 0, None)
+    got_keys, inv, n_boxes = np.unique(keys, return_inverse=True, return_counts=True)
+    got_vol = np.zeros(len(got_keys), dtype=_I64)
+    np.add.at(got_vol, inv, np.prod(sides.sizes, axis=1))
+    pos = np.minimum(np.searchsorted(got_keys, want_keys), max(len(got_keys) - 1, 0))
+    found = (got_keys[pos] == want_keys) if len(got_keys) else np.zeros(len(want_keys), dtype=bool)
+    vol = np.where(found, got_vol[pos] if len(got_keys) else 0, 0)
+    names = {start + i: (fqn, i) for fqn, start in drows.start.items() for i in range(drows.count[fqn])}
+    problems = []
+    for k in np.nonzero(vol != want_vol)[0].tolist():
+        row, h = divmod(int(want_keys[k]), width)
+        fqn, ci = names[row]
+        problems.append(f"{fqn}: chunk {ci} on rank {h} receives {int(vol[k])} of {int(want_vol[k])} elements")
+    several = np.nonzero(found & (vol == want_vol))[0]
+    several = several[n_boxes[pos[several]] > 1]
+    if len(several):
+        order = np.argsort(inv, kind="stable")
+        first = np.concatenate([[0], np.cumsum(n_boxes)])
+        for k in several.tolist():
+            u = int(pos[k])
+            idx = order[first[u]:first[u + 1]]
+            hit = _overlap_in(sides.offsets[idx], sides.sizes[idx])
+            if hit is not None:
+                row, h = divmod(int(want_keys[k]), width)
+                fqn, ci = names[row]
+                problems.append(f"{fqn}: chunk {ci} on rank {h} is written twice in {hit}")
+    return problems
+
+
+def _overlap_in(offs: np.ndarray, sizes: np.ndarray) -> Box | None:
+    """The intersection of two of the boxes, if any two overlap (sweep along the dim with the
+    most distinct offsets: only boxes still open along it can overlap the next one)."""
+    d = max(range(offs.shape[1]), key=lambda j: len(np.unique(offs[:, j])))
+    order = np.argsort(offs[:, d], kind="stable")
+    open_: list[Box] = []
+    for i in order.tolist():
+        box = Box(tuple(offs[i].tolist()), tuple(sizes[i].tolist()))
+        start = box.offsets[d]
+        open_ = [b for b in open_ if b.offsets[d] + b.sizes[d] > start]
+        for b in open_:
+            inter = b.intersect(box)
+            if inter is not None and not inter.empty:
+                return inter
+        open_.append(box)
+    return None
+
+
+def _check_forwards(plan: Plan, sides: _Sides) -> list[str]:
+    """A phase-2 forwarder has received the region it forwards in phase 1."""
+    ts = plan.transfers
+    p2 = np.nonzero(sides.phase == 2)[0]
+    if not len(p2):
+        return []
+    wanted = set(zip(sides.dst_row[p2].tolist(), sides.sender[p2].tolist()))
+    got: dict[tuple[int, int], list[Box]] = defaultdict(list)
+    p1 = np.nonzero(sides.phase == 1)[0]
+    for k, key in zip(sides.position[p1].tolist(), zip(sides.dst_row[p1].tolist(), sides.receiver[p1].tolist())):
+        if key in wanted:
+            got[key].append(ts[k].region)
+    problems = []
+    for k, key in zip(sides.position[p2].tolist(), zip(sides.dst_row[p2].tolist(), sides.sender[p2].tolist())):
+        t = ts[k]
+        inters = (b.intersect(t.region) for b in got.get(key, ()))
+        vol = sum(i.volume for i in inters if i is not None)
+        if vol != t.region.volume:
+            problems.append(f"{t.fqn}: rank {t.src_rank} forwards {t.region} but received only {vol} of its "
+                            f"{t.region.volume} elements in phase 1")
+    return problems
+
+
+def validate_plan(plan: Plan, src: Manifest, dst: Manifest) -> list[str]:
+    """Every problem with ``plan`` against its manifests: each transfer reads a region of a chunk
+    its sender holds and writes a region of a chunk its receiver holds (at the chunks' places in
+    their local tensors), each phase-2 forward sends what its forwarder received in phase 1, and
+    each destination (chunk, holder) is written exactly once (volumes add up, no two writes overlap)."""
+    ndim = max([1] + [len(a.shape) for m in (src, dst) for a in m.arrays.values()])
+    srows, drows = _ChunkRows.of(src, ndim), _ChunkRows.of(dst, ndim)
+    problems: list[str] = []
+    sides = _tabulate(plan, src, dst, srows, drows, ndim, problems)
+    problems += _check_sides(plan, src, sides, srows, drows)
+    problems += _check_forwards(plan, sides)
+    problems += _check_coverage(sides, drows)
     return problems

@@ -100,8 +100,7 @@ class RefitJob:
             if save is not None:
                 session.save(save, tensors)
             stats = session.plan.stats()
-            reshard = int(stats["moved_bytes"])
-            broadcast = int(stats["broadcast_moved_bytes"])
+            reshard, broadcast = stats.moved_bytes, stats.broadcast_moved_bytes
             return RefitReport(self.role, session.strategy, getattr(session.transport, "name", "?"), seconds,
                                list(session.steps), reshard if session.strategy == "reshard" else broadcast,
                                reshard, broadcast, session.verify, str(save) if save else None, rank == 0)

@@ -32,7 +32,7 @@ def replica_digests(src: Manifest, rank: int, tensors: Mapping[str, Any]) -> dic
             if len(c.holders) < 2 or rank not in c.holders:
                 continue
             region = region_view(tensors[c.tensor(fqn)], c.local_box)
-            out[_key(fqn, ci)] = xxhash.xxh64_intdigest(host_bytes(region))
+            out[_key(fqn, ci)] = xxhash.xxh64_intdigest(host_bytes(region).data)
     return out
 
 

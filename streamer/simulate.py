@@ -80,6 +80,7 @@ from formats.layouts.models import manifest_from_parallel, parallel_meshes
 from formats.layouts.rules import layer_index, stage_of_layer
 from formats.manifest import Manifest
 
+from .args import emit, parse_size, positive_int
 from .plan import Plan, plan_transfers
 
 __all__ = [
@@ -87,9 +88,7 @@ __all__ = [
     "PLANNING_MODES",
     "Cluster",
     "broadcast_cost",
-    "describe_manifest",
     "group_layers",
-    "pair_bytes",
     "reshard_cost",
     "simulate",
     "with_overrides",
@@ -183,11 +182,6 @@ def group_layers(arrays: Mapping[str, tuple[Sequence[int], str]]) -> tuple[list[
 # ---------------------------------------------------------------- plan -> pair bytes
 
 
-def pair_bytes(plan: Plan) -> dict[tuple[int, int, int], int]:
-    """Bytes per ``(phase, src global rank, dst global rank)`` (phase-0 local copies left out)."""
-    return plan.pair_bytes()
-
-
 _ADDITIVE = ("total_bytes", "moved_bytes", "lower_bound_bytes", "network_bytes", "local_bytes",
              "min_network_bytes", "transfers", "phase2_transfers")
 
@@ -206,9 +200,9 @@ class _Accum:
         n = sum(shifts.values())
         st = plan.stats()
         for k in _ADDITIVE:
-            self.totals[k] += st[k] * n
-        self.max_transfers = max(self.max_transfers, st["transfers"])
-        for (ph, s, d), b in pair_bytes(plan).items():
+            self.totals[k] += getattr(st, k) * n
+        self.max_transfers = max(self.max_transfers, st.transfers)
+        for (ph, s, d), b in plan.pair_bytes().items():
             for sh, cnt in shifts.items():
                 src = s + sh if s < S else s  # phase 2 starts on a generator: not shifted
                 self.pairs[(ph, src, d)] += b * cnt
@@ -310,6 +304,106 @@ def _mesh_text(par: Mapping[str, Any]) -> str:
     return str(ne) + (f" (experts {ex})" if ex is not None else "")
 
 
+def _cluster(cluster: Cluster | str, planning: str) -> Cluster:
+    if isinstance(cluster, str):
+        if cluster not in CLUSTERS:
+            raise UsageError(f"unknown cluster {cluster!r} (known: {', '.join(CLUSTERS)})")
+        cluster = CLUSTERS[cluster]
+    if planning not in PLANNING_MODES:
+        raise UsageError(f"planning {planning!r}: expected one of {', '.join(PLANNING_MODES)}")
+    return cluster
+
+
+@dataclass
+class _Groups:
+    """What to plan: each group is (array names of a representative, {source-rank shift: layers})."""
+
+    groups: list[tuple[list[str], dict[int, int]]]
+    layers: int  # distinct layer indices
+
+
+def _groups(arrays: Mapping[str, tuple[Sequence[int], str]], train: Mapping[str, Any],
+            generation: Mapping[str, Any], planning: str, num_layers: int) -> _Groups:
+    """The plans to make: the whole model, every layer, or one representative per layer kind and
+    generator stage whose copies on other trainer stages are the same plan shifted."""
+    misc, kinds = group_layers(arrays)
+    layers_of: dict[int, list[str]] = defaultdict(list)
+    for fqn in arrays:
+        li = layer_index(fqn)
+        if li is not None:
+            layers_of[li].append(fqn)
+    if planning == "whole":
+        return _Groups([(list(arrays), {0: 1})], len(layers_of))
+    groups: list[tuple[list[str], dict[int, int]]] = [(misc, {0: 1})] if misc else []
+    for layers in kinds.values():
+        by_gen: dict[int, list[int]] = defaultdict(list)
+        for li in layers:
+            by_gen[_stage(li, num_layers, generation["pp"])].append(li)
+        for members in by_gen.values():
+            if planning == "per-layer":
+                groups.extend((layers_of[li], {0: 1}) for li in members)
+                continue
+            rep = members[0]
+            s0 = _stage(rep, num_layers, train["pp"])
+            by_shift: Counter[int] = Counter()
+            for li in members:
+                by_shift[(_stage(li, num_layers, train["pp"]) - s0) * train["ranks_per_stage"]] += 1
+            groups.append((layers_of[rep], dict(by_shift)))
+    return _Groups(groups, len(layers_of))
+
+
+@dataclass
+class _Gather:
+    """The baseline's gather to trainer rank 0: chunks and bytes it pulls, by link class."""
+
+    local_bytes: int = 0
+    network_bytes: int = 0
+    chunks: int = 0
+
+    def add(self, src: Manifest, shifts: Mapping[int, int], domain_size: int, root: int = 0) -> None:
+        """``src``'s chunks once per layer (holders shifted by each of ``shifts``)."""
+        for a in src.arrays.values():
+            isz = a.dtype.itemsize
+            for c in a.chunks:
+                nb = c.region.volume * isz
+                for sh, cnt in shifts.items():
+                    hs = [h + sh for h in c.holders]
+                    if root in hs:
+                        continue
+                    self.chunks += cnt
+                    if any(h // domain_size == root // domain_size for h in hs):
+                        self.local_bytes += nb * cnt
+                    else:
+                        self.network_bytes += nb * cnt
+
+
+def _plan_groups(arrays: Mapping[str, tuple[Sequence[int], str]], groups: _Groups, train: Mapping[str, Any],
+                 generation: Mapping[str, Any], domain_size: int, *, direct: bool,
+                 num_layers: int) -> tuple[_Accum, _Accum, _Gather]:
+    """Plan every group with the real planner; add its pair bytes once per layer it stands for
+    (and, with ``direct``, plan it again without destination domains)."""
+    acc = _Accum(defaultdict(int), Counter())
+    acc_direct = _Accum(defaultdict(int), Counter())
+    gather = _Gather()
+    S = train["num_gpus"]
+    for names, shifts in groups.groups:
+        sub = {n: arrays[n] for n in names}
+        t0 = time.perf_counter()
+        src = manifest_from_parallel(sub, train, num_layers=num_layers)
+        dst = manifest_from_parallel(sub, generation, num_layers=num_layers)
+        acc.manifest_seconds += time.perf_counter() - t0
+        for dst_ds, into in ((domain_size, acc), (1, acc_direct)) if direct else ((domain_size, acc),):
+            with _gc_paused():
+                t0 = time.perf_counter()
+                plan = plan_transfers(src, dst, src_domain_size=domain_size, dst_domain_size=dst_ds)
+                into.plan_seconds += time.perf_counter() - t0
+                into.plans += 1
+                into.add(plan, S=S, shifts=shifts)
+                del plan
+        gather.add(src, shifts, domain_size)
+    return acc, acc_direct, gather
+
+
 def simulate(arrays: Mapping[str, tuple[Sequence[int], str]], train: Mapping[str, Any],
              generation: Mapping[str, Any], cluster: Cluster | str, *, planning: str = "scaled",
              direct: bool = False, num_layers: int | None = None) -> dict[str, Any]:
@@ -319,85 +413,44 @@ def simulate(arrays: Mapping[str, tuple[Sequence[int], str]], train: Mapping[str
     ``network_bytes``, ``local_bytes``, the busiest link, bytes per GPU, and how it was planned.
     ``direct`` also plans without destination domains (every generator rank fed over the
     network, NCCL M2N's DIRECT algorithm) and reports ``direct_s``."""
-    if isinstance(cluster, str):
-        if cluster not in CLUSTERS:
-            raise UsageError(f"unknown cluster {cluster!r} (known: {', '.join(CLUSTERS)})")
-        cluster = CLUSTERS[cluster]
-    if planning not in PLANNING_MODES:
-        raise UsageError(f"planning {planning!r}: expected one of {', '.join(PLANNING_MODES)}")
-    S, D, ds = train["num_gpus"], generation["num_gpus"], cluster.domain_size
+    cluster = _cluster(cluster, planning)
     if num_layers is None:
         idx = [li for li in (layer_index(n) for n in arrays) if li is not None]
         num_layers = max(idx) + 1 if idx else 1
-    misc, kinds = group_layers(arrays)
-    layers_of: dict[int, list[str]] = defaultdict(list)
-    for fqn in arrays:
-        li = layer_index(fqn)
-        if li is not None:
-            layers_of[li].append(fqn)
+    groups = _groups(arrays, train, generation, planning, num_layers)
+    acc, acc_direct, gather = _plan_groups(arrays, groups, train, generation, cluster.domain_size,
+                                           direct=direct, num_layers=num_layers)
+    out = _report(arrays, train, generation, cluster, acc, gather)
+    out["planning"] = planning
+    out["plans"] = acc.plans
+    out["plan_seconds"] = acc.plan_seconds
+    out["manifest_seconds"] = acc.manifest_seconds
+    out["largest_plan_transfers"] = acc.max_transfers
+    out["constants"] = cluster.to_dict()
+    if planning == "scaled":
+        out["approximation"] = (f"planned {acc.plans} representative group(s) (one per layer kind + the "
+                                f"non-layer arrays) and multiplied them over {groups.layers} layers; identical "
+                                f"layers give identical transfers, shifted by pipeline stage")
+    if direct:
+        dcost = reshard_cost(acc_direct.pairs, S=train["num_gpus"], cluster=cluster)
+        out["direct_s"] = dcost["seconds"]
+        out["direct_network_bytes"] = dcost["network_bytes"]
+        out["direct_max_recv_bytes"] = dcost["max_recv_bytes"]
+        out["plan_seconds"] += acc_direct.plan_seconds
+    return out
 
-    # groups: (array names of the representative, {source-rank shift: number of layers})
-    groups: list[tuple[list[str], dict[int, int]]] = []
-    if planning == "whole":
-        groups.append((list(arrays), {0: 1}))
-    else:
-        if misc:
-            groups.append((misc, {0: 1}))
-        for layers in kinds.values():
-            by_gen: dict[int, list[int]] = defaultdict(list)
-            for li in layers:
-                by_gen[_stage(li, num_layers, generation["pp"])].append(li)
-            for members in by_gen.values():
-                if planning == "per-layer":
-                    groups.extend((layers_of[li], {0: 1}) for li in members)
-                    continue
-                rep = members[0]
-                s0 = _stage(rep, num_layers, train["pp"])
-                by_shift: Counter[int] = Counter()
-                for li in members:
-                    by_shift[(_stage(li, num_layers, train["pp"]) - s0) * train["ranks_per_stage"]] += 1
-                groups.append((layers_of[rep], dict(by_shift)))
 
-    acc = _Accum(defaultdict(int), Counter())
-    acc_direct = _Accum(defaultdict(int), Counter())
-    gather_local = gather_net = gather_chunks = 0
-    root = 0
-    for names, shifts in groups:
-        sub = {n: arrays[n] for n in names}
-        t0 = time.perf_counter()
-        src = manifest_from_parallel(sub, train, num_layers=num_layers)
-        dst = manifest_from_parallel(sub, generation, num_layers=num_layers)
-        acc.manifest_seconds += time.perf_counter() - t0
-        for dst_ds, into in ((ds, acc), (1, acc_direct)) if direct else ((ds, acc),):
-            with _gc_paused():
-                t0 = time.perf_counter()
-                plan = plan_transfers(src, dst, src_domain_size=ds, dst_domain_size=dst_ds)
-                into.plan_seconds += time.perf_counter() - t0
-                into.plans += 1
-                into.add(plan, S=S, shifts=shifts)
-                del plan
-        # gather to the root, per layer (shifted holders)
-        for a in src.arrays.values():
-            isz = a.dtype.itemsize
-            for c in a.chunks:
-                nb = c.region.volume * isz
-                for sh, cnt in shifts.items():
-                    hs = [h + sh for h in c.holders]
-                    if root in hs:
-                        continue
-                    gather_chunks += cnt
-                    if any(h // ds == root // ds for h in hs):
-                        gather_local += nb * cnt
-                    else:
-                        gather_net += nb * cnt
-
+def _report(arrays: Mapping[str, tuple[Sequence[int], str]], train: Mapping[str, Any],
+            generation: Mapping[str, Any], cluster: Cluster, acc: _Accum, gather: _Gather) -> dict[str, Any]:
+    """The costs of both strategies and the bytes behind them (``simulate``'s figures)."""
+    S, D, ds = train["num_gpus"], generation["num_gpus"], cluster.domain_size
     total_model = sum(_nbytes(s, dt) for s, dt in arrays.values())
     cost = reshard_cost(acc.pairs, S=S, cluster=cluster)
-    bc = broadcast_cost(gather_local_bytes=gather_local, gather_network_bytes=gather_net,
-                        gather_chunks=gather_chunks, total_bytes=total_model, ring_ranks=D, cluster=cluster)
+    bc = broadcast_cost(gather_local_bytes=gather.local_bytes, gather_network_bytes=gather.network_bytes,
+                        gather_chunks=gather.chunks, total_bytes=total_model, ring_ranks=D, cluster=cluster)
     gen_domains = -(-D // ds)
     totals = dict(acc.totals)
-    out: dict[str, Any] = {
+    return {
         "cluster": cluster.name,
         "train_mesh": _mesh_text(train),
         "generation_mesh": _mesh_text(generation),
@@ -420,28 +473,11 @@ def simulate(arrays: Mapping[str, tuple[Sequence[int], str]], train: Mapping[str
         "bytes_per_generator_gpu": totals.get("total_bytes", 0) / D,
         "transfers": totals.get("transfers", 0),
         "messages": cost["messages"],
-        "broadcast": {**bc, "gather_local_bytes": gather_local, "gather_network_bytes": gather_net,
-                      "gather_chunks": gather_chunks,
+        "broadcast": {**bc, "gather_local_bytes": gather.local_bytes, "gather_network_bytes": gather.network_bytes,
+                      "gather_chunks": gather.chunks,
                       "broadcast_network_bytes": total_model * gen_domains,
                       "broadcast_local_bytes": total_model * (D - gen_domains)},
-        "planning": planning,
-        "plans": acc.plans,
-        "plan_seconds": acc.plan_seconds,
-        "manifest_seconds": acc.manifest_seconds,
-        "largest_plan_transfers": acc.max_transfers,
-        "constants": cluster.to_dict(),
     }
-    if planning == "scaled":
-        out["approximation"] = (f"planned {acc.plans} representative group(s) (one per layer kind + the "
-                                f"non-layer arrays) and multiplied them over {len(layers_of)} layers; identical "
-                                f"layers give identical transfers, shifted by pipeline stage")
-    if direct:
-        dcost = reshard_cost(acc_direct.pairs, S=S, cluster=cluster)
-        out["direct_s"] = dcost["seconds"]
-        out["direct_network_bytes"] = dcost["network_bytes"]
-        out["direct_max_recv_bytes"] = dcost["max_recv_bytes"]
-        out["plan_seconds"] += acc_direct.plan_seconds
-    return out
 
 
 def _nbytes(shape: Sequence[int], data_type: str) -> int:
@@ -471,12 +507,6 @@ def with_overrides(cluster: Cluster, *, nvlink_gbps: float | None = None, nic_gb
     return replace(cluster, **kw) if kw else cluster
 
 
-def describe_manifest(m: Manifest) -> dict[str, int]:
-    """Chunks and logical bytes of a manifest (for reports)."""
-    return {"arrays": len(m.arrays), "chunks": sum(len(a.chunks) for a in m.arrays.values()),
-            "bytes": sum(a.nbytes for a in m.arrays.values())}
-
-
 # ---------------------------------------------------------------- command line (``shardstream simulate``)
 
 
@@ -495,8 +525,6 @@ def _sizes(text: str, what: str) -> dict[str, int]:
 
 def add_simulate_parser(sub: Any) -> None:
     """Register ``shardstream simulate`` on the CLI's subparsers."""
-    from .cli import _positive_int, parse_size
-
     p = sub.add_parser("simulate", help="simulated refit time on a cluster: reshard plan vs gather-broadcast")
     p.add_argument("--model", required=True, metavar="CFG", help="HF config.json or NCCL M2N model JSON")
     p.add_argument("--system", metavar="SYSTEM.json", help="NCCL M2N system JSON (train + generation sizes)")
@@ -507,7 +535,7 @@ def add_simulate_parser(sub: Any) -> None:
     p.add_argument("--nic-gbps", type=float, metavar="Y", help="per-GPU NIC in GB/s (bytes: 400 Gb/s = 50)")
     p.add_argument("--latency-us", type=float, metavar="Z", help="cost of one message (default 10)")
     p.add_argument("--bucket-size", type=parse_size, metavar="SIZE", help="message size (default 256MiB)")
-    p.add_argument("--broadcast-rings", type=_positive_int, metavar="N", help="baseline rings over N NICs (default 1)")
+    p.add_argument("--broadcast-rings", type=positive_int, metavar="N", help="baseline rings over N NICs (default 1)")
     p.add_argument("--fp8", action="store_true", help="HF config: block-FP8 linear weights + weight_scale_inv")
     p.add_argument("--include-mtp", action="store_true", help="HF config: DeepSeek-V3 MTP layers too")
     p.add_argument("--direct", action="store_true", help="also plan without destination domains (M2N DIRECT)")
@@ -519,8 +547,6 @@ def add_simulate_parser(sub: Any) -> None:
 
 def cmd_simulate(args: Any) -> int:
     from formats.layouts.models import arrays_from_model, parallel_from_dict, parse_m2n_system
-
-    from .cli import _out
 
     if args.system and (args.train or args.generation):
         raise UsageError("simulate: give --system or --train/--generation, not both")
@@ -539,7 +565,7 @@ def cmd_simulate(args: Any) -> int:
     r = simulate(arrays, train, gen, cluster, planning=args.planning, direct=args.direct)
     r["model"] = str(args.model)
     r["seconds"] = time.perf_counter() - t0
-    _out(args, r, format_report(r))
+    emit(args, r, format_report(r))
     return 0
 
 

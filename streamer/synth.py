@@ -130,15 +130,15 @@ def write_checkpoint(out_dir: str | os.PathLike[str], arrays: dict[str, tuple[tu
         size += n
     files = []
     weight_map = {}
-    for i, g in enumerate(groups):
+    for i, group in enumerate(groups):
         fname = "model.safetensors" if len(groups) == 1 else f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-        specs = [(n, DTYPES[arrays[n][1]], arrays[n][0]) for n in g]
+        specs = [(n, DTYPES[arrays[n][1]], arrays[n][0]) for n in group]
         w = SafetensorsWriter(out / fname, specs)
         try:
-            for n in g:
-                data = tensor_data(n, arrays[n][0], arrays[n][1], seed)
-                w.write(n, 0, np.ascontiguousarray(data).view(np.uint8).reshape(-1))
-                weight_map[n] = fname
+            for name in group:
+                data = tensor_data(name, arrays[name][0], arrays[name][1], seed)
+                w.write(name, 0, np.ascontiguousarray(data).view(np.uint8).reshape(-1))
+                weight_map[name] = fname
             w.commit()
         except BaseException:
             w.abort()

@@ -477,6 +477,42 @@ def manifest_from_state_dict(state_dict: Mapping[str, Any], *, name: str | None 
     import torch.distributed as dist
 
     initialised = dist.is_available() and dist.is_initialized()
+    records, errors = _describe_all(state_dict, rename, keep_tied)
+    group_ranks: list[int] = []
+    world_size = 0
+    if initialised:
+        group_ranks = sorted(int(r) for r in dist.get_process_group_ranks(
+            group if group is not None else dist.group.WORLD))
+        world_size = int(dist.get_world_size())
+    gathered = (_gather_if_needed(records, errors, group, len(group_ranks), same_keys)
+                if initialised and len(group_ranks) > 1 and same_keys is not True else None)
+    if gathered is not None:
+        errors = list(dict.fromkeys(f"rank {r}: {e}" for r, _recs, errs in gathered for e in errs))
+    if errors:
+        n = len(gathered) if gathered is not None else 1
+        raise StateDictError(problems=_dedupe_rank_prefix(errors, n))
+    if not initialised:
+        ranks = [r for rec in records for c in rec.copies for r in c]
+        world_size = max(ranks) + 1 if ranks else 1
+        group_ranks = list(range(world_size))
+    if gathered is None:
+        cache: dict[_GeoKey, list[_Geo]] = {}
+        arrays = {rec.name: ArraySpec(rec.shape, rec.data_type,
+                                      tuple(_dtensor_chunks(rec, rec.copies, cache) if rec.placements is not None
+                                            else _plain_chunks(rec, group_ranks)))
+                  for rec in records}
+        all_records = records
+    else:
+        arrays, all_records = _merge(gathered)
+    root = _common_root(all_records)
+    mesh = {"axes": list(root[0]), "shape": list(root[1])} if root else None
+    return Manifest(world_size=world_size, arrays=arrays, name=name, mesh=mesh)
+
+
+def _describe_all(state_dict: Mapping[str, Any], rename: Callable[[str], str | None] | None,
+                  keep_tied: bool) -> tuple[list[_Record], list[str]]:
+    """This rank's record of every key, and the problems found. Nothing may raise here on one
+    rank only: the collectives that follow would hang the others, so errors travel with them."""
     records: list[_Record] = []
     problems: list[str] = []
     names: dict[str, str] = {}
@@ -488,7 +524,6 @@ def manifest_from_state_dict(state_dict: Mapping[str, Any], *, name: str | None 
             if alias in seen:
                 continue  # a tied weight's second name: the bytes are listed (and sent) once
             seen.add(alias)
-        # nothing may raise on one rank before the collectives below: errors travel with the digest
         try:
             published = rename(key) if rename is not None else key
         except Exception as e:  # noqa: BLE001 - reported on every rank, named
@@ -508,54 +543,23 @@ def manifest_from_state_dict(state_dict: Mapping[str, Any], *, name: str | None 
         except Exception as e:  # noqa: BLE001 - reported on every rank, named
             rec = _Record(key, published, (), "", error=f"{key}: cannot describe it ({type(e).__name__}: {e})")
         records.append(rec)
-    errors = problems + [r.error for r in records if r.error]
+    return records, problems + [r.error for r in records if r.error]
 
-    if initialised:
-        group_ranks = sorted(int(r) for r in dist.get_process_group_ranks(
-            group if group is not None else dist.group.WORLD))
-        world_size = int(dist.get_world_size())
-    else:
-        group_ranks = []
-        world_size = 0
-    gathered: list[tuple[int, list[_Record], list[str]]] | None = None
-    if initialised and len(group_ranks) > 1 and same_keys is not True:
-        me = int(dist.get_rank())
-        if same_keys is None:
-            digests: list[Any] = [None] * len(group_ranks)
-            dist.all_gather_object(digests, (_digest(records), bool(errors)), group=group)
-            need = len({d for d, _ in digests}) > 1 or any(e for _, e in digests)
-        else:
-            need = True
-        if need:
-            payload: list[Any] = [None] * len(group_ranks)
-            dist.all_gather_object(payload, (me, records, errors), group=group)
-            gathered = sorted(payload)
-    if gathered is not None:
-        errors = []
-        for r, _recs, errs in gathered:
-            errors.extend(f"rank {r}: {e}" for e in errs)
-        errors = list(dict.fromkeys(errors))
-    if errors:
-        n = len(gathered) if gathered is not None else 1
-        raise StateDictError(problems=_dedupe_rank_prefix(errors, n))
 
-    if not initialised:
-        ranks = [r for rec in records for c in rec.copies for r in c]
-        world_size = max(ranks) + 1 if ranks else 1
-        group_ranks = list(range(world_size))
+def _gather_if_needed(records: list[_Record], errors: list[str], group: Any, n: int,
+                      same_keys: bool | None) -> list[tuple[int, list[_Record], list[str]]] | None:
+    """Every rank's records, when ranks hold different keys or one of them found a problem (one
+    tiny digest all-gather decides; ``same_keys=False`` always gathers); else None."""
+    import torch.distributed as dist
 
-    if gathered is None:
-        cache: dict[_GeoKey, list[_Geo]] = {}
-        arrays = {rec.name: ArraySpec(rec.shape, rec.data_type,
-                                      tuple(_dtensor_chunks(rec, rec.copies, cache) if rec.placements is not None
-                                            else _plain_chunks(rec, group_ranks)))
-                  for rec in records}
-        all_records = records
-    else:
-        arrays, all_records = _merge(gathered)
-    root = _common_root(all_records)
-    mesh = {"axes": list(root[0]), "shape": list(root[1])} if root else None
-    return Manifest(world_size=world_size, arrays=arrays, name=name, mesh=mesh)
+    if same_keys is None:
+        digests: list[Any] = [None] * n
+        dist.all_gather_object(digests, (_digest(records), bool(errors)), group=group)
+        if len({d for d, _ in digests}) == 1 and not any(e for _, e in digests):
+            return None
+    payload: list[Any] = [None] * n
+    dist.all_gather_object(payload, (int(dist.get_rank()), records, errors), group=group)
+    return sorted(payload)
 
 
 def _dedupe_rank_prefix(errors: list[str], nranks: int) -> list[str]:

@@ -30,7 +30,7 @@ _ABORT_POLL = 0.2
 
 def open_store(host: str, port: int, *, server: bool, timeout: float) -> Any:
     """A TCPStore client, or the server (``port`` 0 picks a free one) when ``server``."""
-    from torch.distributed import TCPStore
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]  # not in torch's stubs' __all__
 
     return TCPStore(host, port, None, server, timeout=datetime.timedelta(seconds=timeout),
                     wait_for_workers=False)

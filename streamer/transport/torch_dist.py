@@ -108,7 +108,8 @@ class TorchDistTransport:
         self.store = store if store is not None else self._serve_store(timeout)
         self._prefix = f"{prefix}/{backend}"
         try:
-            self.pg = _make_group(backend, dist.PrefixStore(self._prefix, self.store), self.rank, self.size, timeout)
+            self.pg = _make_group(backend, dist.PrefixStore(  # type: ignore[attr-defined]
+                self._prefix, self.store), self.rank, self.size, timeout)
         except Exception as e:  # noqa: BLE001 - torch raises many kinds here
             raise TransportError(f"rank {self.rank}: could not create the {backend} process group: {e}") from e
         # checksums are host memory: NCCL cannot carry them, a gloo group beside it can
@@ -175,7 +176,8 @@ class TorchDistTransport:
         key = tuple(sorted(ranks))
         pg = self._subgroups.get(key)
         if pg is None:
-            sub_store = dist.PrefixStore(f"{self._prefix}/bcast/{'-'.join(map(str, key))}", self.store)
+            sub_store = dist.PrefixStore(  # type: ignore[attr-defined]
+                f"{self._prefix}/bcast/{'-'.join(map(str, key))}", self.store)
             pg = _make_group(self.name, sub_store, key.index(self.rank), len(key), timeout)
             self._subgroups[key] = pg
         opts = dist.BroadcastOptions()

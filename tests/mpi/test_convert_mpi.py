@@ -35,6 +35,9 @@ def test_mpi_convert_matches_single_process(ckpt: Ckpt, tmp_path: Path, case: st
     assert (par / "manifest.json").exists()
     assert safetensors_files(par), "no files written"
     assert same_files(par, single) == []
+    # the state directory goes once every rank is done: both outputs hold the same files
+    assert sorted(p.name for p in par.iterdir()) == sorted(p.name for p in single.iterdir())
+    assert not (par / ".shardstream").exists()
     ok(["shardstream", "validate", "--data", par])
     if dst_attr == "hf1":
         assert (par / "model.safetensors").read_bytes() == (ckpt.hf / "model.safetensors").read_bytes()

@@ -130,3 +130,30 @@ def test_gather_broadcast_baseline_over_gloo(ckpt: Ckpt, mpmd_saved: Saved, tmp_
     assert rc == 0, se[-3000:]
     assert "(broadcast)" in so
     assert same_files(out, mpmd_saved.dir) == []
+
+
+def test_diverged_replica_refused_under_verify(ckpt: Ckpt, tmp_path: Path) -> None:
+    """Sender ranks 0 and 1 both hold the (tensor-parallel replicated) norm weights of stage 0.
+    One byte differs in rank 1's copy: with --verify every rank of both jobs exits 1 naming the
+    array, the region and the ranks; nothing is saved."""
+    import json
+    import struct
+
+    from mpi_helpers import run
+
+    bad = tmp_path / "train-diverged"
+    shutil.copytree(ckpt.train, bad)
+    f = bad / "rank-00001.safetensors"
+    raw = bytearray(f.read_bytes())
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    name = next(k for k in header if k.endswith("input_layernorm.weight"))
+    raw[8 + n + header[name]["data_offsets"][0]] ^= 0x01
+    f.write_bytes(bytes(raw))
+    out = tmp_path / "saved"
+    rc, _so, se = run(["mpiexec", "-n", "4", *SEND, "--manifest", bad, "--timeout", "60", "--verify", ":",
+                       "-n", "4", *RECV, "--manifest", ckpt.serve, "--save", out, "--timeout", "60"], timeout=120)
+    assert rc == 1, se[-3000:]
+    assert f"{name}: region" in se and "differs between its replicas" in se, se[-3000:]
+    assert "sender rank 0" in se and "sender rank 1" in se, se[-3000:]
+    assert not (out / "manifest.json").exists()

@@ -7,6 +7,7 @@ launchers give the same manifests."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import socket
 
@@ -31,10 +32,11 @@ def _free_port() -> int:
 def _results(rc: int, out: str, err: str) -> dict[int, dict[str, dict[str, object]]]:
     assert rc == 0, f"exit {rc}\nstdout:\n{out[-3000:]}\nstderr:\n{err[-5000:]}"
     res = {}
-    for line in out.splitlines():
-        if line.startswith("OK "):
-            _, rank, summary = line.split(" ", 2)
-            res[int(rank)] = json.loads(summary)
+    dec = json.JSONDecoder()
+    # tolerant of a launcher that joins two ranks' lines: each result is "OK RANK {json}"
+    for m in re.finditer(r"OK (\d+) ", out):
+        summary, _ = dec.raw_decode(out, m.end())
+        res[int(m.group(1))] = summary
     assert sorted(res) == [0, 1, 2, 3], out[-3000:]
     for r in res.values():
         assert sorted(r) == sorted(CASES)

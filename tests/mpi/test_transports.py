@@ -35,19 +35,22 @@ def test_transport_suite(kind: str, n: int) -> None:
 
 
 @pytest.mark.skipif(not Path(MPIEXEC).exists(), reason="mpiexec not installed")
-def test_bench_refit_tiny(tmp_path: Path) -> None:
-    """bench refit at tiny size: the JSON has the documented keys and the planned bytes."""
+@pytest.mark.parametrize("source", ["files", "fsdp2"])
+def test_bench_refit_tiny(tmp_path: Path, source: str) -> None:
+    """bench refit at tiny size: the JSON has the documented keys and the planned bytes; with
+    ``--source fsdp2`` the trainer is a real fp32 FSDP2 model and every array is cast to bf16."""
     import json
 
     env = dict(os.environ, HYDRA_LAUNCHER="fork", OMP_NUM_THREADS="1",
                PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
     p = subprocess.run([sys.executable, "-m", "streamer", "bench", "refit", "--preset", "qwen3-tiny", "--repeats", "2",
-                        "--work", str(tmp_path), "--json"], capture_output=True, text=True, timeout=300, env=env,
-                       cwd=ROOT)
+                        "--work", str(tmp_path), "--json", "--source", source], capture_output=True, text=True,
+                       timeout=300, env=env, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(p.stdout)
-    for k in ("reshard_s", "broadcast_s", "floor_s", "speedup_vs_broadcast", "ratio_to_floor", "bytes_moved",
+    for k in ("reshard_s", "broadcast_s", "floor_s", "speedup_vs_broadcast", "ratio_to_floor", "bytes_moved", "first_push_s",
               "bucket_bytes", "peak_extra_bytes_per_rank"):
         assert k in r, k
     assert 0 < r["bytes_moved"] < r["broadcast_bytes_moved"]
     assert r["peak_extra_bytes_per_rank"] <= 2 * r["bucket_bytes"]
+    assert r["source"] == source and (r["cast_arrays"] > 0) == (source == "fsdp2")

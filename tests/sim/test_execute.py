@@ -55,8 +55,8 @@ def execute(
     res.raise_first()
     assert check_dest_tensors(dst, d, full) == []
     st_ = plan.stats()
-    assert sum(x.bytes_received for x in res.stats.values()) == st_["moved_bytes"]
-    assert sum(x.bytes_sent for x in res.stats.values()) == st_["moved_bytes"]
+    assert sum(x.bytes_received for x in res.stats.values()) == st_.moved_bytes
+    assert sum(x.bytes_sent for x in res.stats.values()) == st_.moved_bytes
     for g, x in res.stats.items():
         assert x.peak_buffer_bytes <= 2 * bucket, (g, x.peak_buffer_bytes, bucket)
         if verify:
@@ -120,7 +120,7 @@ def test_tiny_bucket_splits_transfers_into_many_messages() -> None:
         plan = plan_transfers(src, dst, dst_domain_size=dds, split_bytes=16)
         res, _ = execute(plan, src, dst, arrays, bucket=64)
         n_data = sum(1 for (_s, _d, tag, _n) in res.hub.log if tag in (1, 2))
-        assert n_data == len(res.schedule) > len(plan.transfers) - plan.stats()["local_copies"]
+        assert n_data == len(res.schedule) > len(plan.transfers) - plan.stats().local_copies
         assert all(n <= 64 for (_s, _d, tag, n) in res.hub.log if tag in (1, 2))
         assert max(x.peak_buffer_bytes for x in res.stats.values()) > 0
         if dds:
@@ -285,9 +285,9 @@ def test_same_job_reshard(dds: int | None) -> None:
     )
     plan = plan_transfers(src, dst, same_job=True, dst_domain_size=dds, split_bytes=8)
     st_ = plan.stats()
-    assert st_["local_copies"] > 0 and st_["moved_bytes"] == st_["lower_bound_bytes"] < st_["total_bytes"]
+    assert st_.local_copies > 0 and st_.moved_bytes == st_.lower_bound_bytes < st_.total_bytes
     res, _ = execute(plan, src, dst, arrays, bucket=48)
-    assert sum(x.local_copies for x in res.stats.values()) == st_["local_copies"]
+    assert sum(x.local_copies for x in res.stats.values()) == st_.local_copies
 
 
 def test_same_job_needs_distinct_tensor_names() -> None:

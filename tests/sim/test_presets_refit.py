@@ -118,8 +118,8 @@ def test_refit_between_presets(cfg: dict[str, Any], src: tuple[str, str, dict[st
     assert validate_plan(plan, s_man, d_man) == []
     if skw.get("fp8"):  # presets lay every scale out block for block with its weight: moved as pairs
         scales = [n for n in d_man.arrays if n.endswith("_scale_inv")]
-        assert scales and plan.stats()["fp8_pairs"] == len(scales)
-        assert plan.stats()["unpaired_scales"] == []
+        assert scales and plan.stats().fp8_pairs == len(scales)
+        assert plan.stats().unpaired_scales == ()
     res = run_plan_loopback(plan, s_man, d_man, s_t, d_t, bucket=1 << 16, timeout=20.0)
     res.raise_first()
     _same(d_t, P.preset_tensors(dp, cfg, W, dm, **dkw))

@@ -29,7 +29,7 @@ def test_same_job_reshard_with_shared_names(src_tp: int, dst_tp: int) -> None:
     src, dst = lay(src_tp), lay(dst_tp)
     plan = plan_transfers(src, dst, same_job=True, split_bytes=8)
     st = plan.stats()
-    assert st["moved_bytes"] == st["lower_bound_bytes"]
+    assert st.moved_bytes == st.lower_bound_bytes
     sched = build_schedule(plan, 64)
     hub = LoopbackHub(plan.world_size)
     eps = hub.endpoints()

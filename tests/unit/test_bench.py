@@ -113,3 +113,24 @@ def test_dcp_compare_outputs_fails_loudly(tmp_path: Path) -> None:
     assert compare_outputs(tmp_path / "a", tmp_path / "b")["bytes"] == 4
     with pytest.raises(ValidationError, match="differs"):
         compare_outputs(tmp_path / "a", tmp_path / "c")
+
+
+def test_refit_result_reports_the_first_push_apart() -> None:
+    """bench refit: the cold first round is reported on its own; medians are over the rounds after it."""
+    from helpers import lay_out
+
+    from formats.layouts import Mesh, Shard
+    from streamer.bench import _refit_result
+    from streamer.plan import plan_transfers
+
+    arrays = {"w": ((8, 4), "float32")}
+    src = lay_out(arrays, Mesh(("tp",), (2,)), {"w": (Shard(0),)})
+    dst = lay_out(arrays, Mesh(("tp",), (4,)), {"w": (Shard(0),)})
+    stats = plan_transfers(src, dst).stats()
+    times = {"reshard": [0.8, 0.11, 0.10, 0.12], "broadcast": [2.0, 1.0, 1.2, 1.1], "floor": [0.3, 0.1, 0.09, 0.1]}
+    r = _refit_result(times, senders=2, receivers=4, stats=stats, bucket_size=1 << 20, peaks=[5, 7], rss=[1])
+    assert r["first_push_s"] == 0.8 and r["first_runs"] == {"reshard": 0.8, "broadcast": 2.0, "floor": 0.3}
+    assert r["repeats"] == 3 and r["runs"]["reshard"] == [0.11, 0.10, 0.12]
+    assert r["reshard_s"] == 0.11 and r["floor_s"] == 0.1 and r["broadcast_s"] == 1.1
+    assert abs(r["ratio_to_floor"] - 1.1) < 1e-9 and abs(r["first_push_ratio_to_floor"] - 8.0) < 1e-9
+    assert r["bytes_moved"] == stats.moved_bytes and r["peak_extra_bytes_per_rank"] == 7

@@ -51,3 +51,30 @@ def test_cast_matches_torch(tmp_path: Path, to: str) -> None:
 
 def test_cast_to_int_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["convert", "a", "b", "--out", str(tmp_path / "o"), "--cast", "int8"]) == 2
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "zarr"])
+def test_destination_manifest_asks_for_the_cast(tmp_path: Path, fmt: str) -> None:
+    """No --cast: the destination manifest itself says bfloat16 for w (fp32 in the source). The
+    bytes are cast, never reinterpreted; b (float32 in both) and i (int64) are copied."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file
+
+    t = _ckpt(tmp_path / "hf")
+    assert main(["import", str(tmp_path / "hf"), "-o", str(tmp_path / "hf/manifest.json")]) == 0
+    assert main(["layout", "--like", str(tmp_path / "hf/manifest.json"), "--mesh", "tp=3", "--rule", "w=S(1)",
+                 "-o", str(tmp_path / "tp3.json")]) == 0
+    m = json.loads((tmp_path / "tp3.json").read_text())
+    m["arrays"]["w"]["data_type"] = "bfloat16"
+    (tmp_path / "tp3.json").write_text(json.dumps(m))
+    assert main(["convert", str(tmp_path / "hf/manifest.json"), str(tmp_path / "tp3.json"), "--out",
+                 str(tmp_path / "tp3"), "--memory-limit", "64KiB", "--format", fmt]) == 0
+    assert main(["validate", "--data", str(tmp_path / "tp3")]) == 0
+    assert main(["layout", "--like", str(tmp_path / "tp3"), "-o", str(tmp_path / "hf1.json")]) == 0
+    assert main(["convert", str(tmp_path / "tp3"), str(tmp_path / "hf1.json"), "--out", str(tmp_path / "back")]) == 0
+    got = load_file(str(tmp_path / "back/model.safetensors"))
+    assert got["w"].dtype == torch.bfloat16 and got["b"].dtype == torch.float32 and got["i"].dtype == torch.int64
+    assert torch.equal(got["w"].view(torch.int16), torch.from_numpy(t["w"]).to(torch.bfloat16).view(torch.int16))
+    assert got["b"].numpy().tobytes() == t["b"].tobytes() and torch.equal(got["i"], torch.from_numpy(t["i"]))

@@ -162,8 +162,7 @@ def test_round_trip_random_layouts_byte_identical(case: Any, seed: int, memory_l
         convert(a, lay_out(a, mesh_b, rules_b), t / "b", opts)
         b = load_manifest(t / "b")
         convert(b, hf_layout(b), t / "back", opts)
-        assert sorted(p.name for p in (t / "back").iterdir()) == [".shardstream", "manifest.json",
-                                                                  "model.safetensors"]
+        assert sorted(p.name for p in (t / "back").iterdir()) == ["manifest.json", "model.safetensors"]
         assert_same_checkpoint(t / "hf" / "model.safetensors", t / "back" / "model.safetensors")
 
 
@@ -307,7 +306,7 @@ def test_slabs_are_packed_into_few_sequential_writes(tmp_path: Path, capsys: Any
 
 def test_contiguous_span() -> None:
     from formats.box import Box
-    from streamer.convert import _contiguous_span
+    from streamer.convert.fill import contiguous_span as _contiguous_span
 
     assert _contiguous_span(Box((1, 0), (2, 8)), (4, 8)) == (8, 16)  # whole rows
     assert _contiguous_span(Box((1, 2), (1, 3)), (4, 8)) == (10, 3)  # part of one row
@@ -387,6 +386,9 @@ def test_max_shard_size_writes_hf_shards_and_index(tp2: Path, tmp_path: Path, ca
             held[name] = s
     assert held == wm
     assert index["metadata"]["total_size"] == sum(read_header(hf_orig).tensors[t].nbytes for t in want)
+    # a finished output: its shards, the index and the manifest, no lock or records
+    assert sorted(p.name for p in out.iterdir()) == sorted([*shards, "model.safetensors.index.json",
+                                                            "manifest.json"])
     # the manifest agrees with the index, and validates with data
     assert run_cli(capsys, "validate", "--data", out)[0] == 0
     m = load_manifest(out)
@@ -432,18 +434,28 @@ def _env() -> dict[str, str]:
     return env
 
 
+def _finished_listing(out: Path) -> list[str]:
+    """What a finished 8-rank output holds: its rank files and the manifest, nothing else (no
+    lock, no completion records, no temp files)."""
+    return sorted(p.name for p in out.iterdir())
+
+
+FINISHED_8 = sorted([PATTERN.format(rank=r) for r in range(8)] + ["manifest.json"])
+
+
 def _resume_and_check(out: Path, src: Path, dst: Path, ref: Path, capsys: Any) -> dict[str, Any]:
     recs = _records(out)
+    finished = (out / "manifest.json").exists()
     rc, o, err = run_cli(capsys, "convert", src, dst, "--out", out, "--memory-limit", "64KiB", "--resume", "--json")
     assert rc == 0, err
     rep = json.loads(o)
-    # every file an earlier run finished (it has a completion record) is reused, the rest written
-    assert rep["files_skipped"] == len(recs)
+    # every file an earlier run finished is reused, the rest written: a file is finished when it
+    # has a completion record, or when the whole output is (its manifest stands for the records)
+    assert rep["files_skipped"] == (8 if finished else len(recs))
     assert rep["files_written"] + rep["files_skipped"] == 8
     assert _rank_files_equal(out, ref)
     assert (out / "manifest.json").read_bytes() == (ref / "manifest.json").read_bytes()
-    assert not [p.name for p in out.iterdir() if ".tmp-" in p.name]  # no stale temp files left behind
-    assert not [p.name for p in (out / ".shardstream").iterdir() if ".tmp-" in p.name]
+    assert _finished_listing(out) == FINISHED_8  # no state, no stale temp files left behind
     return rep
 
 
@@ -454,6 +466,7 @@ def test_resume_after_sigkill(tmp_path: Path, capsys: Any) -> None:
     subprocess.run(_convert_cmd(src, dst, ref), check=True, env=_env(), stdout=subprocess.DEVNULL,
                    stderr=subprocess.DEVNULL)
     full = time.perf_counter() - t0
+    assert _finished_listing(ref) == FINISHED_8
     rng = random.Random(1234)
     delays = [full * (f + rng.uniform(-0.05, 0.05)) for f in (0.35, 0.55, 0.75, 0.9)]
     for i, delay in enumerate(delays):
@@ -465,9 +478,11 @@ def test_resume_after_sigkill(tmp_path: Path, capsys: Any) -> None:
         if not finished:
             p.send_signal(signal.SIGKILL)
         p.wait()
+        if finished and p.returncode == 0:
+            assert _finished_listing(out) == FINISHED_8
         if (out / "manifest.json").exists():
             # the manifest is written last: it is there only once every file is complete
-            assert len(_records(out)) == 8 and _rank_files_equal(out, ref)
+            assert _rank_files_equal(out, ref)
         else:
             assert not finished or p.returncode != 0
         _resume_and_check(out, src, dst, ref, capsys)
@@ -481,7 +496,7 @@ def test_resume_after_sigkill(tmp_path: Path, capsys: Any) -> None:
     p.send_signal(signal.SIGKILL)
     p.wait()
     assert not (out / "manifest.json").exists()
-    assert 1 <= len(_records(out)) < 8
+    assert 1 <= len(_records(out)) < 8 and (out / ".shardstream" / "lock").exists()
     rep = _resume_and_check(out, src, dst, ref, capsys)
     assert rep["files_skipped"] >= 1 and rep["files_written"] >= 1
 
@@ -497,6 +512,30 @@ def test_resume_rewrites_a_corrupted_finished_file(tp2: Path, tmp_path: Path, ca
     rep = json.loads(o)
     assert (rep["files_written"], rep["files_skipped"]) == (1, 1)
     assert {p.name: p.read_bytes() for p in tp2.glob("*.safetensors")} == ref
+
+
+def test_kill_between_manifest_and_cleanup_resumes(tp2: Path, tmp_path: Path, capsys: Any,
+                                                   monkeypatch: Any) -> None:
+    """Killed after the manifest landed but before the state went: the output is complete, and a
+    resumed run reuses every file and leaves it clean."""
+    import streamer.convert.pipeline as pipeline
+
+    ref = {p.name: p.read_bytes() for p in tp2.iterdir()}
+    out = tmp_path / "again"
+
+    def killed(*a: Any) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pipeline, "remove_state", killed)
+    with pytest.raises(KeyboardInterrupt):
+        convert(import_checkpoint([tmp_path / "hf"]), load_manifest(tmp_path / "tp2.json"), out,
+                ConvertOptions(progress=False))
+    monkeypatch.undo()
+    assert (out / "manifest.json").exists() and (out / ".shardstream" / "lock").exists()
+    rc, o, err = run_cli(capsys, "convert", tmp_path / "hf", tmp_path / "tp2.json", "--out", out, "--resume", "--json")
+    assert rc == 0, err
+    assert (json.loads(o)["files_written"], json.loads(o)["files_skipped"]) == (0, 2)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == ref
 
 
 # ------------------------------------------------------------------ lock and --out rules

@@ -14,10 +14,12 @@ Oracles written here, independent of the planner:
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import Counter, defaultdict
+from collections.abc import Sequence
 from itertools import combinations
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from helpers import LayoutPair, lay_out, n_examples, random_layout_pair
@@ -39,6 +41,7 @@ from formats.manifest import ArraySpec, Chunk, Manifest
 from streamer.plan import (
     DEFAULT_SPLIT_BYTES,
     Plan,
+    PlanStats,
     Transfer,
     _Index,
     _overlaps,
@@ -174,25 +177,25 @@ def check_transfer_sources(plan: Plan, src: Manifest, dst: Manifest) -> list[str
     return bad
 
 
-def assert_plan_exact(plan: Plan, src: Manifest, dst: Manifest, same_job: bool) -> dict[str, Any]:
+def assert_plan_exact(plan: Plan, src: Manifest, dst: Manifest, same_job: bool) -> PlanStats:
     assert validate_plan(plan, src, dst) == []
     assert check_transfer_sources(plan, src, dst) == []
     st_ = plan.stats()
     ds = plan.dst_domain_size
     moved = sum(t.nbytes for t in plan.transfers if t.phase != 0)
-    assert st_["total_bytes"] == oracle_total(dst)
-    assert st_["moved_bytes"] == moved
-    assert st_["lower_bound_bytes"] == oracle_lower_bound(src, dst, same_job)
-    assert st_["moved_bytes"] == st_["lower_bound_bytes"]
-    assert st_["min_network_bytes"] == oracle_min_network(src, dst, same_job, ds)
-    assert st_["network_bytes"] == st_["min_network_bytes"]
-    assert st_["local_bytes"] == moved - st_["network_bytes"]
-    assert st_["transfers"] == sum(1 for t in plan.transfers if t.phase != 0)
-    assert st_["phase2_transfers"] == sum(1 for t in plan.transfers if t.phase == 2)
+    assert st_.total_bytes == oracle_total(dst)
+    assert st_.moved_bytes == moved
+    assert st_.lower_bound_bytes == oracle_lower_bound(src, dst, same_job)
+    assert st_.moved_bytes == st_.lower_bound_bytes
+    assert st_.min_network_bytes == oracle_min_network(src, dst, same_job, ds)
+    assert st_.network_bytes == st_.min_network_bytes
+    assert st_.local_bytes == moved - st_.network_bytes
+    assert st_.transfers == sum(1 for t in plan.transfers if t.phase != 0)
+    assert st_.phase2_transfers == sum(1 for t in plan.transfers if t.phase == 2)
     # ideal_max_send_bytes is a lower bound on the busiest sender
-    assert st_["max_send_bytes"] >= st_["ideal_max_send_bytes"]
+    assert st_.max_send_bytes >= st_.ideal_max_send_bytes
     if moved:
-        assert st_["ideal_max_send_bytes"] > 0
+        assert st_.ideal_max_send_bytes > 0
     return st_
 
 
@@ -226,10 +229,10 @@ def test_plan_is_exact(pair: LayoutPair, same_job: bool, split: int) -> None:
     st_ = assert_plan_exact(plan, pair.src, pair.dst, same_job)
     if same_job:
         want = pair.src_domain_size or pair.dst_domain_size or 1
-        assert st_["src_domain_size"] == st_["dst_domain_size"] == want
+        assert st_.src_domain_size == st_.dst_domain_size == want
     else:
-        assert st_["src_domain_size"] == (pair.src_domain_size or 1)
-        assert st_["dst_domain_size"] == (pair.dst_domain_size or 1)
+        assert st_.src_domain_size == (pair.src_domain_size or 1)
+        assert st_.dst_domain_size == (pair.dst_domain_size or 1)
 
 
 @settings(max_examples=n_examples(30))
@@ -302,10 +305,69 @@ def test_validate_plan_catches_broken_plans() -> None:
     plan = plan_transfers(src, dst)
     assert validate_plan(plan, src, dst) == []
     ts = list(plan.transfers)
-    dropped = Plan.from_transfers(ts[1:], plan.src_world, plan.dst_world, False)
+    dropped = _edited(plan, ts[1:])
     assert any("receives" in p for p in validate_plan(dropped, src, dst))
-    doubled = Plan.from_transfers(ts + ts[:1], plan.src_world, plan.dst_world, False)
-    assert validate_plan(doubled, src, dst)
+    doubled = _edited(plan, ts + ts[:1])
+    assert any("receives" in p for p in validate_plan(doubled, src, dst))
+    t = ts[0]
+    # a sender that does not hold the source chunk (rank 1 holds the other half)
+    other = 1 - t.src_rank
+    wrong_src = _edited(plan, [dataclasses.replace(t, src_rank=other)] + ts[1:])
+    assert any("does not hold its source chunk" in p for p in validate_plan(wrong_src, src, dst))
+    # a receiver that does not hold the destination chunk, and so leaves the real holder short
+    dc = dst.arrays["w"].chunks[t.dst_chunk]
+    stranger = next(r for r in range(dst.world_size) if r not in dc.holders)
+    wrong_dst = _edited(plan, [dataclasses.replace(t, dst_rank=plan.dst_global(stranger))] + ts[1:])
+    got = validate_plan(wrong_dst, src, dst)
+    assert any("does not hold its destination chunk" in p for p in got) and any("receives" in p for p in got)
+    # the right bytes written at the wrong place in the local tensor
+    shifted = tuple(o + 1 for o in t.dst_offsets)
+    assert any("wrong destination offsets" in p
+               for p in validate_plan(_edited(plan, [dataclasses.replace(t, dst_offsets=shifted)] + ts[1:]), src, dst))
+    assert validate_plan(_edited(plan, ts), src, dst) == []
+
+
+def test_validate_plan_catches_overlapping_writes_with_exact_volume() -> None:
+    arrays = {"w": ((8, 4), "float32")}
+    src = lay_out(arrays, Mesh(("tp",), (2,)), {"w": (Shard(0),)})
+    dst = lay_out(arrays, Mesh(("tp",), (1,)), {"w": (Replicate(),)})
+    plan = plan_transfers(src, dst)
+    ts = list(plan.transfers)
+    assert len(ts) == 2 and validate_plan(plan, src, dst) == []
+    # the second half written from rows 3.. instead of 4..: one row twice, one row never
+    t = ts[1]
+    moved = dataclasses.replace(t, region=Box((3, 0), (4, 4)), src_offsets=(0, 0), dst_offsets=(3, 0))
+    got = validate_plan(_edited(plan, [ts[0], moved]), src, dst)
+    assert any("written twice" in p for p in got), got
+
+
+def test_validate_plan_checks_forwards() -> None:
+    arrays = {"w": ((8, 4), "float32")}
+    src = lay_out(arrays, Mesh(("tp",), (1,)), {"w": (Replicate(),)})
+    dst = lay_out(arrays, Mesh(("dp",), (2,)), {"w": (Replicate(),)})
+    plan = plan_transfers(src, dst, dst_domain_size=2, split_bytes=1)
+    ts = list(plan.transfers)
+    assert any(t.phase == 2 for t in ts) and validate_plan(plan, src, dst) == []
+    # a forward whose phase-1 delivery is gone: the forwarder has nothing to send
+    fwd = next(t for t in ts if t.phase == 2)
+    lost = [t for t in ts if not (t.phase == 1 and t.dst_rank == fwd.src_rank)]
+    got = validate_plan(_edited(plan, lost), src, dst)
+    assert any("received only 0" in p for p in got), got
+
+
+class _Edited:
+    """A real plan whose transfers were edited (``validate_plan`` reads its transfers and numbering)."""
+
+    def __init__(self, plan: Plan, transfers: Sequence[Transfer]) -> None:
+        self._plan = plan
+        self.transfers = tuple(transfers)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._plan, name)
+
+
+def _edited(plan: Plan, transfers: Sequence[Transfer]) -> Plan:
+    return cast(Plan, _Edited(plan, transfers))
 
 
 # --------------------------------------------------------------------------- hand-computed stats
@@ -320,7 +382,7 @@ def test_stats_tp2_to_tp4_separate_jobs() -> None:
     plan = plan_transfers(src, dst)
     s = plan.stats()
     assert {
-        k: s[k]
+        k: getattr(s, k)
         for k in (
             "total_bytes",
             "moved_bytes",
@@ -362,7 +424,7 @@ def test_stats_tp2_to_tp4_separate_jobs() -> None:
     ]
     # gather-broadcast baseline: rank 0 gathers the 128 bytes it lacks from rank 1 (another
     # domain), then sends the whole 256-byte array to each of the 4 destination ranks
-    assert {k: v for k, v in s.items() if k.startswith("broadcast")} == {
+    assert {k: v for k, v in s.to_dict().items() if k.startswith("broadcast")} == {
         "broadcast_moved_bytes": 128 + 4 * 256,
         "broadcast_gather_bytes": 128,
         "broadcast_bytes": 1024,
@@ -372,8 +434,8 @@ def test_stats_tp2_to_tp4_separate_jobs() -> None:
     }
     # a source domain holding both source ranks: the gather stays local
     s2 = plan_transfers(src, dst, src_domain_size=2).stats()
-    assert s2["broadcast_network_bytes"] == 1024
-    assert s2["network_bytes"] == s2["min_network_bytes"] == 256  # separate jobs never share a domain
+    assert s2.broadcast_network_bytes == 1024
+    assert s2.network_bytes == s2.min_network_bytes == 256  # separate jobs never share a domain
 
 
 def test_stats_tp2_to_tp4_same_job() -> None:
@@ -381,14 +443,14 @@ def test_stats_tp2_to_tp4_same_job() -> None:
     plan = plan_transfers(src, dst, same_job=True)
     s = plan.stats()
     # rank 0 keeps rows 0:2; rank 1 needs 2:4 from rank 0; ranks 2, 3 need 4:6, 6:8 from rank 1
-    assert (s["total_bytes"], s["moved_bytes"], s["lower_bound_bytes"]) == (256, 192, 192)
-    assert (s["local_copies"], s["transfers"], s["max_send_bytes"], s["ideal_max_send_bytes"]) == (
+    assert (s.total_bytes, s.moved_bytes, s.lower_bound_bytes) == (256, 192, 192)
+    assert (s.local_copies, s.transfers, s.max_send_bytes, s.ideal_max_send_bytes) == (
         1,
         3,
         128,
         128,
     )
-    assert (s["network_bytes"], s["min_network_bytes"]) == (192, 192)
+    assert (s.network_bytes, s.min_network_bytes) == (192, 192)
     assert plan.world_size == 4
     assert sorted((t.phase, t.src_rank, t.dst_rank, str(t.region)) for t in plan.transfers) == [
         (0, 0, 0, "[0:2, 0:8]"),
@@ -396,9 +458,9 @@ def test_stats_tp2_to_tp4_same_job() -> None:
         (1, 1, 2, "[4:6, 0:8]"),
         (1, 1, 3, "[6:8, 0:8]"),
     ]
-    assert s["broadcast_gather_bytes"] == 128 and s["broadcast_bytes"] == 3 * 256
+    assert s.broadcast_gather_bytes == 128 and s.broadcast_bytes == 3 * 256
     one = plan_transfers(src, dst, same_job=True, dst_domain_size=4).stats()
-    assert (one["network_bytes"], one["min_network_bytes"], one["local_bytes"]) == (0, 0, 192)
+    assert (one.network_bytes, one.min_network_bytes, one.local_bytes) == (0, 0, 192)
 
 
 def test_stats_replicated_destination_domain_phase2() -> None:
@@ -408,15 +470,15 @@ def test_stats_replicated_destination_domain_phase2() -> None:
     src = lay_out(arrays, Mesh(("tp",), (2,)), {"w": (Shard(0),)})
     dst = lay_out(arrays, Mesh(("dp", "tp"), (2, 2)), {"w": (Replicate(), Shard(0))})
     s = plan_transfers(src, dst, split_bytes=1).stats()
-    assert (s["moved_bytes"], s["network_bytes"], s["min_network_bytes"], s["phase2_transfers"]) == (
+    assert (s.moved_bytes, s.network_bytes, s.min_network_bytes, s.phase2_transfers) == (
         512,
         512,
         512,
         0,
     )
     s = plan_transfers(src, dst, dst_domain_size=4, split_bytes=1).stats()
-    assert (s["moved_bytes"], s["network_bytes"], s["min_network_bytes"]) == (512, 256, 256)
-    assert s["local_bytes"] == 256 and s["phase2_transfers"] > 0
+    assert (s.moved_bytes, s.network_bytes, s.min_network_bytes) == (512, 256, 256)
+    assert s.local_bytes == 256 and s.phase2_transfers > 0
 
 
 # --------------------------------------------------------------------------- balance on realistic sizes
@@ -490,7 +552,7 @@ def test_replica_balance_realistic(name: str, sm: str, dm: str, experts: int, dd
     src, dst = tp_layout(arrays, sm), tp_layout(arrays, dm)
     plan = plan_transfers(src, dst, dst_domain_size=dds)
     s = assert_plan_exact(plan, src, dst, False)
-    ideal = s["ideal_max_send_bytes"]
+    ideal = s.ideal_max_send_bytes
     src_max = max(phase1_send(plan).values())
     # the source side is balanced to the exact optimum (within 5 %) ...
     tight = tight_send_bound(plan, src)
@@ -498,8 +560,8 @@ def test_replica_balance_realistic(name: str, sm: str, dm: str, experts: int, dd
     assert src_max <= 1.05 * tight + SLACK, (name, src_max / tight)
     if not experts:  # ... which is the documented ideal when holder sets do not overlap
         assert src_max <= 1.05 * ideal + SLACK, (name, src_max / ideal)
-        if dds is None or s["phase2_transfers"] == 0:  # no forwards: the busiest rank is a source
-            assert s["max_send_bytes"] <= 1.05 * ideal + SLACK, (name, s["max_send_bytes"] / ideal)
+        if dds is None or s.phase2_transfers == 0:  # no forwards: the busiest rank is a source
+            assert s.max_send_bytes <= 1.05 * ideal + SLACK, (name, s.max_send_bytes / ideal)
 
 
 def test_uneven_expert_blocks_balance_against_the_exact_optimum() -> None:
@@ -521,9 +583,9 @@ def test_uneven_expert_blocks_balance_against_the_exact_optimum() -> None:
     plan = plan_transfers(src, dst)
     tight = tight_send_bound(plan, src)
     s = plan.stats()
-    assert s["max_send_bytes"] <= 1.01 * tight + SLACK, s["max_send_bytes"] / tight
+    assert s.max_send_bytes <= 1.01 * tight + SLACK, s.max_send_bytes / tight
     # the documented ideal is a (loose) lower bound here: the holder sets overlap
-    assert s["ideal_max_send_bytes"] < tight <= s["max_send_bytes"]
+    assert s.ideal_max_send_bytes < tight <= s.max_send_bytes
 
 
 # --------------------------------------------------------------------------- determinism
@@ -684,7 +746,7 @@ def test_zero_size_and_scalar_arrays() -> None:
     for same_job in (False, True):
         plan = plan_transfers(src, dst, same_job=same_job, split_bytes=1)
         s = assert_plan_exact(plan, src, dst, same_job)
-        assert s["total_bytes"] == 3 * 8 + 3
+        assert s.total_bytes == 3 * 8 + 3
     assert not any(t.fqn == "z" for t in plan.transfers)
 
 
@@ -726,7 +788,7 @@ def test_fp8_scales_move_with_their_weight_rows(same_job: bool, dds: int | None)
     plan = plan_transfers(src, dst, split_bytes=1, same_job=same_job, dst_domain_size=dds)
     assert_plan_exact(plan, src, dst, same_job)
     s = plan.stats()
-    assert s["fp8_pairs"] == 2 and s["unpaired_scales"] == []
+    assert s.fp8_pairs == 2 and s.unpaired_scales == ()
     weights: Counter[tuple[Any, ...]] = Counter()
     scales: Counter[tuple[Any, ...]] = Counter()
     senders: set[int] = set()
@@ -780,8 +842,8 @@ def test_fp8_scales_that_do_not_follow_their_weights_are_planned_alone() -> None
     dst = _fp8_layout("fsdp=3", (Shard(0),))
     plan = plan_transfers(src, dst, split_bytes=1)
     assert_plan_exact(plan, src, dst, False)
-    assert plan.stats()["unpaired_scales"] == ["l.b.weight_scale_inv", "l.w.weight_scale_inv"]
-    assert plan.stats()["fp8_pairs"] == 0
+    assert plan.stats().unpaired_scales == ("l.b.weight_scale_inv", "l.w.weight_scale_inv")
+    assert plan.stats().fp8_pairs == 0
 
 
 def test_digest_does_not_depend_on_object_sharing() -> None:

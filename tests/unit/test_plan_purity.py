@@ -36,7 +36,7 @@ dst = build_manifest(arrays, Mesh(("tp",), (3,)), {"w": (Shard(1),), "s": (Repli
 src = loads_manifest(dumps_manifest(src))
 plan = plan_transfers(src, dst, dst_domain_size=3, split_bytes=1)
 assert validate_plan(plan, src, dst) == [], validate_plan(plan, src, dst)
-assert plan.stats()["moved_bytes"] == plan.stats()["lower_bound_bytes"] == 7 * 5 * 2 + 3 * 8
+assert plan.stats().moved_bytes == plan.stats().lower_bound_bytes == 7 * 5 * 2 + 3 * 8
 print("PLAN-OK", plan.digest())
 """
 

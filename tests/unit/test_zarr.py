@@ -450,20 +450,62 @@ def test_parse_array_metadata_accepts_what_zarr_writes(tmp_path: Path) -> None:
 # ------------------------------------------------------------------ resume, usage
 
 
+def test_finished_group_holds_no_state(tp2_zarr: Path) -> None:
+    """The lock and completion records go once the manifest is written: a finished output is the
+    group's metadata, its arrays and the manifest."""
+    assert sorted(p.name for p in tp2_zarr.iterdir()) == sorted([*TINY, "manifest.json", "zarr.json"])
+
+
 def test_resume_reuses_intact_arrays_and_rewrites_damaged_ones(tiny: Path, tmp_path: Path) -> None:
     src = load_manifest(tiny / "hf" / "manifest.json")
     dst = tp_layout(src, 2)
     out = tmp_path / "z"
     convert(src, dst, out, ConvertOptions(format="zarr"))
     first = (out / "manifest.json").read_bytes()
-    # an interrupted run: no manifest, one array damaged
-    (out / "manifest.json").unlink()
+    listing = sorted(p.name for p in out.iterdir())
+    # a finished output, one array damaged since: its manifest's checksums stand for the records
     chunk = out / "model.norm.weight" / "c" / "0"
     chunk.write_bytes(b"\x00" * chunk.stat().st_size)
     rep = convert(src, dst, out, ConvertOptions(format="zarr", resume=True))
     assert rep.files_written == 1 and rep.files_skipped == len(TINY) - 1
     assert (out / "manifest.json").read_bytes() == first
     assert validate_data(load_manifest(out / "manifest.json")) == []
+    assert sorted(p.name for p in out.iterdir()) == listing
+    # another compressor: every array is written again
+    rep = convert(src, dst, out, ConvertOptions(format="zarr", resume=True, zarr_compressor="zstd"))
+    assert rep.files_written == len(TINY) and rep.files_skipped == 0
+
+
+def test_resume_after_a_failed_run(tiny: Path, tmp_path: Path, monkeypatch: Any) -> None:
+    """A run that dies after some arrays keeps their completion records (and no manifest); a
+    resumed run reuses exactly those and ends with no state left."""
+    from streamer.convert.zarr_sink import ZarrSink
+
+    src = load_manifest(tiny / "hf" / "manifest.json")
+    dst = tp_layout(src, 2)
+    ref = tmp_path / "ref"
+    convert(src, dst, ref, ConvertOptions(format="zarr"))
+    real = ZarrSink.write
+    calls: list[str] = []
+
+    def dies_at_the_fourth(self: ZarrSink, *a: Any) -> dict[str, str]:
+        calls.append(a[1].fqn)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return real(self, *a)
+
+    out = tmp_path / "z"
+    monkeypatch.setattr(ZarrSink, "write", dies_at_the_fourth)
+    with pytest.raises(KeyboardInterrupt):
+        convert(src, dst, out, ConvertOptions(format="zarr"))
+    monkeypatch.undo()
+    assert not (out / "manifest.json").exists()
+    assert len(list((out / ".shardstream").glob("*.done.json"))) == 3
+    rep = convert(src, dst, out, ConvertOptions(format="zarr", resume=True))
+    assert rep.files_skipped == 3 and rep.files_written == len(TINY) - 3
+    assert (out / "manifest.json").read_bytes() == (ref / "manifest.json").read_bytes()
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in ref.iterdir())
+    assert not (out / ".shardstream").exists()
 
 
 def test_usage_errors(tp2_zarr: Path, tiny: Path, tmp_path: Path, capsys: Any) -> None:
