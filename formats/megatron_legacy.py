@@ -231,6 +231,7 @@ def read_megatron_legacy(path: str | os.PathLike[str], cfg: Mapping[str, Any] | 
     T = 1 + max(tp for _, tp in files)
     view = preset_manifest(cfg, "megatron", Mesh(("pp", "tp"), (P, T)), megatron_spec="local")
     tables = {k: read_legacy_tensors(f) for k, f in files.items()}
+    shapes = {r: {n: t.shape for n, t in view.local_tensors(r).items()} for r in range(P * T)}
     problems: list[str] = []
     arrays: dict[str, ArraySpec] = {}
     for fqn, spec in view.arrays.items():
@@ -242,7 +243,7 @@ def read_megatron_legacy(path: str | os.PathLike[str], cfg: Mapping[str, Any] | 
             local = c.tensor(fqn)
             name = local
             lt = table.get(name)
-            want = view.local_tensors(c.holders[0])[local].shape
+            want = shapes[c.holders[0]][local]
             if lt is None:
                 problems.append(f"{f}: {fqn}: no tensor {name}")
                 break

@@ -86,6 +86,7 @@ def megatron_to_hf(stored: Manifest, cfg: Mapping[str, Any] | str | os.PathLike[
     local_shapes = {n: t.shape for n, t in view.local_tensors(0).items()}
     padded = set(view.tensors.get(0, {}))  # vocab-padded: the stored padding depends on the saving tp
     stacks: dict[str, tuple[int, ...]] = {}  # stored name -> largest leading index + 1 the config needs
+    index = _ChunkIndex(stored)
     arrays: dict[str, ArraySpec] = {}
     problems: list[str] = []
     for fqn, spec in view.arrays.items():
@@ -116,7 +117,7 @@ def megatron_to_hf(stored: Manifest, cfg: Mapping[str, Any] | str | os.PathLike[
             if lead:
                 prev = stacks.get(sname, (0,) * len(lead))
                 stacks[sname] = tuple(max(p, i + 1) for p, i in zip(prev, lead))
-            chunks.extend(_pieces(fqn, c, box, len(lead), sname, sa, where, problems))
+            chunks.extend(_pieces(fqn, c, box, len(lead), sname, sa, index.get(sname, lead), where, problems))
         if len(dtypes) > 1:
             problems.append(f"{where}: {fqn}: maps onto stored arrays of several data_types {sorted(dtypes)}")
         if dtypes and not problems:
@@ -132,13 +133,44 @@ def megatron_to_hf(stored: Manifest, cfg: Mapping[str, Any] | str | os.PathLike[
     return Manifest(world_size=1, arrays=arrays, name=stored.name, base_dir=base)
 
 
-def _pieces(fqn: str, c: Chunk, box: Box, k: int, sname: str, sa: ArraySpec, where: str,
-            problems: list[str]) -> list[Chunk]:
+class _ChunkIndex:
+    """The stored chunks of an array by leading index (layer, expert): each HF region then looks
+    at the few chunks of its own layer, not all of them (DeepSeek-V3's stacked experts have
+    L × E × tp chunks; a scan per region would be quadratic)."""
+
+    def __init__(self, stored: Manifest) -> None:
+        self.stored = stored
+        self.by_lead: dict[tuple[str, int], dict[tuple[int, ...], list[Chunk]]] = {}
+
+    def get(self, name: str, lead: tuple[int, ...]) -> list[Chunk]:
+        k = len(lead)
+        if not k:
+            return list(self.stored.arrays[name].chunks)
+        idx = self.by_lead.get((name, k))
+        if idx is None:
+            idx = {}
+            for sc in self.stored.arrays[name].chunks:
+                o, n = sc.region.offsets[:k], sc.region.sizes[:k]
+                for rel in _indices(n):
+                    idx.setdefault(tuple(a + b for a, b in zip(o, rel)), []).append(sc)
+            self.by_lead[(name, k)] = idx
+        return idx.get(lead, [])
+
+
+def _indices(sizes: tuple[int, ...]) -> list[tuple[int, ...]]:
+    out: list[tuple[int, ...]] = [()]
+    for n in sizes:
+        out = [t + (i,) for t in out for i in range(n)]
+    return out
+
+
+def _pieces(fqn: str, c: Chunk, box: Box, k: int, sname: str, sa: ArraySpec, candidates: list[Chunk],
+            where: str, problems: list[str]) -> list[Chunk]:
     """Cut ``box`` (in the stored array, ``k`` leading one-element dims) along the stored chunks."""
     isz = by_name(sa.data_type).itemsize
     out: list[Chunk] = []
     covered = 0
-    for sc in sa.chunks:
+    for sc in candidates:
         part = sc.region.intersect(box)
         if part is None or part.empty:
             continue
