@@ -254,10 +254,29 @@ def cmd_convert(args: argparse.Namespace) -> int:
         raise UsageError("--max-shard-size splits safetensors files; it does not apply to --format zarr")
     comm = _mpi_comm()
     src, dst = _load(args.src), _load(args.dst)
+    torch_dist = args.format == "torch_dist"
+    if torch_dist and (comm is not None or args.resume or args.max_shard_size):
+        raise UsageError("--format torch_dist runs in one process and takes no --resume or --max-shard-size")
+    out = Path(args.out) / ".staging" if torch_dist else Path(args.out)
+    if torch_dist:
+        from .megatron_export import check_destination
+
+        check_destination(dst, _where(args.dst))
+        if Path(args.out).exists() and any(Path(args.out).iterdir()):
+            raise UsageError(f"{args.out}: output directory is not empty")
     opts = ConvertOptions(memory_limit=args.memory_limit, resume=args.resume, max_shard_size=args.max_shard_size,
                           allow_extra=args.allow_extra, progress=None if not args.json else False,
-                          cast=args.cast, format=args.format, zarr_compressor=args.zarr_compressor or "none")
-    rep = convert(src, dst, args.out, opts, comm=comm, src_where=_where(args.src), dst_where=_where(args.dst))
+                          cast=args.cast, format="safetensors" if torch_dist else args.format,
+                          zarr_compressor=args.zarr_compressor or "none")
+    rep = convert(src, dst, out, opts, comm=comm, src_where=_where(args.src), dst_where=_where(args.dst))
+    if torch_dist:  # a Megatron save root: the one-rank megatron layout packed into torch_dist chunks
+        from .megatron_export import pack_torch_dist
+
+        packed = pack_torch_dist(out, Path(args.out))
+        _out(args, {**rep.to_dict(), "out": args.out, "torch_dist": packed},
+             f"converted {args.src} -> {args.out}: Megatron torch_dist save ({packed['arrays']} arrays, "
+             f"{packed['chunks']} chunks, {packed['bytes'] / 1e9:.3f} GB) in {packed['dir']}")
+        return 0
     if comm is not None and comm.Get_rank() != 0:
         return 0
     gbps = rep.bytes_written / rep.seconds / 1e9 if rep.seconds else 0.0
@@ -483,7 +502,7 @@ def _add_convert(sub: Any) -> None:
     p.add_argument("src", metavar="SRC", help="source manifest, convert output dir, or HF checkpoint")
     p.add_argument("dst", metavar="DST", help="destination manifest (from `layout`)")
     p.add_argument("--out", required=True, metavar="DIR")
-    p.add_argument("--format", choices=["safetensors", "zarr"], default="safetensors",
+    p.add_argument("--format", choices=["safetensors", "zarr", "torch_dist"], default="safetensors",
                    help="zarr: DIR becomes a zarr v3 group, one array per logical array")
     p.add_argument("--zarr-compressor", choices=["zstd", "none"], default=None,
                    help="--format zarr: chunk compression (default none)")

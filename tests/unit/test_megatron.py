@@ -41,6 +41,26 @@ def _copy(fixture: str, tmp_path: Path) -> Path:
     return d
 
 
+def _read_arrays(path: Path) -> dict[str, np.ndarray]:
+    """Every model array of a torch_dist save, read through the manifest's byte ranges (uint8,
+    one trailing dim of itemsize bytes)."""
+    m, _ = read_megatron_dist(path)
+    assert m.base_dir is not None
+    out = {}
+    for fqn, a in m.arrays.items():
+        isz = 4 if a.data_type == "float32" else 2
+        buf = np.zeros(a.shape + (isz,), np.uint8)
+        for c in a.chunks:
+            assert c.source is not None and c.source.byte_range is not None and c.source.file is not None
+            lo, hi = c.source.byte_range
+            with open(m.base_dir / c.source.file, "rb") as f:
+                f.seek(lo)
+                raw = np.frombuffer(f.read(hi - lo), np.uint8)
+            buf[c.region.slices] = raw.reshape(c.region.sizes + (isz,))
+        out[fqn] = buf
+    return out
+
+
 # ------------------------------------------------------------------ torch_dist under the stored keys
 
 
@@ -76,24 +96,7 @@ def test_import_keeps_stored_keys_and_skips_non_weights(fixture: str, tmp_path: 
 @pytest.mark.parametrize("pair", [("torch_dist/tp1", "torch_dist/tp2pp2"), ("moe/ep1", "moe/ep2")])
 def test_stored_bytes_equal_after_megatrons_resharding(pair: tuple[str, str]) -> None:
     """Megatron resharded TP1 into TP2xPP2 (EP1 into EP2): the global arrays read through the byte ranges agree."""
-    def arrays(fixture: str) -> dict[str, np.ndarray]:
-        m, _ = read_megatron_dist(DATA / fixture)
-        assert m.base_dir is not None
-        out = {}
-        for fqn, a in m.arrays.items():
-            isz = 4 if a.data_type == "float32" else 2
-            buf = np.zeros(a.shape + (isz,), np.uint8)
-            for c in a.chunks:
-                assert c.source is not None and c.source.byte_range is not None and c.source.file is not None
-                lo, hi = c.source.byte_range
-                with open(m.base_dir / c.source.file, "rb") as f:
-                    f.seek(lo)
-                    raw = np.frombuffer(f.read(hi - lo), np.uint8)
-                buf[c.region.slices] = raw.reshape(c.region.sizes + (isz,))
-            out[fqn] = buf
-        return out
-
-    a, b = arrays(pair[0]), arrays(pair[1])
+    a, b = _read_arrays(DATA / pair[0]), _read_arrays(DATA / pair[1])
     assert a.keys() == b.keys()
     for k in a:
         assert np.array_equal(a[k], b[k]), k
@@ -340,3 +343,39 @@ def test_to_hf_view_of_a_large_moe_layout_is_valid_and_quick() -> None:
             lo, hi = c.source.byte_range
             i = bisect.bisect_right(ranges, (lo, float("inf"))) - 1
             assert ranges[i][0] <= lo < hi <= ranges[i][1]
+
+
+def test_hf_to_torch_dist_matches_megatrons_own_save(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """HF -> torch_dist (``convert --format torch_dist``) writes the keys, shapes, chunks and
+    ``_extra_state`` entries Megatron's own save has, with the same weights. (That
+    ``dist_checkpointing.load`` takes it at TP1 and TP2 with Megatron's logits is checked by
+    ``make_fixtures.py check-load``, which needs megatron-core.)"""
+    torch = pytest.importorskip("torch")
+    d = _copy("torch_dist/tp1", tmp_path)
+    hfv, dst, hf, mg = tmp_path / "hfv.json", tmp_path / "dst.json", tmp_path / "hf", tmp_path / "mg.json"
+    assert run_cli(capsys, "import", str(d), "--model", str(CONFIG), "--to", "hf", "-o", str(hfv))[0] == 0
+    assert run_cli(capsys, "layout", "--model", str(CONFIG), "--preset", "hf", "-o", str(dst))[0] == 0
+    assert run_cli(capsys, "convert", str(hfv), str(dst), "--out", str(hf))[0] == 0
+    assert run_cli(capsys, "layout", "--model", str(CONFIG), "--preset", "megatron", "-o", str(mg))[0] == 0
+    out = tmp_path / "megatron"
+    rc, _, err = run_cli(capsys, "convert", str(hf), str(mg), "--out", str(out), "--format", "torch_dist")
+    assert rc == 0, err
+    assert (out / "latest_checkpointed_iteration.txt").read_text() == "release"
+    assert not (out / ".staging").exists()
+    ours, _ = read_megatron_dist(out)
+    theirs, skipped = read_megatron_dist(d)
+    assert {k: a.shape for k, a in ours.arrays.items()} == {k: a.shape for k, a in theirs.arrays.items()}
+    _, ours_skipped = read_megatron_dist(out)
+    assert sorted(ours_skipped.extra_state) == sorted(skipped.extra_state)
+    a, b = _read_arrays(out), _read_arrays(d / "iter_0000001")
+    for k in a:
+        x = torch.from_numpy(a[k].reshape(-1).copy()).view(getattr(torch, ours.arrays[k].data_type))
+        y = torch.from_numpy(b[k].reshape(-1).copy()).view(getattr(torch, theirs.arrays[k].data_type))
+        x, y = x.float().reshape(ours.arrays[k].shape), y.float().reshape(theirs.arrays[k].shape)
+        if k in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            x, y = x[:200], y[:200]  # the padding rows: zeros in ours, Megatron's init in theirs
+        assert torch.equal(x, y), k
+    # only into the one-rank megatron layout, checked before anything is written
+    rc, _, err = run_cli(capsys, "convert", str(hf), str(dst), "--out", str(tmp_path / "bad"), "--format", "torch_dist")
+    assert rc == 2 and "needs Megatron local tensor names (layout --preset megatron); lm_head.weight" in err
+    assert not (tmp_path / "bad").exists()

@@ -10,6 +10,8 @@ Needs megatron-core (0.16.x) and a CPU torch in a *separate* venv (tests never i
     /tmp/mcore/bin/torchrun --nproc-per-node 1 make_fixtures.py moe-ep1
     /tmp/mcore/bin/torchrun --nproc-per-node 2 make_fixtures.py moe-ep2
     /tmp/mcore/bin/python make_fixtures.py versions
+    # a torch_dist save shardstream wrote from HF (convert --format torch_dist): load + logits
+    /tmp/mcore/bin/torchrun --nproc-per-node 2 make_fixtures.py check-load DIR --tp 2
 
 The model is a Llama-style GPT (GQA 4 heads / 2 groups, swiglu, RMSNorm, RoPE, untied output
 layer, vocab 200 padded by Megatron to 256, bf16), built with Megatron-core's *local* layer
@@ -290,6 +292,31 @@ def cmd_moe_ep2() -> None:
     _save_dist(model, HERE / "moe" / "ep2")
 
 
+def cmd_check_load(path: str, tp: int) -> None:
+    """Load a torch_dist save (e.g. one shardstream wrote from HF) into a TP=tp model and compare
+    its forward with logits.json."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    _setup(tp, 1)
+    model = _model(1)
+    root = Path(path)
+    tracker = (root / "latest_checkpointed_iteration.txt").read_text().strip()
+    it = root / ("release" if tracker == "release" else f"iter_{int(tracker):07d}")
+    sd = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(it))
+    model.load_state_dict(sd["model"], strict=False)
+    logits = _forward(model)
+    if tp > 1:  # vocab-parallel output: gather the columns
+        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+        logits = gather_from_tensor_model_parallel_region(logits)
+    ref = torch.tensor(json.loads((HERE / "logits.json").read_text())["logits"])
+    diff = (logits[..., :VOCAB].float() - ref).abs().max().item()
+    if dist.get_rank() == 0:
+        print(f"check-load {path} tp={tp}: max |logits - Megatron's recorded logits| = {diff}")
+
+
 def cmd_versions() -> None:
     import platform
 
@@ -303,8 +330,13 @@ def cmd_versions() -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["tp1", "tp2pp2", "legacy-tp2", "moe-ep1", "moe-ep2", "versions"])
+    ap.add_argument("what", choices=["tp1", "tp2pp2", "legacy-tp2", "moe-ep1", "moe-ep2", "versions", "check-load"])
+    ap.add_argument("path", nargs="?", help="check-load: a torch_dist save root")
+    ap.add_argument("--tp", type=int, default=1)
     a = ap.parse_args()
+    if a.what == "check-load":
+        cmd_check_load(a.path, a.tp)
+        return
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     {"tp1": cmd_tp1, "tp2pp2": cmd_tp2pp2, "legacy-tp2": cmd_legacy_tp2, "moe-ep1": cmd_moe_ep1,
      "moe-ep2": cmd_moe_ep2, "versions": cmd_versions}[a.what]()
