@@ -79,10 +79,18 @@ def pack_torch_dist(staged: Path, out: Path) -> dict[str, Any]:
         raise FormatError(f"{staged}: --format torch_dist needs a one-rank megatron destination (layout --preset "
                           f"megatron, default mesh tp=1); got {len(files)} files")
     h = read_header(files[0])
+    names = list(h.tensors)
+    # a local-spec layout (--megatron-spec local): Megatron saves its separate norms under the TE
+    # names (the spec's sharded_state_dict_keys_map), in MoE layers too
+    local_spec = any(n.endswith(".input_layernorm.weight") for n in names) and any(
+        n.endswith(".self_attention.linear_qkv.weight") for n in names)
     shapes: dict[str, tuple[tuple[int, ...], str]] = {}
     items: list[tuple[str, tuple[int, ...], Any]] = []
     for t in h.tensors.values():
         key, lead = stacked_key(t.name)
+        if local_spec:
+            key = key.replace(".input_layernorm.", ".self_attention.linear_qkv.layer_norm_").replace(
+                ".pre_mlp_layernorm.", ".mlp.linear_fc1.layer_norm_")
         if not key.startswith(_MEGATRON_PREFIXES):
             raise FormatError(f"{files[0]}: {t.name}: not a Megatron local tensor name; DST must be "
                               "`layout --preset megatron`")

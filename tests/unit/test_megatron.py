@@ -345,18 +345,23 @@ def test_to_hf_view_of_a_large_moe_layout_is_valid_and_quick() -> None:
             assert ranges[i][0] <= lo < hi <= ranges[i][1]
 
 
-def test_hf_to_torch_dist_matches_megatrons_own_save(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """HF -> torch_dist (``convert --format torch_dist``) writes the keys, shapes, chunks and
-    ``_extra_state`` entries Megatron's own save has, with the same weights. (That
-    ``dist_checkpointing.load`` takes it at TP1 and TP2 with Megatron's logits is checked by
-    ``make_fixtures.py check-load``, which needs megatron-core.)"""
+@pytest.mark.parametrize("fixture,spec", [("torch_dist/tp1", "te"), ("torch_dist/tp1", "local"), ("moe/ep1", "local")])
+def test_hf_to_torch_dist_matches_megatrons_own_save(fixture: str, spec: str, tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """HF -> torch_dist (``convert --format torch_dist``) writes the keys, shapes and
+    ``_extra_state`` entries Megatron's own save has (dense under either spec; MoE under the
+    local spec the fixture used), with the same weights. (That ``dist_checkpointing.load`` takes
+    it at TP1/TP2 and EP1/EP2 with Megatron's logits is checked by ``make_fixtures.py
+    check-load``, which needs megatron-core.)"""
     torch = pytest.importorskip("torch")
-    d = _copy("torch_dist/tp1", tmp_path)
+    d = _copy(fixture, tmp_path)
+    config = DATA / "moe" / "config.json" if fixture.startswith("moe") else CONFIG
     hfv, dst, hf, mg = tmp_path / "hfv.json", tmp_path / "dst.json", tmp_path / "hf", tmp_path / "mg.json"
-    assert run_cli(capsys, "import", str(d), "--model", str(CONFIG), "--to", "hf", "-o", str(hfv))[0] == 0
-    assert run_cli(capsys, "layout", "--model", str(CONFIG), "--preset", "hf", "-o", str(dst))[0] == 0
+    assert run_cli(capsys, "import", str(d), "--model", str(config), "--to", "hf", "-o", str(hfv))[0] == 0
+    assert run_cli(capsys, "layout", "--model", str(config), "--preset", "hf", "-o", str(dst))[0] == 0
     assert run_cli(capsys, "convert", str(hfv), str(dst), "--out", str(hf))[0] == 0
-    assert run_cli(capsys, "layout", "--model", str(CONFIG), "--preset", "megatron", "-o", str(mg))[0] == 0
+    assert run_cli(capsys, "layout", "--model", str(config), "--preset", "megatron", "--megatron-spec", spec,
+                   "-o", str(mg))[0] == 0
     out = tmp_path / "megatron"
     rc, _, err = run_cli(capsys, "convert", str(hf), str(mg), "--out", str(out), "--format", "torch_dist")
     assert rc == 0, err
@@ -368,6 +373,7 @@ def test_hf_to_torch_dist_matches_megatrons_own_save(tmp_path: Path, capsys: pyt
     _, ours_skipped = read_megatron_dist(out)
     assert sorted(ours_skipped.extra_state) == sorted(skipped.extra_state)
     a, b = _read_arrays(out), _read_arrays(d / "iter_0000001")
+    assert a.keys() == b.keys()
     for k in a:
         x = torch.from_numpy(a[k].reshape(-1).copy()).view(getattr(torch, ours.arrays[k].data_type))
         y = torch.from_numpy(b[k].reshape(-1).copy()).view(getattr(torch, theirs.arrays[k].data_type))

@@ -12,6 +12,7 @@ Needs megatron-core (0.16.x) and a CPU torch in a *separate* venv (tests never i
     /tmp/mcore/bin/python make_fixtures.py versions
     # a torch_dist save shardstream wrote from HF (convert --format torch_dist): load + logits
     /tmp/mcore/bin/torchrun --nproc-per-node 2 make_fixtures.py check-load DIR --tp 2
+    /tmp/mcore/bin/torchrun --nproc-per-node 2 make_fixtures.py check-load DIR --moe --ep 2
 
 The model is a Llama-style GPT (GQA 4 heads / 2 groups, swiglu, RMSNorm, RoPE, untied output
 layer, vocab 200 padded by Megatron to 256, bf16), built with Megatron-core's *local* layer
@@ -292,15 +293,15 @@ def cmd_moe_ep2() -> None:
     _save_dist(model, HERE / "moe" / "ep2")
 
 
-def cmd_check_load(path: str, tp: int) -> None:
+def cmd_check_load(path: str, tp: int, ep: int = 1, moe: bool = False) -> None:
     """Load a torch_dist save (e.g. one shardstream wrote from HF) into a TP=tp model and compare
     its forward with logits.json."""
     import torch
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
-    _setup(tp, 1)
-    model = _model(1)
+    _setup(tp, 1, ep=ep)
+    model = _model(1, moe=moe)
     root = Path(path)
     tracker = (root / "latest_checkpointed_iteration.txt").read_text().strip()
     it = root / ("release" if tracker == "release" else f"iter_{int(tracker):07d}")
@@ -311,10 +312,10 @@ def cmd_check_load(path: str, tp: int) -> None:
         from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
         logits = gather_from_tensor_model_parallel_region(logits)
-    ref = torch.tensor(json.loads((HERE / "logits.json").read_text())["logits"])
+    ref = torch.tensor(json.loads((HERE / ("moe" if moe else ".") / "logits.json").read_text())["logits"])
     diff = (logits[..., :VOCAB].float() - ref).abs().max().item()
     if dist.get_rank() == 0:
-        print(f"check-load {path} tp={tp}: max |logits - Megatron's recorded logits| = {diff}")
+        print(f"check-load {path} tp={tp} ep={ep} moe={moe}: max |logits - Megatron's recorded logits| = {diff}")
 
 
 def cmd_versions() -> None:
@@ -333,9 +334,11 @@ def main() -> None:
     ap.add_argument("what", choices=["tp1", "tp2pp2", "legacy-tp2", "moe-ep1", "moe-ep2", "versions", "check-load"])
     ap.add_argument("path", nargs="?", help="check-load: a torch_dist save root")
     ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--moe", action="store_true", help="check-load: the MoE model (moe/config.json)")
     a = ap.parse_args()
     if a.what == "check-load":
-        cmd_check_load(a.path, a.tp)
+        cmd_check_load(a.path, a.tp, a.ep, a.moe)
         return
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     {"tp1": cmd_tp1, "tp2pp2": cmd_tp2pp2, "legacy-tp2": cmd_legacy_tp2, "moe-ep1": cmd_moe_ep1,
