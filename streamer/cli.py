@@ -255,6 +255,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     comm = _mpi_comm()
     src, dst = _load(args.src), _load(args.dst)
     torch_dist = args.format == "torch_dist"
+    if args.megatron_tp is not None and not torch_dist:
+        raise UsageError("--megatron-tp goes with --format torch_dist")
     if torch_dist and (comm is not None or args.resume or args.max_shard_size):
         raise UsageError("--format torch_dist runs in one process and takes no --resume or --max-shard-size")
     out = Path(args.out) / ".staging" if torch_dist else Path(args.out)
@@ -272,7 +274,13 @@ def cmd_convert(args: argparse.Namespace) -> int:
     if torch_dist:  # a Megatron save root: the one-rank megatron layout packed into torch_dist chunks
         from .megatron_export import pack_torch_dist
 
-        packed = pack_torch_dist(out, Path(args.out))
+        rows = None
+        if args.megatron_tp is not None:
+            from formats.layouts.presets.megatron import megatron_padded_vocab
+
+            emb = dst.arrays.get("model.embed_tokens.weight")
+            rows = megatron_padded_vocab(emb.shape[0], args.megatron_tp) if emb is not None else None
+        packed = pack_torch_dist(out, Path(args.out), vocab_rows=rows)
         _out(args, {**rep.to_dict(), "out": args.out, "torch_dist": packed},
              f"converted {args.src} -> {args.out}: Megatron torch_dist save ({packed['arrays']} arrays, "
              f"{packed['chunks']} chunks, {packed['bytes'] / 1e9:.3f} GB) in {packed['dir']}")
@@ -502,6 +510,9 @@ def _add_convert(sub: Any) -> None:
     p.add_argument("src", metavar="SRC", help="source manifest, convert output dir, or HF checkpoint")
     p.add_argument("dst", metavar="DST", help="destination manifest (from `layout`)")
     p.add_argument("--out", required=True, metavar="DIR")
+    p.add_argument("--megatron-tp", type=_positive_int, metavar="N",
+                   help="--format torch_dist: pad the vocab as Megatron does for a job of this tensor-parallel "
+                        "size (a multiple of 128 x N; default: as at tp 1)")
     p.add_argument("--format", choices=["safetensors", "zarr", "torch_dist"], default="safetensors",
                    help="zarr: DIR becomes a zarr v3 group, one array per logical array")
     p.add_argument("--zarr-compressor", choices=["zstd", "none"], default=None,

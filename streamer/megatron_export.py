@@ -54,13 +54,17 @@ def check_destination(dst: Manifest, where: str) -> None:
                          f"{bad[0]} is not one ({len(bad)} such)")
 
 
-def pack_torch_dist(staged: Path, out: Path) -> dict[str, Any]:
+_VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def pack_torch_dist(staged: Path, out: Path, *, vocab_rows: int | None = None) -> dict[str, Any]:
     """Pack the one-rank safetensors file in ``staged`` into ``out/release`` (a Megatron save
-    root). Returns a small report (arrays, chunks, bytes)."""
+    root). ``vocab_rows``: the padded vocab the loading job computes (Megatron pads to a multiple
+    of ``make_vocab_size_divisible_by × tp``); rows past the staged ones are written as a zero
+    chunk. Returns a small report (arrays, chunks, bytes)."""
     import io
     import pickle
 
-    import numpy as np
     import torch
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (
@@ -100,7 +104,13 @@ def pack_torch_dist(staged: Path, out: Path) -> dict[str, Any]:
         need = tuple(i + 1 for i in lead)
         if prev is not None:
             need = tuple(max(a, b) for a, b in zip(prev[0][:len(lead)], need))
-        shapes[key] = (need + tuple(t.shape), t.dtype.name)
+        shape = tuple(t.shape)
+        if key in _VOCAB_KEYS and vocab_rows is not None:
+            if vocab_rows < shape[0]:
+                raise UsageError(f"{t.name}: --megatron-tp pads the vocab to {vocab_rows} rows, fewer than the "
+                                 f"{shape[0]} of the layout")
+            shape = (vocab_rows,) + shape[1:]
+        shapes[key] = (need + shape, t.dtype.name)
     it = out / "release"
     it.mkdir(parents=True, exist_ok=True)
     sdm: dict[str, Any] = {}
@@ -110,21 +120,26 @@ def pack_torch_dist(staged: Path, out: Path) -> dict[str, Any]:
     with open(files[0], "rb") as src, open(it / rel, "wb") as f:
         for key, lead, t in items:
             src.seek(t.start)
-            raw = np.frombuffer(src.read(t.nbytes), dtype=np.uint8).copy()
             dt = getattr(torch, by_name(t.dtype.name).name)
-            ten = torch.frombuffer(bytearray(raw.tobytes()), dtype=dt).reshape((1,) * len(lead) + tuple(t.shape))
-            offsets = torch.Size(lead + (0,) * len(t.shape))
-            buf = io.BytesIO()
-            torch.save(ten, buf)
-            data = buf.getvalue()
-            pos = f.tell()
-            f.write(data)
-            shape, dname = shapes[key]
+            ten = torch.frombuffer(bytearray(src.read(t.nbytes)), dtype=dt).reshape((1,) * len(lead) + tuple(t.shape))
+            shape, _ = shapes[key]
             tm = sdm.get(key)
             if tm is None:
                 tm = sdm[key] = TensorStorageMetadata(TensorProperties(dtype=dt), torch.Size(shape), [])
-            tm.chunks.append(ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(ten.shape)))
-            storage[MetadataIndex(key, offsets)] = _StorageInfo(relative_path=rel, offset=pos, length=len(data))
+            pieces = [(lead + (0,) * len(t.shape), ten)]
+            if shape[len(lead)] > ten.shape[len(lead)]:  # the loader's extra vocab padding: zeros
+                rows = shape[len(lead)] - ten.shape[len(lead)]
+                pieces.append((lead + (ten.shape[len(lead)],) + (0,) * (len(t.shape) - 1),
+                               torch.zeros((1,) * len(lead) + (rows,) + tuple(t.shape[1:]), dtype=dt)))
+            for off, piece in pieces:
+                offsets = torch.Size(off)
+                buf = io.BytesIO()
+                torch.save(piece, buf)
+                data = buf.getvalue()
+                pos = f.tell()
+                f.write(data)
+                tm.chunks.append(ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(piece.shape)))
+                storage[MetadataIndex(key, offsets)] = _StorageInfo(relative_path=rel, offset=pos, length=len(data))
             nbytes += t.nbytes
         # Megatron's linear layers also hold an `_extra_state` sharded object per layer (expert);
         # its loader asks for them, so write what the local spec saves: torch.save([None])

@@ -524,7 +524,7 @@ GOLDEN = {
     'plan': ['--allow-extra', '--dst-domain-size', '--json', '--same-job', '--src-domain-size',
         '<dst>', '<src>'],
     'convert': ['--allow-extra', '--cast{float16,bfloat16,float32,float64}',
-        '--format{safetensors,zarr,torch_dist}', '--json', '--max-shard-size', '--memory-limit', '--out!',
+        '--format{safetensors,zarr,torch_dist}', '--json', '--megatron-tp', '--max-shard-size', '--memory-limit', '--out!',
         '--resume', '--zarr-compressor{zstd,none}', '<dst>', '<src>'],
     'refit': ['--allow-extra', '--bucket-size', '--dst-domain-size', '--json', '--manifest!',
         '--rendezvous', '--save', '--src-domain-size', '--steps', '--strategy{reshard,broadcast}',

@@ -381,6 +381,14 @@ def test_hf_to_torch_dist_matches_megatrons_own_save(fixture: str, spec: str, tm
         if k in ("embedding.word_embeddings.weight", "output_layer.weight"):
             x, y = x[:200], y[:200]  # the padding rows: zeros in ours, Megatron's init in theirs
         assert torch.equal(x, y), k
+    if fixture == "torch_dist/tp1" and spec == "te":  # a tp 4 loader pads 200 to 512 rows: zeros past 256
+        out4 = tmp_path / "megatron-tp4"
+        rc, _, err = run_cli(capsys, "convert", str(hf), str(mg), "--out", str(out4), "--format", "torch_dist",
+                             "--megatron-tp", "4")
+        assert rc == 0, err
+        emb = _read_arrays(out4)["embedding.word_embeddings.weight"]
+        assert emb.shape[:2] == (512, 32) and not emb[256:].any()
+        assert np.array_equal(emb[:256], a["embedding.word_embeddings.weight"])
     # only into the one-rank megatron layout, checked before anything is written
     rc, _, err = run_cli(capsys, "convert", str(hf), str(dst), "--out", str(tmp_path / "bad"), "--format", "torch_dist")
     assert rc == 2 and "needs Megatron local tensor names (layout --preset megatron); lm_head.weight" in err
