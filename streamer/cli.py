@@ -376,7 +376,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from . import bench
 
     work = args.work or tempfile.mkdtemp(prefix="shardstream-bench-")
-    if args.what == "convert":
+    if args.source == "megatron" and args.what != "convert":
+        raise UsageError("--source megatron goes with bench convert")
+    if args.what == "convert" and args.source == "megatron":
+        from .bench_megatron import bench_convert_megatron, megatron_table
+
+        r = bench_convert_megatron(work, preset=args.preset or "qwen3-2g", memory_limit=args.memory_limit,
+                                   repeats=args.repeats or 2)
+        text = megatron_table(r)
+    elif args.what == "convert":
         r = bench.bench_convert(work, preset=args.preset or "qwen3-2g", memory_limit=args.memory_limit,
                                 repeats=args.repeats or 2, src_tp=args.src_tp, dst_tp=args.dst_tp, dcp=not args.no_dcp)
         text = bench.convert_table(r)
@@ -572,8 +580,9 @@ def _add_bench(sub: Any) -> None:
     p.add_argument("--receivers", type=_positive_int, default=4)
     p.add_argument("--train-mesh", default="pp=2,tp=2")
     p.add_argument("--serve-mesh", default="tp=4")
-    p.add_argument("--source", choices=["files", "fsdp2"], default="files",
-                   help="bench refit: the trainer's rank files, or a real FSDP2 model (fp32 masters, cast to bf16)")
+    p.add_argument("--source", choices=["files", "fsdp2", "megatron"], default="files",
+                   help="bench refit: the trainer's rank files, or a real FSDP2 model (fp32 masters, cast to bf16); "
+                        "bench convert: megatron = a Megatron torch_dist save -> HF (import --to hf + convert)")
     p.add_argument("--bucket-size", type=parse_size, default=64 << 20)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench)

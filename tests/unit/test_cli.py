@@ -532,7 +532,7 @@ GOLDEN = {
     'bench': ['--bucket-size', '--chunks', '--dst-tp', '--json', '--memory-limit', '--model', '--no-dcp', '--plot',
         '--preset{qwen3-tiny,qwen3-small,qwen3-2g}', '--receivers', '--repeats', '--senders',
         '--serve-mesh', '--src-tp', '--sweep', '--train-mesh', '--work', '<what>{plan,convert,refit,validate}',
-        '--source{files,fsdp2}'],
+        '--source{files,fsdp2,megatron}'],
     'synth': ['--json', '--max-shard-size', '--out!', '--preset{qwen3-tiny,qwen3-small,qwen3-2g}',
         '--seed'],
     'simulate': ['--broadcast-rings', '--bucket-size', '--cluster!{dgx-h100,gb200-nvl72}',

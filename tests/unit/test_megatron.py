@@ -393,3 +393,17 @@ def test_hf_to_torch_dist_matches_megatrons_own_save(fixture: str, spec: str, tm
     rc, _, err = run_cli(capsys, "convert", str(hf), str(dst), "--out", str(tmp_path / "bad"), "--format", "torch_dist")
     assert rc == 2 and "needs Megatron local tensor names (layout --preset megatron); lm_head.weight" in err
     assert not (tmp_path / "bad").exists()
+
+
+def test_bench_convert_source_megatron_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """torch_dist save of a synthetic Qwen3 -> import --to hf + convert, timed against the copy
+    floor; the HF output is checked byte for byte against the synthetic source."""
+    pytest.importorskip("torch")
+    rc, out, err = run_cli(capsys, "bench", "convert", "--source", "megatron", "--preset", "qwen3-tiny",
+                           "--repeats", "1", "--work", str(tmp_path), "--json")
+    assert rc == 0, err
+    r = json.loads(out)
+    assert r["source"] == "megatron" and r["bytes"] > 0 and r["ratio_to_floor"] > 0
+    assert r["convert_peak_rss_bytes"] > 0 and r["import_s"] > 0
+    rc, _, err = run_cli(capsys, "bench", "refit", "--source", "megatron")
+    assert rc == 2 and "--source megatron goes with bench convert" in err
