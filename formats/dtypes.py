@@ -39,6 +39,7 @@ _ALL = [
     DType("float64", "F64", 8, "float64"),
     DType("float8_e4m3fn", "F8_E4M3", 1, "uint8"),
     DType("float8_e5m2", "F8_E5M2", 1, "uint8"),
+    DType("float8_e8m0fnu", "F8_E8M0", 1, "uint8"),  # MX block scales: a biased power of two, 0xFF = NaN
 ]
 DTYPES: dict[str, DType] = {d.name: d for d in _ALL}
 _BY_ST: dict[str, DType] = {d.safetensors: d for d in _ALL}

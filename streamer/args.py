@@ -10,7 +10,7 @@ import re
 import sys
 from typing import Any
 
-__all__ = ["emit", "parse_size", "positive_int"]
+__all__ = ["emit", "parse_block", "parse_size", "positive_int"]
 
 _UNITS = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "TB": 1000**4,
           "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "TIB": 1024**4}
@@ -26,6 +26,14 @@ def parse_size(text: str) -> int:
     if v < 1:
         raise argparse.ArgumentTypeError(f"size {text!r} must be at least 1 byte")
     return int(v)
+
+
+def parse_block(text: str) -> tuple[int, int]:
+    """``128,128`` -> (128, 128): elements per scale along the last two dims."""
+    m = re.fullmatch(r"\s*(\d+)\s*[,x]\s*(\d+)\s*", text)
+    if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
+        raise argparse.ArgumentTypeError(f"invalid block {text!r} (expected two positive integers, e.g. 128,128)")
+    return int(m.group(1)), int(m.group(2))
 
 
 def positive_int(text: str) -> int:

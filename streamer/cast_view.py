@@ -1,9 +1,8 @@
 """Cast a byte view of a region from one float type to another, on its own device.
 
 The refit sender casts while it packs (fp32 master weights -> bf16 for the server), so the
-wire carries destination-sized bytes. Host regions use numpy's round-to-nearest-even cast
-(``convert.cast_bytes``, the one ``convert --cast`` uses); torch regions (gloo/NCCL buffers, GPU
-memory included) use ``Tensor.to``, which rounds the same way.
+wire carries destination-sized bytes; ``convert`` casts the same way (``convert.cast``), so a
+refit and a conversion give the same bits.
 """
 
 from __future__ import annotations
@@ -18,14 +17,15 @@ __all__ = ["cast_view"]
 
 
 def cast_view(view: Any, src: str, dst: str) -> Any:
-    """``view`` (``sizes + (src itemsize,)`` bytes) as ``sizes + (dst itemsize,)`` bytes of ``dst``."""
-    sizes = tuple(view.shape[:-1])
-    isz = by_name(dst).itemsize
+    """A new ``sizes + (dst itemsize,)`` byte array holding ``view``'s elements cast to ``dst``."""
+    from .convert.cast import cast_into
+
+    shape = tuple(view.shape[:-1]) + (by_name(dst).itemsize,)
     if isinstance(view, np.ndarray):
-        from .convert import cast_bytes
+        out: Any = np.empty(shape, dtype=np.uint8)
+    else:
+        import torch
 
-        return cast_bytes(np.ascontiguousarray(view).reshape(-1), src, dst).reshape(sizes + (isz,))
-    import torch
-
-    typed = view.contiguous().reshape(-1).view(getattr(torch, src))
-    return typed.to(getattr(torch, dst)).view(torch.uint8).reshape(sizes + (isz,))
+        out = torch.empty(shape, dtype=torch.uint8, device=view.device)
+    cast_into(out, view, src, dst)
+    return out

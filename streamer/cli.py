@@ -17,7 +17,7 @@ from formats.errors import PlanError, ShardstreamError, UsageError
 
 from . import __version__
 from .args import emit as _out
-from .args import parse_size
+from .args import parse_block, parse_size
 from .args import positive_int as _positive_int
 
 __all__ = ["main", "parse_size", "build_parser"]
@@ -216,7 +216,22 @@ def _fmt_stats(st: dict[str, Any]) -> str:
         names = st["unpaired_scales"]
         rows.append(("scales planned alone", f"{len(names):12d} (chunks not block for block with the weight: "
                      f"{', '.join(names[:3])}{', …' if len(names) > 3 else ''})"))
-    return "\n".join(f"{k:32s} {v}" for k, v in rows)
+    return "\n".join([*(f"{k:32s} {v}" for k, v in rows), *_fmt_quantized(st.get("quantized"))])
+
+
+def _fmt_quantized(q: dict[str, Any] | None) -> list[str]:
+    """Lines naming the arrays quantized on write, their scheme and the bytes saved."""
+    if not q or not q.get("arrays"):
+        return []
+    arrays = q["arrays"]
+    schemes = sorted({a["scheme"] for a in arrays.values()})
+    where = next(iter(arrays.values()))["where"]
+    lines = [f"{'quantized on write':32s} {len(arrays):12d} arrays ({', '.join(schemes)}; {where}), "
+             f"{q['bytes_saved'] / 1e9:.4f} GB saved"]
+    lines += [f"  {f}: {a['from']} -> {a['scheme']}, {a['bytes_saved']} B saved" for f, a in list(arrays.items())[:8]]
+    if len(arrays) > 8:
+        lines.append(f"  … and {len(arrays) - 8} more (--json lists every one)")
+    return lines
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -224,6 +239,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     from formats.validate import validate_manifest
 
+    from .convert.quantize import planned_destination, quant_report, quant_targets
     from .plan import plan_transfers
 
     src, dst = _load(args.src), _load(args.dst)
@@ -233,14 +249,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise ShardstreamError(problems=problems)
     t0 = time.perf_counter()
     try:
-        plan = plan_transfers(src, dst, src_domain_size=args.src_domain_size, dst_domain_size=args.dst_domain_size,
-                              same_job=args.same_job, allow_extra=args.allow_extra)
+        # FP8 destinations fed from float sources are planned as convert plans them
+        targets = quant_targets(src, dst, block=args.fp8_block, ue8m0=args.ue8m0)
+        plan = plan_transfers(src, planned_destination(dst, targets, {}), src_domain_size=args.src_domain_size,
+                              dst_domain_size=args.dst_domain_size, same_job=args.same_job,
+                              allow_extra=args.allow_extra)
     except PlanError as e:  # its lines name the array; say which manifests were being matched
         raise PlanError(problems=[f"{args.dst}: {ln}; source manifest {args.src}" for ln in e.problems]) from e
     dt = time.perf_counter() - t0
     st = plan.stats().to_dict()
     st["plan_seconds"] = round(dt, 4)
     st["digest"] = plan.digest()
+    if targets:
+        st["quantized"] = quant_report(dst, targets, "by convert; live refit does not quantize yet")
     _out(args, st, f"plan {args.src} -> {args.dst} ({dt:.3f} s)\n{_fmt_stats(st)}")
     return 0
 
@@ -269,7 +290,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     opts = ConvertOptions(memory_limit=args.memory_limit, resume=args.resume, max_shard_size=args.max_shard_size,
                           allow_extra=args.allow_extra, progress=None if not args.json else False,
                           cast=args.cast, format="safetensors" if torch_dist else args.format,
-                          zarr_compressor=args.zarr_compressor or "none")
+                          zarr_compressor=args.zarr_compressor or "none", fp8_block=args.fp8_block, ue8m0=args.ue8m0)
     rep = convert(src, dst, out, opts, comm=comm, src_where=_where(args.src), dst_where=_where(args.dst))
     if torch_dist:  # a Megatron save root: the one-rank megatron layout packed into torch_dist chunks
         from .megatron_export import pack_torch_dist
@@ -290,11 +311,14 @@ def cmd_convert(args: argparse.Namespace) -> int:
     gbps = rep.bytes_written / rep.seconds / 1e9 if rep.seconds else 0.0
     obj = {**rep.to_dict(), "out": args.out, "gb_per_s": round(gbps, 3),
            "moved_bytes": rep.plan_stats.get("moved_bytes")}
+    if rep.quantized:
+        obj["quantized"] = rep.quantized
     what = "zarr arrays" if args.format == "zarr" else "files"
-    _out(args, obj, f"converted {args.src} -> {args.out}: {rep.files_written} {what} written, "
-                    f"{rep.files_skipped} reused, {rep.bytes_written / 1e9:.3f} GB written, "
-                    f"{rep.bytes_read / 1e9:.3f} GB read in {rep.reads} reads, {rep.seconds:.2f} s "
-                    f"({gbps:.2f} GB/s, {rep.workers} worker(s))")
+    text = (f"converted {args.src} -> {args.out}: {rep.files_written} {what} written, "
+            f"{rep.files_skipped} reused, {rep.bytes_written / 1e9:.3f} GB written, "
+            f"{rep.bytes_read / 1e9:.3f} GB read in {rep.reads} reads, {rep.seconds:.2f} s "
+            f"({gbps:.2f} GB/s, {rep.workers} worker(s))")
+    _out(args, obj, "\n".join([text, *_fmt_quantized(rep.quantized)]))
     return 0
 
 
@@ -509,8 +533,17 @@ def _add_plan(sub: Any) -> None:
     p.add_argument("--dst-domain-size", type=_positive_int)
     p.add_argument("--same-job", action="store_true", help="rank r of both manifests is one process")
     p.add_argument("--allow-extra", action="store_true", help="source arrays the destination lacks are dropped")
+    _add_quant_flags(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_plan)
+
+
+def _add_quant_flags(p: Any) -> None:
+    p.add_argument("--fp8-block", type=parse_block, default=(128, 128), metavar="R,C",
+                   help="quantize on write: elements per float32 scale of FP8 weights fed from bf16/fp32 "
+                        "(default 128,128, DeepSeek-V3)")
+    p.add_argument("--ue8m0", action="store_true",
+                   help="quantize on write: round block-FP8 scales up to a power of two (DeepGEMM use_ue8m0)")
 
 
 def _add_convert(sub: Any) -> None:
@@ -531,6 +564,7 @@ def _add_convert(sub: Any) -> None:
     p.add_argument("--resume", action="store_true")
     p.add_argument("--cast", metavar="DTYPE", choices=["float16", "bfloat16", "float32", "float64"],
                    help="store floating-point arrays as DTYPE (e.g. fp32 master weights -> bfloat16)")
+    _add_quant_flags(p)
     p.add_argument("--allow-extra", action="store_true")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_convert)

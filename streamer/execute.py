@@ -32,6 +32,7 @@ from formats.errors import PeerTimeoutError, TransportError, UsageError
 
 from .buffers import _copy, byte_view, host_bytes, region_view, torch_byte_view
 from .cast_view import cast_view
+from .convert.cast import cast_into
 from .plan import Plan, Transfer
 from .transport.base import ABORT_POLL_INTERVAL, Transport
 
@@ -286,15 +287,18 @@ class Executor:
 
     def _pack(self, m: Message, buf: np.ndarray) -> int:
         """Pack ``m``'s regions into ``buf``; return the bytes that were cast on the way."""
-        off = cast = 0
+        off = cast_bytes = 0
         for tr in m.transfers:
             n = tr.nbytes
-            if self._cast_of(tr) is not None:
-                cast += n
             dst = buf[off:off + n].reshape(tr.region.sizes + (tr.itemsize,))
-            _copy(dst, self._src_bytes(tr))
+            cast = self._cast_of(tr)
+            if cast is None:
+                _copy(dst, self._src(tr))
+            else:  # straight into the bucket, one pass
+                cast_into(dst, self._src(tr), *cast)
+                cast_bytes += n
             off += n
-        return cast
+        return cast_bytes
 
     def _unpack(self, m: Message, buf: np.ndarray) -> None:
         off = 0

@@ -34,6 +34,10 @@ class ConvertOptions:
     format: str = "safetensors"
     #: zarr output: chunk compression ("none" or "zstd")
     zarr_compressor: str = "none"
+    #: quantize on write: elements per float32 scale of block-FP8 weights (the last two dims)
+    fp8_block: tuple[int, int] = (128, 128)
+    #: quantize on write: block-FP8 scales rounded up to a power of two (DeepGEMM use_ue8m0)
+    ue8m0: bool = False
 
     @property
     def buffer_bytes(self) -> int:
@@ -72,6 +76,8 @@ class ConvertReport:
     seconds: float = 0.0
     workers: int = 1
     plan_stats: dict[str, Any] = field(default_factory=dict)
+    #: arrays quantized on write and the bytes saved (``quantize.quant_report``); empty if none
+    quantized: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in (*REPORT_COUNTS, "seconds", "workers")}

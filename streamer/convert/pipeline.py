@@ -26,9 +26,9 @@ from formats.validate import validate_manifest
 
 from ..plan import CASTABLE, Plan, array_casts, plan_transfers
 from ..progress import Progress
-from .cast import with_dtypes
 from .fill import Filler
 from .options import REPORT_COUNTS, ConvertOptions, ConvertReport
+from .quantize import planned_destination, quant_report, quant_targets
 from .safetensors_sink import SafetensorsSink
 from .sinks import Job, Sink
 from .state import MANIFEST, Lock, Records, mark_incomplete, open_output, remove_state
@@ -70,19 +70,26 @@ def convert(src: Manifest, dst: Manifest, out_dir: str | os.PathLike[str], opts:
     # arrays the destination asks in another float type: the plan moves the source's type and
     # the sink casts while it writes (int/float pairs stay mismatches for the plan to refuse)
     asked = {f: s for f, (s, d) in array_casts(src, dst).items() if s in CASTABLE and d in CASTABLE}
-    planned = with_dtypes(dst, asked)
+    # FP8 weights with a scale sibling, fed from a float source: moved as the source's type and
+    # quantized by the sink, which also computes their scales
+    try:
+        targets = quant_targets(src, dst, block=opts.fp8_block, ue8m0=opts.ue8m0)
+    except PlanError as e:
+        raise PlanError(problems=[f"{dst_where}: {ln}" for ln in e.problems]) from e
+    planned = planned_destination(dst, targets, asked)
     if opts.format == "zarr":
         from .zarr_sink import ZarrSink  # zarr is an optional dependency
 
-        rep, plan = _run(src, ZarrSink(planned, opts, dst_where, stored=dst), Path(out_dir), opts,
+        rep, plan = _run(src, ZarrSink(planned, opts, dst_where, stored=dst, quantize=targets), Path(out_dir), opts,
                          _Workers.of(comm), where)
     elif opts.format == "safetensors":
-        rep, plan = _run(src, SafetensorsSink(planned, opts, stored=dst), Path(out_dir), opts, _Workers.of(comm),
-                         where)
+        sink = SafetensorsSink(planned, opts, stored=dst, quantize=targets)
+        rep, plan = _run(src, sink, Path(out_dir), opts, _Workers.of(comm), where)
     else:
         raise UsageError(f"--format {opts.format}: expected safetensors or zarr")
     rep.seconds = time.perf_counter() - t0
     rep.plan_stats = plan.stats().to_dict()
+    rep.quantized = quant_report(dst, targets, "by convert") if targets else {}
     return rep
 
 

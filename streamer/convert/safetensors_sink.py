@@ -23,10 +23,11 @@ from formats.store import SourceStore
 
 from ..plan import Plan, Transfer
 from ..progress import Progress
-from .cast import cast_bytes, cast_manifest
+from .cast import cast_bytes, cast_manifest, with_dtypes
 from .files import INDEX_NAME, plan_files, write_index
 from .fill import U8, Buffer, Filler
 from .options import ConvertOptions, FileJob
+from .quantize import STEP_ELEMENTS, Quantizer, QuantTarget
 
 __all__ = ["PACK_BYTES", "SafetensorsSink"]
 
@@ -128,10 +129,13 @@ def _prefix_sha(job: FileJob) -> str:
 class SafetensorsSink:
     """Writes the destination's local tensors into safetensors files (``plan_files``)."""
 
-    def __init__(self, dst: Manifest, opts: ConvertOptions, stored: Manifest | None = None) -> None:
+    def __init__(self, dst: Manifest, opts: ConvertOptions, stored: Manifest | None = None,
+                 quantize: Mapping[str, QuantTarget] | None = None) -> None:
         self.target = dst  # what the plan moves
         self.stored_base = stored if stored is not None else dst  # how to store it (before --cast)
         self.opts = opts
+        self.quant_targets = dict(quantize or {})
+        self.quantizer: Quantizer | None = None  # set by layout() when weights are quantized on write
         # set by layout(), once the plan is known
         self.filled = dst  # the destination as stored (after --cast), every chunk naming its file
         self.jobs: list[FileJob] = []
@@ -147,8 +151,10 @@ class SafetensorsSink:
     def layout(self, plan: Plan) -> list[FileJob]:
         dst, opts = self.target, self.opts
         base = self.stored_base
-        self.filled, self.jobs = plan_files(cast_manifest(base, opts.cast) if opts.cast else base,
-                                            max_shard_size=opts.max_shard_size)
+        if opts.cast:  # --cast leaves the scales of quantized weights float32
+            base = with_dtypes(cast_manifest(base, opts.cast), {t.scale: base.arrays[t.scale].data_type
+                                                                for t in self.quant_targets.values()})
+        self.filled, self.jobs = plan_files(base, max_shard_size=opts.max_shard_size)
         if opts.cast or base is not dst:
             self.src_dtypes = {(r, n): ts.data_type for r in dst.ranks_holding()
                                for n, ts in dst.local_tensors(r).items()}
@@ -158,6 +164,8 @@ class SafetensorsSink:
                     self.chunks_in[(h, c.tensor(fqn))].append((fqn, ci, c.local_box))
         for t in plan.transfers:
             self.by_target[(plan.dst_local(t.dst_rank), t.dst_tensor)].append(t)
+        if self.quant_targets:
+            self.quantizer = Quantizer(self.filled, self.quant_targets, lambda r, n: self.by_target.get((r, n), []))
         return self.jobs
 
     def record_name(self, job: FileJob) -> str:
@@ -198,6 +206,9 @@ class SafetensorsSink:
             stream.end(ok=False)
             w.abort()
             raise
+        finally:
+            if self.quantizer is not None:
+                self.quantizer.forget()
         return checksums
 
     def _fill_tensor(self, name: str, ts: TensorSpec, rank: int, filler: Filler,
@@ -206,6 +217,8 @@ class SafetensorsSink:
         transfers = self.by_target.get((rank, name), [])
         chunks = self.chunks_in.get((rank, name), [])
         hashers = {(fqn, ci): new_hasher(self.opts.checksum) for fqn, ci, _ in chunks}
+        if self.quantizer is not None and self.quantizer.holds(rank, name):
+            return self._fill_quantized(name, ts, rank, filler, progress, chunks, hashers)
         src_dt = self.src_dtypes.get((rank, name), ts.data_type)
         isz, out_isz = by_name(src_dt).itemsize, by_name(ts.data_type).itemsize
         cast = src_dt != ts.data_type  # slabs are filled in the source dtype, cast before writing
@@ -216,6 +229,21 @@ class SafetensorsSink:
             if cast:
                 out[:] = cast_bytes(buf, src_dt, ts.data_type)
             _hash_chunks(slab, out, out_isz, chunks, hashers)
+            self._stream.advance(out.size)
+            progress.update(out.size)
+        return {f"{fqn}|{ci}": h.result() for (fqn, ci), h in hashers.items()}
+
+    def _fill_quantized(self, name: str, ts: TensorSpec, rank: int, filler: Filler, progress: Progress,
+                        chunks: Sequence[_ChunkRef], hashers: dict[tuple[str, int], Hasher]) -> dict[str, str]:
+        """An FP8 or scale local tensor of weights quantized on write (``Quantizer``)."""
+        assert self._stream is not None and self.quantizer is not None
+        isz = by_name(ts.data_type).itemsize
+        # slabs small enough for the quantizer's float32 temporaries of them to fit the budget
+        budget = max(isz, min(self.opts.buffer_bytes // 4, STEP_ELEMENTS * isz))
+        for slab in contiguous_slabs(tuple(ts.shape), isz, budget):
+            out = self._stream.buffer(slab.volume * isz)
+            self.quantizer.fill(rank, name, slab, out, filler)
+            _hash_chunks(slab, out, isz, chunks, hashers)
             self._stream.advance(out.size)
             progress.update(out.size)
         return {f"{fqn}|{ci}": h.result() for (fqn, ci), h in hashers.items()}

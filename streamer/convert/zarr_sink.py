@@ -11,6 +11,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from formats import zarr_io
 from formats.box import Box
 from formats.checksum import new_hasher
@@ -20,9 +22,10 @@ from formats.manifest import ArraySpec, Chunk, Manifest, Source
 
 from ..plan import Plan, Transfer
 from ..progress import Progress
-from .cast import cast_bytes, cast_manifest
+from .cast import cast_bytes, cast_manifest, with_dtypes
 from .fill import U8, Buffer, Filler
 from .options import ConvertOptions
+from .quantize import QuantTarget, quantized_box
 
 __all__ = ["ArrayJob", "ZarrSink"]
 
@@ -81,8 +84,13 @@ def check_zarr_output(dst: Manifest, opts: ConvertOptions, dst_where: str) -> No
 class ZarrSink:
     """Writes one zarr array per logical array, unit by unit (a unit: one chunk, or one shard)."""
 
-    def __init__(self, dst: Manifest, opts: ConvertOptions, dst_where: str, stored: Manifest | None = None) -> None:
+    def __init__(self, dst: Manifest, opts: ConvertOptions, dst_where: str, stored: Manifest | None = None,
+                 quantize: Mapping[str, QuantTarget] | None = None) -> None:
         check_zarr_output(dst, opts, dst_where)
+        #: weights quantized on write, by weight and by scale array (``quantize``)
+        self.quant = dict(quantize or {})
+        self.quant_scales = {t.scale: t for t in self.quant.values()}
+        self._src = Buffer()
         self.dst = dst  # what the plan moves
         self.stored_base = stored if stored is not None else dst  # how to store it (before --cast)
         self.opts = opts
@@ -93,7 +101,10 @@ class ZarrSink:
 
     def layout(self, plan: Plan) -> list[ArrayJob]:
         base = self.stored_base
-        self.stored = cast_manifest(base, self.opts.cast) if self.opts.cast else base
+        if self.opts.cast:  # --cast leaves the scales of quantized weights as they are
+            base = with_dtypes(cast_manifest(base, self.opts.cast), {
+                f: base.arrays[f].data_type for f in self.quant_scales})
+        self.stored = base
         for t in plan.transfers:
             self.by_fqn[t.fqn].append(t)
         jobs = []
@@ -101,7 +112,9 @@ class ZarrSink:
             regions = [(ci, c.region) for ci, c in enumerate(a.chunks)]
             layout = zarr_io.choose_layout(a.shape, [r for _, r in regions], by_name(a.data_type).itemsize,
                                            max_unit_bytes=self.opts.buffer_bytes)
-            jobs.append(ArrayJob(fqn, tuple(a.shape), a.data_type, self.dst.arrays[fqn].data_type, regions, layout))
+            # a scale array is not planned: it is computed, in its own type
+            src_dt = self.dst.arrays[fqn].data_type if fqn in self.dst.arrays else a.data_type
+            jobs.append(ArrayJob(fqn, tuple(a.shape), a.data_type, src_dt, regions, layout))
         return jobs
 
     def record_name(self, job: ArrayJob) -> str:
@@ -131,11 +144,21 @@ class ZarrSink:
                                    compressor=self.opts.zarr_compressor)
         transfers = self.by_fqn.get(job.fqn, [])
 
+        t = self.quant.get(job.fqn) or self.quant_scales.get(job.fqn)
+
         def put(u: Box) -> U8:
-            data = self._unit.take(u.volume * by_name(job.src_dtype).itemsize)
-            filler.fill(u, transfers, by_name(job.src_dtype).itemsize, data)
-            if job.src_dtype != job.data_type:
-                data = cast_bytes(data, job.src_dtype, job.data_type)
+            if t is not None:  # quantized on write: FP8 bits or scales from the weight's whole blocks
+                isz = by_name(t.src_dtype).itemsize
+                weight = self.by_fqn.get(t.weight, [])
+                data = np.ascontiguousarray(quantized_box(
+                    t, self.stored.arrays[t.weight].shape, u,
+                    lambda step, buf: filler.fill(step, weight, isz, buf), self._src,
+                    scales=job.fqn != t.weight)).reshape(-1).view(np.uint8)
+            else:
+                data = self._unit.take(u.volume * by_name(job.src_dtype).itemsize)
+                filler.fill(u, transfers, by_name(job.src_dtype).itemsize, data)
+                if job.src_dtype != job.data_type:
+                    data = cast_bytes(data, job.src_dtype, job.data_type)
             zarr_io._zarr_call(f"{out}: array {job.fqn!r}", f"writing region {u}",
                                zarr_io.write_box, arr, u, data, job.data_type)
             progress.update(u.volume * by_name(job.data_type).itemsize)

@@ -41,3 +41,25 @@ def test_mpi_convert_matches_single_process(ckpt: Ckpt, tmp_path: Path, case: st
     ok(["shardstream", "validate", "--data", par])
     if dst_attr == "hf1":
         assert (par / "model.safetensors").read_bytes() == (ckpt.hf / "model.safetensors").read_bytes()
+
+
+def test_mpi_quantize_on_convert_matches_single_process(ckpt: Ckpt, tmp_path: Path) -> None:
+    """HF bf16 -> vLLM block-FP8 TP2 (quantized on write) under mpiexec -n 2: the same bytes."""
+    import json
+
+    cfg = {"model_type": "qwen3", "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 1000,
+           "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+           "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [16, 16]}}
+    (tmp_path / "cfg.json").write_text(json.dumps(cfg))
+    dst = tmp_path / "serve_fp8.json"
+    ok(["shardstream", "layout", "--model", tmp_path / "cfg.json", "--preset", "vllm", "--fp8", "--mesh", "tp=2",
+        "-o", dst])
+    single, par = tmp_path / "single", tmp_path / "mpi"
+    ok(["shardstream", "convert", ckpt.hf, dst, "--out", single, "--fp8-block", "16,16"])
+    rc, so, se = run(["mpiexec", "-n", 2, "shardstream", "convert", ckpt.hf, dst, "--out", par, "--fp8-block",
+                      "16,16", "--memory-limit", "64KiB"], timeout=60)
+    assert rc == 0, f"rc {rc}\nstdout:\n{so}\nstderr:\n{se}"
+    assert "2 worker(s)" in so and "quantized on write" in so, so
+    assert same_files(par, single) == []
+    ok(["shardstream", "validate", "--data", par])

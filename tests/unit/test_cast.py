@@ -78,3 +78,29 @@ def test_destination_manifest_asks_for_the_cast(tmp_path: Path, fmt: str) -> Non
     assert got["w"].dtype == torch.bfloat16 and got["b"].dtype == torch.float32 and got["i"].dtype == torch.int64
     assert torch.equal(got["w"].view(torch.int16), torch.from_numpy(t["w"]).to(torch.bfloat16).view(torch.int16))
     assert got["b"].numpy().tobytes() == t["b"].tobytes() and torch.equal(got["i"], torch.from_numpy(t["i"]))
+
+
+@pytest.mark.parametrize("src,dst", [("float32", "bfloat16"), ("float32", "float16"), ("bfloat16", "float32"),
+                                     ("float16", "bfloat16"), ("bfloat16", "float16")])
+def test_torch_fast_path_equals_the_numpy_path(src: str, dst: str) -> None:
+    """cast_bytes/cast_into take torch's one-pass cast when torch is around; the bits equal the
+    numpy implementation's (NaNs compared as NaNs), so convert and refit agree either way."""
+    import torch
+
+    from streamer.convert.cast import _cast, cast_bytes, cast_into
+
+    rng = np.random.default_rng(5)
+    f = np.concatenate([(rng.standard_normal(5000) * 10.0 ** rng.integers(-40, 39, 5000)).astype(np.float32),
+                        np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 65504.0, 65520.0, 1e-8], np.float32)])
+    raw = torch.from_numpy(f).to(getattr(torch, src)).view(torch.uint8).numpy().copy()
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = _cast(raw, src, dst)
+    got = cast_bytes(raw, src, dst)
+    into = np.empty_like(want).reshape(-1, want.size // f.size)
+    cast_into(into, raw.reshape(f.size, -1), src, dst)
+    as_t = {n: torch.from_numpy(a.copy()).view(getattr(torch, dst)).float() for n, a in
+            (("want", want), ("got", got), ("into", into.reshape(-1)))}
+    nan = torch.isnan(as_t["want"])
+    for k in ("got", "into"):
+        assert torch.equal(torch.isnan(as_t[k]), nan), k
+        assert torch.equal(as_t[k][~nan], as_t["want"][~nan]), k
