@@ -121,7 +121,9 @@ def pack_torch_dist(staged: Path, out: Path, *, vocab_rows: int | None = None) -
         for key, lead, t in items:
             src.seek(t.start)
             dt = getattr(torch, by_name(t.dtype.name).name)
-            ten = torch.frombuffer(bytearray(src.read(t.nbytes)), dtype=dt).reshape((1,) * len(lead) + tuple(t.shape))
+            full = (1,) * len(lead) + tuple(t.shape)
+            ten = (torch.frombuffer(bytearray(src.read(t.nbytes)), dtype=dt).reshape(full) if t.nbytes
+                   else torch.empty(full, dtype=dt))  # frombuffer refuses an empty buffer
             shape, _ = shapes[key]
             tm = sdm.get(key)
             if tm is None:
