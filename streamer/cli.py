@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from formats.errors import PlanError, ShardstreamError, UsageError
+from formats.limits import RANK_FILE_PATTERN
 
 from . import __version__
 from .args import emit as _out
@@ -109,7 +110,7 @@ def cmd_layout(args: argparse.Namespace) -> int:
                              "or --include-mtp")
         pattern = None if args.no_files else args.file_pattern
         if args.file_pattern is None and not args.no_files and args.preset != "hf":
-            pattern = "rank-{rank:05d}.safetensors"  # hf: convert names the files (model.safetensors, shards)
+            pattern = RANK_FILE_PATTERN  # hf: convert names the files (model.safetensors, shards)
         dtype = preset_dtype(args.model, args.dtype)
         m = preset_manifest(args.model, args.preset, mesh, file_pattern=pattern, domain_size=args.domain_size,
                             name=args.name, dtype=dtype, fp8=args.fp8, first_stage_layers=args.first_stage_layers,
@@ -146,7 +147,7 @@ def cmd_layout(args: argparse.Namespace) -> int:
     if args.file_pattern is None and not args.no_files:
         # one rank: leave files to `convert`, which names them HF style (model.safetensors, or shards
         # + index with --max-shard-size); several ranks: one file per rank
-        pattern = None if mesh.size == 1 else "rank-{rank:05d}.safetensors"
+        pattern = None if mesh.size == 1 else RANK_FILE_PATTERN
     m = apply_layout(like, mesh, rules, file_pattern=pattern, domain_size=args.domain_size, name=args.name)
     from formats.validate import validate_manifest
 
@@ -508,7 +509,7 @@ def _add_layout(sub: Any) -> None:
     p.add_argument("--rule", action="append", default=[], metavar="GLOB=PLACEMENTS",
                    help="e.g. '*.q_proj.weight=S(0)'; one placement per mesh axis; first match wins")
     p.add_argument("--file-pattern", default=None,
-                   help="per-rank file name (default rank-{rank:05d}.safetensors; one rank: HF names)")
+                   help=f"per-rank file name (default {RANK_FILE_PATTERN}; one rank: HF names)")
     p.add_argument("--no-files", action="store_true", help="a live (in-memory) manifest: no source.file")
     p.add_argument("--domain-size", type=_positive_int)
     p.add_argument("--name")
