@@ -34,7 +34,7 @@ from math import prod
 from pathlib import Path
 from typing import Any
 
-from .box import Box
+from .box import Box, is_row_major, row_major_strides
 from .dtypes import DTYPES, DType
 from .errors import FormatError
 from .files import read_bounded
@@ -810,14 +810,9 @@ def _check_tensor_ref(t: _TensorRef, sizes: tuple[int, ...], dt: DType) -> tuple
         raise ValueError(f"stored tensor has {len(t.stride)} strides for {len(sizes)} dims")
     need = prod(sizes) * dt.itemsize
     if need:
-        expect, acc = [], 1
-        for s in reversed(sizes):
-            expect.append(acc)
-            acc *= s
-        expect.reverse()
-        if any(sz > 1 and st != ex for sz, st, ex in zip(sizes, t.stride, expect)):
+        if not is_row_major(sizes, t.stride):
             raise ValueError(f"stored tensor is not contiguous row-major (strides {list(t.stride)}, expected "
-                             f"{expect}); save it with .contiguous()")
+                             f"{list(row_major_strides(sizes))}); save it with .contiguous()")
     st_bytes = t.storage.numel if t.storage.dtype is None else t.storage.numel * _itemsize(t.storage.dtype)
     if st_bytes < need:
         raise ValueError(f"storage holds {st_bytes} bytes, the tensor needs {need}")

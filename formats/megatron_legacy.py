@@ -28,7 +28,7 @@ from math import prod
 from pathlib import Path
 from typing import Any
 
-from .box import Box
+from .box import Box, is_row_major, row_major_strides
 from .dtypes import DTYPES
 from .errors import FormatError
 from .manifest import ArraySpec, Chunk, Manifest, Source
@@ -194,13 +194,9 @@ def _locate(win: Any, infos: Mapping[str, Any], prefix: str, t: Any, size: int, 
     if dt is None:
         raise ValueError(f"dtype {t.dtype} has no shardstream data_type")
     sizes = t.size
-    expect, acc = [], 1
-    for s in reversed(sizes):
-        expect.append(acc)
-        acc *= s
-    expect.reverse()
-    if any(n > 1 and st != ex for n, st, ex in zip(sizes, t.stride, expect)):
-        raise ValueError(f"tensor is not contiguous row-major (strides {list(t.stride)}, expected {expect})")
+    if not is_row_major(sizes, t.stride):
+        raise ValueError(f"tensor is not contiguous row-major (strides {list(t.stride)}, expected "
+                         f"{list(row_major_strides(sizes))})")
     dinfo = infos.get(f"{prefix}data/{t.storage.key}")
     if dinfo is None or dinfo.compress_type != 0 or dinfo.flag_bits & 0x1:
         raise ValueError(f"storage entry data/{t.storage.key} is missing, compressed or encrypted")
