@@ -15,7 +15,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from math import prod
 
-__all__ = ["Box", "row_major_strides", "contiguous_slabs", "uniform_runs", "split_box", "split_dim",
+__all__ = ["Box", "row_major_strides", "is_row_major", "contiguous_slabs", "uniform_runs", "split_box", "split_dim",
            "cut_points", "slab"]
 
 
@@ -225,3 +225,8 @@ def split_box(box: Box, parts: int, grid: Sequence[int] | None = None) -> list[B
     k = min(parts, m)
     bounds = [n * i // k if pts is None else pts[m * i // k] for i in range(k + 1)]
     return [slab(box, dim, lo, hi) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
+
+
+def is_row_major(sizes: Sequence[int], strides: Sequence[int]) -> bool:
+    """Whether ``strides`` lay ``sizes`` out C-contiguously (dims of size 1 may have any stride)."""
+    return all(n <= 1 or st == ex for n, st, ex in zip(sizes, strides, row_major_strides(sizes)))

@@ -9,7 +9,9 @@ payload once, so the manifest addresses it with ``source.byte_range`` + ``source
 (design §3) and ``convert`` moves it with ranged reads.
 
 Security: both pickles are read with restricted unpicklers. ``.metadata`` may only name DCP's
-metadata classes (mapped onto plain stand-ins defined here; no torch class is built), torch
+metadata classes and the planner records Megatron stores in it (``all_local_plans``: ``SavePlan``,
+``WriteItem``, ``TensorWriteData``, ``WriteItemType`` taken by value), all mapped onto plain
+stand-ins defined here (no torch class is built), torch
 dtypes by name, ``torch.Size``, the layout helper and a few harmless builtins. ``data.pkl`` may
 only name the tensor-rebuild functions and storage classes, whose calls are recorded, not run.
 Anything else is refused with ``FormatError``; so is every malformed file. ``torch`` is never
@@ -32,7 +34,7 @@ from math import prod
 from pathlib import Path
 from typing import Any
 
-from .box import Box
+from .box import Box, is_row_major, row_major_strides
 from .dtypes import DTYPES, DType
 from .errors import FormatError
 from .files import read_bounded
@@ -127,6 +129,46 @@ class _StoragePrefix(_Plain):
     prefix: Any = None
 
 
+# Megatron's torch_dist writer attaches every rank's SavePlan to Metadata (``all_local_plans``);
+# they are read as plain records and ignored
+
+
+class _SavePlan(_Plain):
+    items: Any = None
+    storage_data: Any = None
+    planner_data: Any = None
+    usable: Any = True
+
+
+class _WriteItem(_Plain):
+    index: Any = None
+    type: Any = None
+    bytes_io_data: Any = None
+    tensor_data: Any = None
+
+
+class _TensorWriteData(_Plain):
+    chunk: Any = None
+    properties: Any = None
+    size: Any = None
+
+
+class _BytesIOWriteData(_Plain):
+    nbytes: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class _WriteItemType:
+    value: int
+
+
+def _write_item_type(value: Any) -> _WriteItemType:
+    # the enum pickles as a call of its class with the member's value: take the value, run nothing
+    if type(value) is not int:
+        raise TypeError("WriteItemType value must be an integer")
+    return _WriteItemType(value)
+
+
 @dataclass(frozen=True, slots=True)
 class _TorchDType:
     name: str
@@ -197,6 +239,13 @@ for _mod in _DCP_MODULES:
         (_mod, "StorageMeta"): _StorageMeta,
         (_mod, "_MEM_FORMAT_ENCODING"): _mem_format_encoding,
     })
+_META_ALLOWED.update({
+    ("torch.distributed.checkpoint.planner", "SavePlan"): _SavePlan,
+    ("torch.distributed.checkpoint.planner", "WriteItem"): _WriteItem,
+    ("torch.distributed.checkpoint.planner", "WriteItemType"): _write_item_type,
+    ("torch.distributed.checkpoint.planner", "TensorWriteData"): _TensorWriteData,
+    ("torch.distributed.checkpoint.planner", "BytesIOWriteData"): _BytesIOWriteData,
+})
 for _mod in _FS_MODULES:
     _META_ALLOWED.update({(_mod, "_StorageInfo"): _StorageInfo, (_mod, "_StoragePrefix"): _StoragePrefix})
 for _n in _TORCH_DTYPE_NAMES:
@@ -705,7 +754,8 @@ def _open_archive(win: _Window) -> zipfile.ZipFile:
         raise ValueError(f"item is not a readable zip archive ({type(e).__name__}: {_clip(str(e))})") from None
 
 
-def _read_data_pkl(zf: zipfile.ZipFile, infos: dict[str, zipfile.ZipInfo]) -> tuple[str, bytes]:
+def _read_data_pkl(zf: zipfile.ZipFile, infos: dict[str, zipfile.ZipInfo],
+                   limit: int = MAX_DATA_PKL_BYTES) -> tuple[str, bytes]:
     """The archive's directory prefix and its ``data.pkl`` bytes (stored, bounded, little-endian)."""
     pkls = [n for n in infos if n.endswith("/data.pkl") and n.count("/") == 1]
     if len(pkls) != 1:
@@ -714,8 +764,8 @@ def _read_data_pkl(zf: zipfile.ZipFile, infos: dict[str, zipfile.ZipInfo]) -> tu
     pinfo = infos[pkls[0]]
     if pinfo.compress_type != zipfile.ZIP_STORED:
         raise ValueError(f"{pinfo.filename} is compressed (method {pinfo.compress_type}); torch.save stores it")
-    if pinfo.file_size > MAX_DATA_PKL_BYTES:
-        raise ValueError(f"{pinfo.filename} is {pinfo.file_size} bytes, over the {MAX_DATA_PKL_BYTES} byte limit")
+    if pinfo.file_size > limit:
+        raise ValueError(f"{pinfo.filename} is {pinfo.file_size} bytes, over the {limit} byte limit")
     bo = infos.get(prefix + "byteorder")
     if bo is not None:
         if bo.file_size > 16:
@@ -760,14 +810,9 @@ def _check_tensor_ref(t: _TensorRef, sizes: tuple[int, ...], dt: DType) -> tuple
         raise ValueError(f"stored tensor has {len(t.stride)} strides for {len(sizes)} dims")
     need = prod(sizes) * dt.itemsize
     if need:
-        expect, acc = [], 1
-        for s in reversed(sizes):
-            expect.append(acc)
-            acc *= s
-        expect.reverse()
-        if any(sz > 1 and st != ex for sz, st, ex in zip(sizes, t.stride, expect)):
+        if not is_row_major(sizes, t.stride):
             raise ValueError(f"stored tensor is not contiguous row-major (strides {list(t.stride)}, expected "
-                             f"{expect}); save it with .contiguous()")
+                             f"{list(row_major_strides(sizes))}); save it with .contiguous()")
     st_bytes = t.storage.numel if t.storage.dtype is None else t.storage.numel * _itemsize(t.storage.dtype)
     if st_bytes < need:
         raise ValueError(f"storage holds {st_bytes} bytes, the tensor needs {need}")

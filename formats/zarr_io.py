@@ -35,6 +35,7 @@ from .box import Box, contiguous_slabs
 from .dtypes import DTYPES, DType, by_name, np_storage
 from .errors import FormatError, ShardNotFoundError, UsageError
 from .files import read_bounded
+from .limits import INT64_MAX
 
 __all__ = [
     "COMPRESSORS",
@@ -71,7 +72,6 @@ MAX_CHUNK_BYTES = 4 << 30
 #: chunks per array (and inner chunks per shard); more is an absurd grid that would make reads crawl
 MAX_CHUNKS = 1 << 24
 MAX_NDIM = 32
-INT64_MAX = (1 << 63) - 1
 #: codecs a shardstream reader accepts (zarr-python implements them)
 _KNOWN_CODECS = {"bytes", "transpose", "zstd", "blosc", "gzip", "crc32c", "sharding_indexed"}
 #: zarr data_type names shardstream understands as storage (bf16 / fp8 travel as uint16 / uint8)

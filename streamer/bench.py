@@ -27,6 +27,8 @@ from pathlib import Path
 from statistics import median
 from typing import TYPE_CHECKING, Any
 
+from formats.limits import RANK_FILE_PATTERN
+
 if TYPE_CHECKING:
     from formats.manifest import Manifest
 
@@ -290,7 +292,7 @@ def bench_validate(n_chunks: int = 100_000) -> dict[str, Any]:
     for a in range(n_chunks // per):
         arrays[f"a{a}"] = {"shape": [per * 8, 16], "data_type": "bfloat16", "chunks": [
             {"region": {"offsets": [i * 8, 0], "sizes": [8, 16]}, "holders": [i % 8],
-             "source": {"file": "rank-{rank:05d}.safetensors", "tensor": f"a{a}", "offsets": [0, 0]}}
+             "source": {"file": RANK_FILE_PATTERN, "tensor": f"a{a}", "offsets": [0, 0]}}
             for i in range(per)]}
     # each rank holds several chunks of one array in one local tensor: give distinct offsets
     for spec in arrays.values():

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from formats.errors import PlanError, ShardstreamError, UsageError
+from formats.limits import RANK_FILE_PATTERN
 
 from . import __version__
 from .args import emit as _out
@@ -62,11 +63,27 @@ def cmd_import(args: argparse.Namespace) -> int:
     from .importer import import_checkpoint
 
     out = Path(args.output)
-    m = import_checkpoint(args.paths, manifest_dir=out.parent.resolve(), name=args.name)
+    extra: dict[str, Any] = {}
+    if args.to is not None and args.model is None:
+        raise UsageError("--to hf needs --model CFG (the model's HF config.json)")
+    if args.model is not None and args.to is None:
+        raise UsageError("--model applies with --to hf (import a Megatron checkpoint under HF names)")
+    p = Path(args.paths[0])
+    from .importer import import_megatron, is_megatron_checkpoint
+
+    if len(args.paths) == 1 and is_megatron_checkpoint(p):
+        m, skipped = import_megatron(p, manifest_dir=out.parent.resolve(), name=args.name, model=args.model)
+        extra["skipped"] = skipped.to_dict()
+    elif args.to is not None:
+        raise UsageError(f"{p}: --to hf reads Megatron checkpoints (a directory with "
+                         "latest_checkpointed_iteration.txt, or an iter_NNNNNNN directory: torch_dist or legacy "
+                         "mp_rank_XX)")
+    else:
+        m = import_checkpoint(args.paths, manifest_dir=out.parent.resolve(), name=args.name)
     save_manifest(m, out)
     chunks = sum(len(a.chunks) for a in m.arrays.values())
     nbytes = sum(a.nbytes for a in m.arrays.values())
-    _out(args, {"manifest": str(out), "arrays": len(m.arrays), "chunks": chunks, "bytes": nbytes},
+    _out(args, {"manifest": str(out), "arrays": len(m.arrays), "chunks": chunks, "bytes": nbytes, **extra},
          f"wrote {out}: {len(m.arrays)} arrays, {chunks} chunks, {nbytes / 1e9:.3f} GB")
     return 0
 
@@ -80,6 +97,8 @@ def cmd_layout(args: argparse.Namespace) -> int:
     if not getattr(args, "preset", None) and (args.first_stage_layers is not None
                                               or args.last_stage_layers is not None):
         raise UsageError("--first-stage-layers / --last-stage-layers go with --preset megatron")
+    if args.megatron_spec is not None and getattr(args, "preset", None) != "megatron":
+        raise UsageError("--megatron-spec goes with --preset megatron")
     if not getattr(args, "preset", None) and getattr(args, "dtype", None):
         raise UsageError("--dtype goes with --preset (other layouts take the dtypes of --model / --like)")
     if getattr(args, "preset", None):  # the framework's own local names and fused layouts
@@ -91,11 +110,11 @@ def cmd_layout(args: argparse.Namespace) -> int:
                              "or --include-mtp")
         pattern = None if args.no_files else args.file_pattern
         if args.file_pattern is None and not args.no_files and args.preset != "hf":
-            pattern = "rank-{rank:05d}.safetensors"  # hf: convert names the files (model.safetensors, shards)
+            pattern = RANK_FILE_PATTERN  # hf: convert names the files (model.safetensors, shards)
         dtype = preset_dtype(args.model, args.dtype)
         m = preset_manifest(args.model, args.preset, mesh, file_pattern=pattern, domain_size=args.domain_size,
                             name=args.name, dtype=dtype, fp8=args.fp8, first_stage_layers=args.first_stage_layers,
-                            last_stage_layers=args.last_stage_layers)
+                            last_stage_layers=args.last_stage_layers, megatron_spec=args.megatron_spec or "te")
         problems = validate_manifest(m, where=args.output, check_paths=False)
         if problems:
             raise ShardstreamError(problems=problems)
@@ -128,7 +147,7 @@ def cmd_layout(args: argparse.Namespace) -> int:
     if args.file_pattern is None and not args.no_files:
         # one rank: leave files to `convert`, which names them HF style (model.safetensors, or shards
         # + index with --max-shard-size); several ranks: one file per rank
-        pattern = None if mesh.size == 1 else "rank-{rank:05d}.safetensors"
+        pattern = None if mesh.size == 1 else RANK_FILE_PATTERN
     m = apply_layout(like, mesh, rules, file_pattern=pattern, domain_size=args.domain_size, name=args.name)
     from formats.validate import validate_manifest
 
@@ -257,11 +276,37 @@ def cmd_convert(args: argparse.Namespace) -> int:
         raise UsageError("--max-shard-size splits safetensors files; it does not apply to --format zarr")
     comm = _mpi_comm()
     src, dst = _load(args.src), _load(args.dst)
+    torch_dist = args.format == "torch_dist"
+    if args.megatron_tp is not None and not torch_dist:
+        raise UsageError("--megatron-tp goes with --format torch_dist")
+    if torch_dist and (comm is not None or args.resume or args.max_shard_size):
+        raise UsageError("--format torch_dist runs in one process and takes no --resume or --max-shard-size")
+    out = Path(args.out) / ".staging" if torch_dist else Path(args.out)
+    if torch_dist:
+        from .megatron_export import check_destination
+
+        check_destination(dst, _where(args.dst))
+        if Path(args.out).exists() and any(Path(args.out).iterdir()):
+            raise UsageError(f"{args.out}: output directory is not empty")
     opts = ConvertOptions(memory_limit=args.memory_limit, resume=args.resume, max_shard_size=args.max_shard_size,
                           allow_extra=args.allow_extra, progress=None if not args.json else False,
-                          cast=args.cast, format=args.format, zarr_compressor=args.zarr_compressor or "none",
-                          fp8_block=args.fp8_block, ue8m0=args.ue8m0)
-    rep = convert(src, dst, args.out, opts, comm=comm, src_where=_where(args.src), dst_where=_where(args.dst))
+                          cast=args.cast, format="safetensors" if torch_dist else args.format,
+                          zarr_compressor=args.zarr_compressor or "none", fp8_block=args.fp8_block, ue8m0=args.ue8m0)
+    rep = convert(src, dst, out, opts, comm=comm, src_where=_where(args.src), dst_where=_where(args.dst))
+    if torch_dist:  # a Megatron save root: the one-rank megatron layout packed into torch_dist chunks
+        from .megatron_export import pack_torch_dist
+
+        rows = None
+        if args.megatron_tp is not None:
+            from formats.layouts.presets.megatron import megatron_padded_vocab
+
+            emb = dst.arrays.get("model.embed_tokens.weight")
+            rows = megatron_padded_vocab(emb.shape[0], args.megatron_tp) if emb is not None else None
+        packed = pack_torch_dist(out, Path(args.out), vocab_rows=rows)
+        _out(args, {**rep.to_dict(), "out": args.out, "torch_dist": packed},
+             f"converted {args.src} -> {args.out}: Megatron torch_dist save ({packed['arrays']} arrays, "
+             f"{packed['chunks']} chunks, {packed['bytes'] / 1e9:.3f} GB) in {packed['dir']}")
+        return 0
     if comm is not None and comm.Get_rank() != 0:
         return 0
     gbps = rep.bytes_written / rep.seconds / 1e9 if rep.seconds else 0.0
@@ -357,7 +402,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from . import bench
 
     work = args.work or tempfile.mkdtemp(prefix="shardstream-bench-")
-    if args.what == "convert":
+    if args.source == "megatron" and args.what != "convert":
+        raise UsageError("--source megatron goes with bench convert")
+    if args.what == "convert" and args.source == "megatron":
+        from .bench_megatron import bench_convert_megatron, megatron_table
+
+        r = bench_convert_megatron(work, preset=args.preset or "qwen3-2g", memory_limit=args.memory_limit,
+                                   repeats=args.repeats or 2)
+        text = megatron_table(r)
+    elif args.what == "convert":
         r = bench.bench_convert(work, preset=args.preset or "qwen3-2g", memory_limit=args.memory_limit,
                                 repeats=args.repeats or 2, src_tp=args.src_tp, dst_tp=args.dst_tp, dcp=not args.no_dcp)
         text = bench.convert_table(r)
@@ -434,6 +487,9 @@ def _add_import(sub: Any) -> None:
     p.add_argument("paths", nargs="+", metavar="PATH")
     p.add_argument("-o", "--output", required=True, metavar="MANIFEST")
     p.add_argument("--name")
+    p.add_argument("--model", metavar="CFG", help="with --to hf: the model's HF config.json")
+    p.add_argument("--to", choices=("hf",), help="Megatron torch_dist: arrays under HF names (unstacked layers, "
+                   "q/k/v and gate/up split, vocab padding dropped), still addressing the stored bytes")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_import)
 
@@ -454,11 +510,14 @@ def _add_layout(sub: Any) -> None:
                    help="--preset megatron: layers on the first pipeline stage (decoder_first_pipeline_num_layers)")
     p.add_argument("--last-stage-layers", type=int, metavar="N",
                    help="--preset megatron: layers on the last pipeline stage (decoder_last_pipeline_num_layers)")
+    p.add_argument("--megatron-spec", choices=("te", "local"),
+                   help="--preset megatron: Transformer Engine layer specs (default; norms fused as "
+                        "layer_norm_weight) or the local spec (input_layernorm / pre_mlp_layernorm)")
     p.add_argument("--mesh", metavar="A=N,...", help="device mesh, row-major (default tp=1)")
     p.add_argument("--rule", action="append", default=[], metavar="GLOB=PLACEMENTS",
                    help="e.g. '*.q_proj.weight=S(0)'; one placement per mesh axis; first match wins")
     p.add_argument("--file-pattern", default=None,
-                   help="per-rank file name (default rank-{rank:05d}.safetensors; one rank: HF names)")
+                   help=f"per-rank file name (default {RANK_FILE_PATTERN}; one rank: HF names)")
     p.add_argument("--no-files", action="store_true", help="a live (in-memory) manifest: no source.file")
     p.add_argument("--domain-size", type=_positive_int)
     p.add_argument("--name")
@@ -501,7 +560,10 @@ def _add_convert(sub: Any) -> None:
     p.add_argument("src", metavar="SRC", help="source manifest, convert output dir, or HF checkpoint")
     p.add_argument("dst", metavar="DST", help="destination manifest (from `layout`)")
     p.add_argument("--out", required=True, metavar="DIR")
-    p.add_argument("--format", choices=["safetensors", "zarr"], default="safetensors",
+    p.add_argument("--megatron-tp", type=_positive_int, metavar="N",
+                   help="--format torch_dist: pad the vocab as Megatron does for a job of this tensor-parallel "
+                        "size (a multiple of 128 x N; default: as at tp 1)")
+    p.add_argument("--format", choices=["safetensors", "zarr", "torch_dist"], default="safetensors",
                    help="zarr: DIR becomes a zarr v3 group, one array per logical array")
     p.add_argument("--zarr-compressor", choices=["zstd", "none"], default=None,
                    help="--format zarr: chunk compression (default none)")
@@ -563,8 +625,9 @@ def _add_bench(sub: Any) -> None:
     p.add_argument("--receivers", type=_positive_int, default=4)
     p.add_argument("--train-mesh", default="pp=2,tp=2")
     p.add_argument("--serve-mesh", default="tp=4")
-    p.add_argument("--source", choices=["files", "fsdp2"], default="files",
-                   help="bench refit: the trainer's rank files, or a real FSDP2 model (fp32 masters, cast to bf16)")
+    p.add_argument("--source", choices=["files", "fsdp2", "megatron"], default="files",
+                   help="bench refit: the trainer's rank files, or a real FSDP2 model (fp32 masters, cast to bf16); "
+                        "bench convert: megatron = a Megatron torch_dist save -> HF (import --to hf + convert)")
     p.add_argument("--delta", action="store_true",
                    help="bench refit: full vs delta pushes after real AdamW steps of a small Llama (--repeats steps)")
     p.add_argument("--lr", type=float, default=1e-6, help="bench refit --delta: the AdamW learning rate")

@@ -1,8 +1,9 @@
 """``shardstream import``: describe an existing checkpoint as a manifest.
 
 Understands a single ``*.safetensors`` file, several of them (each tensor a whole array), an HF
-sharded checkpoint (``model.safetensors.index.json``), a zarr v3 group (``zarr.json``), and a
-directory written by ``convert`` (its ``manifest.json``). File paths in the manifest are relative to the manifest's directory,
+sharded checkpoint (``model.safetensors.index.json``), a zarr v3 group (``zarr.json``), a torch
+DCP directory, a Megatron-LM torch_dist save (its root with ``latest_checkpointed_iteration.txt``,
+or one ``iter_NNNNNNN`` directory), and a directory written by ``convert`` (its ``manifest.json``). File paths in the manifest are relative to the manifest's directory,
 which must contain the checkpoint (design §3).
 """
 
@@ -11,12 +12,16 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from formats.box import Box
 from formats.errors import FormatError, ManifestError, ShardNotFoundError, UsageError
 from formats.manifest import ArraySpec, Chunk, Manifest, Source, load_manifest
 
-__all__ = ["import_checkpoint", "rebase_manifest"]
+if TYPE_CHECKING:
+    from formats.megatron_dist import MegatronSkipped
+
+__all__ = ["import_checkpoint", "import_megatron", "is_megatron_checkpoint", "rebase_manifest"]
 
 
 def _rel(path: Path, base: Path) -> str:
@@ -108,6 +113,9 @@ def import_checkpoint(paths: list[str | os.PathLike[str]], *, manifest_dir: str 
     if len(ps) == 1 and ps[0].is_dir():
         d = ps[0]
         base = Path(manifest_dir) if manifest_dir else d
+        if is_megatron_checkpoint(d):
+            m, _ = import_megatron(d, manifest_dir=base, name=name)
+            return m
         if (d / "manifest.json").exists():
             return rebase_manifest(load_manifest(d / "manifest.json"), base.resolve())
         from formats.zarr_io import ZARR_JSON, is_zarr_group
@@ -143,6 +151,50 @@ def import_checkpoint(paths: list[str | os.PathLike[str]], *, manifest_dir: str 
             raise UsageError(f"{p}: expected *.safetensors files, an index.json, or one directory")
     base = Path(manifest_dir) if manifest_dir else ps[0].parent
     return _from_files(ps, base, name)
+
+
+def is_megatron_checkpoint(d: Path) -> bool:
+    """A Megatron-LM save (root with its tracker file, torch_dist or legacy iteration directory)
+    that is not already described by a ``manifest.json``."""
+    from formats.megatron_dist import is_megatron_save_dir
+    from formats.megatron_legacy import is_megatron_legacy
+
+    return d.is_dir() and not (d / "manifest.json").exists() and (is_megatron_save_dir(d) or is_megatron_legacy(d))
+
+
+def import_megatron(path: str | os.PathLike[str], *, manifest_dir: str | os.PathLike[str] | None = None,
+                    name: str | None = None, model: str | os.PathLike[str] | None = None,
+                    quiet: bool = False) -> tuple[Manifest, MegatronSkipped]:
+    """Describe a Megatron-LM torch_dist checkpoint: its model weights under the stored keys, or
+    with ``model`` (an HF ``config.json``) under HF names (:func:`formats.layouts.megatron_hf.megatron_to_hf`).
+    Chunks address the ``.distcp`` bytes either way. Prints what was skipped unless ``quiet``."""
+    import sys
+    from dataclasses import replace
+
+    from formats.megatron_dist import read_megatron_dist
+
+    d = Path(path)
+    from formats.megatron_legacy import is_megatron_legacy
+
+    if is_megatron_legacy(d):
+        from formats.megatron_dist import MegatronSkipped
+        from formats.megatron_legacy import read_megatron_legacy
+
+        if model is None:
+            raise UsageError(f"{d}: a Megatron legacy checkpoint (mp_rank_XX/model_optim_rng.pt) holds per-rank "
+                             "local tensors; import it with --model CFG --to hf")
+        m = read_megatron_legacy(d, model)
+        base = Path(manifest_dir) if manifest_dir else d
+        return rebase_manifest(replace(m, name=name or m.name), base.resolve()), MegatronSkipped()
+    m, skipped = read_megatron_dist(d)
+    if not quiet:
+        print(f"shardstream: note: {d}: skipped {skipped.summary()} (not model weights)", file=sys.stderr)
+    if model is not None:
+        from formats.layouts.megatron_hf import megatron_to_hf
+
+        m = megatron_to_hf(m, model, where=str(d))
+    base = Path(manifest_dir) if manifest_dir else d
+    return rebase_manifest(replace(m, name=name or m.name), base.resolve()), skipped
 
 
 def _from_index(index: Path, base: Path, name: str | None) -> Manifest:

@@ -8,13 +8,14 @@ from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 
+from formats.limits import RANK_FILE_PATTERN
 from formats.manifest import ArraySpec, Chunk, Manifest, Source, TensorSpec, atomic_write_bytes
 
 from .options import FileJob
 
 __all__ = ["DEFAULT_PATTERN", "INDEX_NAME", "plan_files", "write_index"]
 
-DEFAULT_PATTERN = "rank-{rank:05d}.safetensors"
+DEFAULT_PATTERN = RANK_FILE_PATTERN
 HF_SINGLE = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 

@@ -184,7 +184,7 @@ def preset_manifest(cfg: Mapping[str, Any] | str | os.PathLike[str], preset: str
                     dtype: str | None = None, expert_parallel: bool | None = None,
                     expert_tensor_parallel: int | None = None, moe_grouped_gemm: bool = False,
                     fp8: bool = False, first_stage_layers: int | None = None,
-                    last_stage_layers: int | None = None) -> Manifest:
+                    last_stage_layers: int | None = None, megatron_spec: str = "te") -> Manifest:
     """The manifest a ``preset`` framework holds for the HF model ``cfg`` on ``mesh`` (see the
     module docstring for each preset's names, layouts and mesh axes).
 
@@ -201,7 +201,8 @@ def preset_manifest(cfg: Mapping[str, Any] | str | os.PathLike[str], preset: str
     ``expert_tensor_parallel`` (megatron): 1 or tp (default tp); ``moe_grouped_gemm`` (megatron):
     TE grouped-GEMM expert names. ``first_stage_layers`` / ``last_stage_layers`` (megatron):
     Megatron-core's ``decoder_first/last_pipeline_num_layers`` (uneven pipelines, e.g. DeepSeek-V3's
-    61 layers on pp = 16 as 3 + 14 × 4 + 2).
+    61 layers on pp = 16 as 3 + 14 × 4 + 2). ``megatron_spec`` (megatron): ``te`` (default) or
+    ``local``, Megatron-core's local module spec (separate ``input_layernorm`` / ``pre_mlp_layernorm``).
     """
     fw = FRAMEWORKS.get(preset)
     if fw is None:
@@ -210,13 +211,15 @@ def preset_manifest(cfg: Mapping[str, Any] | str | os.PathLike[str], preset: str
         check_file_pattern(file_pattern)
     info = model_info(cfg, dtype=dtype, fp8=fp8)
     b = Builder(mesh, info.arrays, file_pattern, label=preset, fp8_block=info.fp8_block if fw.fused_scales else None)
+    if preset != "megatron" and megatron_spec != "te":
+        raise LayoutError(f"{preset}: megatron_spec is a megatron option")
     if not fw.stage_layers and (first_stage_layers is not None or last_stage_layers is not None):
         raise LayoutError(f"{preset}: first_stage_layers / last_stage_layers are megatron options")
     if fw.axes is not None:
         check_axes(mesh, fw.axes, preset, ordered=fw.ordered)
     fw.place(b, info, Options(expert_parallel=expert_parallel, expert_tensor_parallel=expert_tensor_parallel,
                               moe_grouped_gemm=moe_grouped_gemm, first_stage_layers=first_stage_layers,
-                              last_stage_layers=last_stage_layers))
+                              last_stage_layers=last_stage_layers, megatron_spec=megatron_spec))
     if name is None:
         name = f"{info.model_type}-{preset}-{str(mesh).replace(',', '-').replace('=', '')}"
     return b.build(name=name, domain_size=domain_size)

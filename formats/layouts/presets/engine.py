@@ -170,6 +170,8 @@ class Options:
     moe_grouped_gemm: bool = False
     first_stage_layers: int | None = None
     last_stage_layers: int | None = None
+    #: megatron: "te" (Transformer Engine: norms fused into linear_qkv / linear_fc1) or "local"
+    megatron_spec: str = "te"
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,10 @@
 """``megatron``: Megatron-core with the Transformer Engine layer specs (see the package docstring
 for the names and layouts). Mesh axes in Megatron's rank order, slowest first: a subsequence of
-``pp, dp, ep, cp, tp``.
+``pp, dp, ep, cp, tp``. ``megatron_spec="local"``: Megatron-core's local (non-TE) module spec,
+whose norms are separate modules (``input_layernorm.weight``, ``pre_mlp_layernorm.weight``) where
+TE fuses them into ``linear_qkv`` / ``linear_fc1`` as ``layer_norm_weight``; legacy
+``model_optim_rng.pt`` files of a local-spec run store those names (torch_dist files map them
+back to the TE names).
 
 Tied embeddings: Megatron (``share_embeddings_and_output_weights``) has no ``output_layer`` at
 pp = 1: the output layer reads ``embedding.word_embeddings.weight``, which holds the one array,
@@ -53,6 +57,7 @@ class _Ctx(LayerContext):
     etp: int
     grouped_gemm: bool
     vper: int  # padded vocab rows per TP rank
+    local_spec: bool  # Megatron-core's local module spec: separate norm modules
 
     def prefix(self, layer: int, stage: int) -> str:
         return f"decoder.layers.{layer - self.starts[stage]}."  # numbered within the stage
@@ -80,13 +85,15 @@ TOP = {"model.embed_tokens.weight": _embedding, "lm_head.weight": _output_layer,
 
 
 def _input_layernorm(c: _Ctx, s: Site, m: re.Match[str]) -> None:
-    # MLA: a separate TENorm; else fused into linear_qkv
-    local = "input_layernorm.weight" if c.info.mla else "self_attention.linear_qkv.layer_norm_weight"
+    # MLA or the local spec: a separate norm module; else fused into TE's linear_qkv
+    local = ("input_layernorm.weight" if c.info.mla or c.local_spec
+             else "self_attention.linear_qkv.layer_norm_weight")
     c.b.whole(s.fqn, s.prefix + local, c.stage_ranks(s.stage))
 
 
 def _pre_mlp_layernorm(c: _Ctx, s: Site, m: re.Match[str]) -> None:
-    local = "pre_mlp_layernorm.weight" if c.info.is_moe_layer(s.layer) else "mlp.linear_fc1.layer_norm_weight"
+    local = ("pre_mlp_layernorm.weight" if c.info.is_moe_layer(s.layer) or c.local_spec
+             else "mlp.linear_fc1.layer_norm_weight")
     c.b.whole(s.fqn, s.prefix + local, c.stage_ranks(s.stage))
 
 
@@ -188,13 +195,15 @@ def place(b: Builder, info: ModelInfo, opts: Options) -> None:
         raise PresetError("megatron: tie_word_embeddings with pp > 1 is not supported: Megatron keeps a copy of "
                           "the embedding as output_layer.weight on the last stage, a second local tensor for "
                           "the same array, which a manifest cannot describe; use pp = 1")
+    if opts.megatron_spec not in ("te", "local"):
+        raise PresetError(f"megatron: module spec must be 'te' or 'local', got {opts.megatron_spec!r}")
     etp = T if opts.expert_tensor_parallel is None else opts.expert_tensor_parallel
     if etp not in (1, T):
         raise PresetError(f"megatron: expert_tensor_parallel must be 1 or tp ({T}), got {etp}")
     parts = pp_partition(info.layers, P, "megatron", first=opts.first_stage_layers, last=opts.last_stage_layers)
     ctx = _Ctx("megatron", b, info, [k for k, n in enumerate(parts) for _ in range(n)],
                starts=[sum(parts[:k]) for k in range(P)], etp=etp, grouped_gemm=opts.moe_grouped_gemm,
-               vper=megatron_padded_vocab(info.vocab, T) // T)
+               vper=megatron_padded_vocab(info.vocab, T) // T, local_spec=opts.megatron_spec == "local")
     engine.walk(ctx, TOP, RULES)
 
 

@@ -1,0 +1,262 @@
+"""Read Megatron-LM's legacy checkpoints (``--ckpt-format torch``) under HF names, executing no pickle.
+
+A legacy save holds one ``torch.save`` archive per model-parallel rank:
+``iter_NNNNNNN/mp_rank_TT/model_optim_rng.pt`` (``mp_rank_TT_PPP`` with pipeline parallelism),
+next to ``latest_checkpointed_iteration.txt``. Each archive is
+``{"args": Namespace, "iteration": …, "model": {local name: tensor}, "optimizer": …, "rng_state": …}``
+with the rank's *local* tensors under the local module spec's names (``input_layernorm.weight``,
+``pre_mlp_layernorm.weight``), layers numbered within the stage.
+
+``data.pkl`` is read by a restricted unpickler: tensor rebuilds and storages are recorded, not
+run (as in :mod:`formats.dcp_io`); ``argparse.Namespace`` becomes a plain record; classes and
+functions of ``megatron.*`` and numpy's array reconstruction (enums in ``args``, NumPy RNG
+state) become inert placeholders whose calls are recorded and never made. Any other global is
+refused. The tensors' bytes are then addressed in place: ``source.byte_range`` into the
+archive's stored (uncompressed) storage entries.
+
+The mapping to HF arrays is the megatron preset on the checkpoint's own ``pp × tp`` mesh with
+the local spec's names. No MPI, no torch.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from math import prod
+from pathlib import Path
+from typing import Any
+
+from .box import Box, is_row_major, row_major_strides
+from .dtypes import DTYPES
+from .errors import FormatError
+from .manifest import ArraySpec, Chunk, Manifest, Source
+
+__all__ = ["LegacyTensor", "find_rank_files", "is_megatron_legacy", "read_legacy_tensors", "read_megatron_legacy"]
+
+_RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?")
+FILE_NAME = "model_optim_rng.pt"
+#: a legacy data.pkl lists every tensor of model and optimizer: allow more than a DCP item's
+MAX_LEGACY_PKL_BYTES = 64 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class LegacyTensor:
+    """One tensor of a legacy archive: its bytes are ``[start, stop)`` of the file."""
+
+    shape: tuple[int, ...]
+    data_type: str
+    start: int
+    stop: int
+
+
+def is_megatron_legacy(path: Path) -> bool:
+    """``path`` (a save root with the tracker, or an iteration directory) holds ``mp_rank_*`` dirs."""
+    from .megatron_dist import resolve_iteration_dir
+
+    try:
+        it = resolve_iteration_dir(path)
+    except FormatError:
+        return False
+    return it.is_dir() and any(_RANK_DIR.fullmatch(p.name) for p in it.iterdir() if p.is_dir())
+
+
+def find_rank_files(it: Path) -> dict[tuple[int, int], Path]:
+    """``(pp, tp) -> model_optim_rng.pt`` of every ``mp_rank_TT[_PPP]`` directory of ``it``;
+    raises ``FormatError`` when the grid is incomplete."""
+    out: dict[tuple[int, int], Path] = {}
+    for p in sorted(it.iterdir()):
+        m = _RANK_DIR.fullmatch(p.name)
+        if m is None or not p.is_dir():
+            continue
+        f = p / FILE_NAME
+        if not f.is_file():
+            raise FormatError(f"{p}: no {FILE_NAME}")
+        out[(int(m.group(2) or 0), int(m.group(1)))] = f
+    if not out:
+        raise FormatError(f"{it}: no mp_rank_XX directories (not a Megatron legacy checkpoint)")
+    P = 1 + max(pp for pp, _ in out)
+    T = 1 + max(tp for _, tp in out)
+    missing = [f"mp_rank_{t:02d}" + (f"_{p:03d}" if P > 1 else "") for p in range(P) for t in range(T)
+               if (p, t) not in out]
+    if missing:
+        raise FormatError(f"{it}: the mp_rank directories span tp = {T}, pp = {P}; missing: {', '.join(missing)}")
+    return out
+
+
+# ------------------------------------------------------------------ restricted data.pkl
+
+
+class _Record:
+    """``argparse.Namespace`` or an inert placeholder's result: attributes only, no behaviour."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.args, self.kwargs = args, kwargs
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+    def __reduce__(self) -> Any:  # never pickled back
+        raise TypeError("stand-in objects are not picklable")
+
+
+@dataclass(frozen=True, slots=True)
+class _Placeholder:
+    """A ``megatron.*`` or numpy global: calling it records the call, runs nothing."""
+
+    module: str
+    name: str
+
+    def __call__(self, *args: Any, **kwargs: Any) -> _Record:
+        return _Record(*args, **kwargs)
+
+
+#: numpy globals of ``np.random.get_state()`` in Megatron's rng_state
+_NUMPY = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+          ("numpy", "ndarray"), ("numpy", "dtype"), ("numpy.core.multiarray", "scalar"),
+          ("numpy._core.multiarray", "scalar")}
+
+
+def _unpickler() -> type[Any]:
+    import pickle
+
+    from . import dcp_io
+
+    class _LegacyUnpickler(dcp_io._DataPklUnpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            if (module, name) == ("argparse", "Namespace"):
+                return _Record
+            if module == "megatron" or module.startswith("megatron.") or (module, name) in _NUMPY:
+                return _Placeholder(module, name)
+            if (module, name) in (("builtins", "set"), ("builtins", "frozenset")):
+                return set if name == "set" else frozenset
+            return super().find_class(module, name)
+
+    assert issubclass(_LegacyUnpickler, pickle.Unpickler)
+    return _LegacyUnpickler
+
+
+def read_legacy_tensors(path: Path) -> dict[str, LegacyTensor]:
+    """The model tensors of one ``model_optim_rng.pt`` (``_extra_state`` and other non-tensors
+    left out), each addressed by byte range. Raises ``FormatError`` (one line per problem)."""
+    from . import dcp_io
+
+    where = str(path)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as e:
+        raise FormatError(f"{where}: cannot open ({e.strerror})") from None
+    try:
+        size = os.fstat(fd).st_size
+        win = dcp_io._Window(fd, 0, size)
+        try:
+            zf = dcp_io._open_archive(win)
+            infos = {i.filename: i for i in zf.infolist()}
+            prefix, pkl = dcp_io._read_data_pkl(zf, infos, MAX_LEGACY_PKL_BYTES)
+            obj = dcp_io._restricted_load(_unpickler(), pkl, allow_persistent=True)
+        except dcp_io._Refused as e:
+            raise FormatError(f"{where}: data.pkl refers to {e.module}.{e.name}, which is not a tensor, storage, "
+                              "argparse.Namespace or megatron class; refusing to load it") from None
+        except dcp_io._ScanRefused as e:
+            raise FormatError(f"{where}: data.pkl is not one torch.save writes ({e}); refusing to load it") from None
+        except FormatError:
+            raise
+        except Exception as e:  # noqa: BLE001 - every failure of a hostile file is one line
+            raise FormatError(f"{where}: not a readable torch.save archive ({type(e).__name__}: "
+                              f"{dcp_io._clip(str(e))})") from None
+        model = obj.get("model") if isinstance(obj, dict) else None
+        if not isinstance(model, dict):
+            raise FormatError(f"{where}: no 'model' state dict (virtual pipeline stages 'model0', 'model1', ... are "
+                              "not supported)")
+        out: dict[str, LegacyTensor] = {}
+        problems: list[str] = []
+        offsets: dict[str, int] = {}
+        for name, t in model.items():
+            if not isinstance(name, str) or not isinstance(t, dcp_io._TensorRef):
+                continue  # _extra_state (None or bytes)
+            try:
+                out[name] = _locate(win, infos, prefix, t, size, offsets)
+            except ValueError as e:
+                problems.append(f"{where}: {name}: {e}")
+        if problems:
+            raise FormatError(problems=problems)
+        return out
+    finally:
+        os.close(fd)
+
+
+def _locate(win: Any, infos: Mapping[str, Any], prefix: str, t: Any, size: int, offsets: dict[str, int]) -> LegacyTensor:
+    from . import dcp_io
+
+    dname = dcp_io._TORCH_ALIASES.get(t.dtype or "", t.dtype or "")
+    dt = DTYPES.get(dname)
+    if dt is None:
+        raise ValueError(f"dtype {t.dtype} has no shardstream data_type")
+    sizes = t.size
+    if not is_row_major(sizes, t.stride):
+        raise ValueError(f"tensor is not contiguous row-major (strides {list(t.stride)}, expected "
+                         f"{list(row_major_strides(sizes))})")
+    dinfo = infos.get(f"{prefix}data/{t.storage.key}")
+    if dinfo is None or dinfo.compress_type != 0 or dinfo.flag_bits & 0x1:
+        raise ValueError(f"storage entry data/{t.storage.key} is missing, compressed or encrypted")
+    key = t.storage.key
+    if key not in offsets:
+        offsets[key] = dcp_io._payload_offset(win, dinfo, size)
+    need = prod(sizes) * dt.itemsize
+    start = offsets[key] + t.storage_offset * dt.itemsize
+    if t.storage_offset < 0 or start + need > offsets[key] + dinfo.file_size:
+        raise ValueError(f"tensor bytes [{start}, {start + need}) run past its storage entry")
+    return LegacyTensor(tuple(sizes), dt.name, start, start + need)
+
+
+# ------------------------------------------------------------------ HF view
+
+
+def read_megatron_legacy(path: str | os.PathLike[str], cfg: Mapping[str, Any] | str | os.PathLike[str]) -> Manifest:
+    """The HF-named manifest of the legacy checkpoint at ``path`` (save root or iteration
+    directory), its chunks addressing the ``model_optim_rng.pt`` bytes. ``base_dir`` is the
+    iteration directory."""
+    from .layouts.mesh import Mesh
+    from .layouts.presets import preset_manifest
+    from .megatron_dist import resolve_iteration_dir
+
+    it = resolve_iteration_dir(path)
+    files = find_rank_files(it)
+    P = 1 + max(pp for pp, _ in files)
+    T = 1 + max(tp for _, tp in files)
+    view = preset_manifest(cfg, "megatron", Mesh(("pp", "tp"), (P, T)), megatron_spec="local")
+    tables = {k: read_legacy_tensors(f) for k, f in files.items()}
+    shapes = {r: {n: t.shape for n, t in view.local_tensors(r).items()} for r in range(P * T)}
+    problems: list[str] = []
+    arrays: dict[str, ArraySpec] = {}
+    for fqn, spec in view.arrays.items():
+        chunks: list[Chunk] = []
+        dts: set[str] = set()
+        for c in spec.chunks:
+            pp, tp = divmod(c.holders[0], T)  # replicas hold the same bytes: read the first
+            table, f = tables[(pp, tp)], files[(pp, tp)]
+            local = c.tensor(fqn)
+            name = local
+            lt = table.get(name)
+            want = shapes[c.holders[0]][local]
+            if lt is None:
+                problems.append(f"{f}: {fqn}: no tensor {name}")
+                break
+            if lt.shape != tuple(want) and not (local in view.tensors.get(c.holders[0], {})
+                                                and lt.shape[1:] == tuple(want)[1:] and lt.shape[0] >= want[0]):
+                problems.append(f"{f}: {fqn}: {name} has shape {list(lt.shape)}, the config needs {list(want)}; "
+                                "does --model match the checkpoint?")
+                break
+            dts.add(lt.data_type)
+            rel = os.path.relpath(f, it).replace(os.sep, "/")
+            chunks.append(Chunk(Box(offsets=c.region.offsets, sizes=c.region.sizes), (0,),
+                                Source(tensor=name, offsets=c.local_offsets, file=rel, byte_range=(lt.start, lt.stop),
+                                       stored_shape=lt.shape)))
+        if len(dts) == 1 and len(chunks) == len(spec.chunks):
+            arrays[fqn] = ArraySpec(spec.shape, dts.pop(), tuple(chunks))
+        elif len(dts) > 1:
+            problems.append(f"{it}: {fqn}: stored in several data_types {sorted(dts)}")
+    if problems:
+        raise FormatError(problems=problems)
+    return Manifest(world_size=1, arrays=arrays, name=f"{it.parent.name}-{it.name}", base_dir=it)
