@@ -222,6 +222,17 @@ class _Active:
     slot: int = -1
 
 
+@dataclass
+class _Run:
+    """The state of one push: its stats, messages in flight, uids received, bucket bytes in use."""
+
+    st: ExecStats
+    active: list[_Active] = field(default_factory=list)
+    done: set[int] = field(default_factory=set)
+    in_use: int = 0
+    problems: list[str] = field(default_factory=list)
+
+
 class Executor:
     """Executes the part of a plan that concerns ``transport.rank``.
 
@@ -408,76 +419,25 @@ class Executor:
         """One push. With ``delta`` (a delta session), messages between ranks at the previous
         version travel as encoded deltas through the bucket slots; the others travel full, and
         what senders send is kept as their next base."""
-        st = ExecStats()
-        problems: list[str] = []
+        run = _Run(ExecStats())
         t0 = time.perf_counter()
-        for tr in self.local:  # same-job reshard: bytes already on this rank
-            if (self.dst_views is not self.src_views or tr.src_tensor != tr.dst_tensor
-                    or tr.src_offsets != tr.dst_offsets):
-                src = self._src_bytes(tr)
-                _copy(self._dst(tr), src.copy() if isinstance(src, np.ndarray) else src.clone())
-            st.local_copies += 1
-        done: set[int] = set()
+        self._local_copies(run.st)
         i = 0
-        active: list[_Active] = []
         last = time.monotonic()
         sleep = 0.0
-        in_use = 0
         # zero-copy messages cost no buffer: more of them may be in flight than there are bucket
         # slots, so large contiguous regions overlap with the packed ones (memory stays bounded
         # by the slots)
         max_inflight = max(self.window, MAX_INFLIGHT)
         nap = _poll_sleep()
         next_abort_poll = last + ABORT_POLL_INTERVAL
-        while i < len(self.mine) or active:
-            while len(active) < max_inflight and i < len(self.mine):
-                m = self.mine[i]
-                send = m.src == self.rank
-                if send and m.phase == 2 and not all(d in done for d in m.deps):
-                    break  # its bytes are still arriving (earlier in the global order)
-                is_delta = delta is not None and delta.is_delta(m.src, m.dst)
-                buf = None if is_delta else self._inplace(m, send)
-                slot = -1
-                if buf is None:
-                    if not self._free:
-                        break  # every bucket slot is in use: wait for one
-                    slot = self._free.pop()
-                    buf = self._slots[slot][:m.nbytes]
-                    in_use += m.nbytes
-                    if send:
-                        st.cast_bytes += self._pack(m, buf)
-                st.peak_buffer_bytes = max(st.peak_buffer_bytes, in_use)
-                req: Request | DeltaSend | DeltaRecv
-                if is_delta:
-                    assert delta is not None
-                    req = self._delta_send(m, buf, delta, st) if send else DeltaRecv(self.t, m, buf)
-                else:
-                    req = self.t.isend(buf, m.dst, m.phase) if send else self.t.irecv(buf, m.src, m.phase)
-                    if send and delta is not None:
-                        self._keep_base(m, buf, delta)
-                active.append(_Active(m, req, buf, not send, slot))
+        while i < len(self.mine) or run.active:
+            while len(run.active) < max_inflight and i < len(self.mine) and self._post(self.mine[i], run, delta):
                 i += 1
             progressed = False
-            for a in list(active):
+            for a in list(run.active):
                 if a.req.test():
-                    wire = getattr(a.req, "wire", a.msg.nbytes)
-                    if a.is_recv:
-                        if isinstance(a.req, DeltaRecv):
-                            assert delta is not None
-                            problems += self._delta_apply(a.msg, a.req, delta, st)
-                        elif a.slot >= 0:
-                            self._unpack(a.msg, a.buf)  # type: ignore[arg-type]
-                        st.bytes_received += wire
-                        st.full_bytes_received += a.msg.nbytes
-                        done.add(a.msg.uid)
-                    else:
-                        st.bytes_sent += wire
-                        st.full_bytes_sent += a.msg.nbytes
-                    if a.slot >= 0:
-                        self._free.append(a.slot)
-                        in_use -= a.msg.nbytes
-                    st.messages += 1
-                    active.remove(a)
+                    self._complete(a, run, delta)
                     progressed = True
             now = time.monotonic()
             if progressed:
@@ -490,35 +450,99 @@ class Executor:
                 if err is not None:
                     raise err
             if now - last > self.timeout:
-                peers = sorted({a.msg.src if a.is_recv else a.msg.dst for a in active})
-                name0 = self.peer_names or (lambda p: f"rank {p}")
-                # a forwarder that is late may itself be waiting: name where its bytes come from
-                upstream: dict[int, set[int]] = defaultdict(set)
-                for a in active:
-                    if a.is_recv and a.msg.phase == 2:
-                        upstream[a.msg.src].update(self._by_uid[d].src for d in a.msg.deps if d in self._by_uid)
-
-                def name(p: int, upstream: dict[int, set[int]] = upstream, name0: Any = name0) -> str:
-                    up = sorted(upstream.get(p, ()))
-                    return str(name0(p)) + (f" (which forwards bytes from {', '.join(name0(u) for u in up)})" if up else "")
-                for a in active:
-                    a.req.cancel()
-                raise PeerTimeoutError(f"rank {self.rank}: timed out after {self.timeout:g} s waiting for "
-                                       f"{', '.join(name(p) for p in peers)} (transfer not completed; the peer "
-                                       "died, hung or never arrived)")
+                raise self._stalled(run.active)
             if sleep:
                 time.sleep(sleep)
             sleep = min(nap, sleep + 2e-5)
+        st = run.st
         if self.verify:
             t1 = time.perf_counter()
             st.verified_regions, bad = self._verify()
-            problems += bad
+            run.problems += bad
             st.verify_seconds = time.perf_counter() - t1
         st.seconds = time.perf_counter() - t0
-        if problems:
+        if run.problems:
             # after a delta push a wrong region is wrong data (exit 1), else a transport failure
-            raise (TransportError if delta is None else DeltaChecksumError)(problems=problems)
+            raise (TransportError if delta is None else DeltaChecksumError)(problems=run.problems)
         return st
+
+    def _local_copies(self, st: ExecStats) -> None:
+        """A same-job reshard: the bytes already on this rank move without the transport."""
+        for tr in self.local:
+            if (self.dst_views is not self.src_views or tr.src_tensor != tr.dst_tensor
+                    or tr.src_offsets != tr.dst_offsets):
+                src = self._src_bytes(tr)
+                _copy(self._dst(tr), src.copy() if isinstance(src, np.ndarray) else src.clone())
+            st.local_copies += 1
+
+    def _post(self, m: Message, run: _Run, delta: DeltaPush | None) -> bool:
+        """Post ``m`` (pack it first when it needs a bucket); False when it must wait: a phase-2
+        forward whose bytes are still arriving, or no free bucket slot."""
+        send = m.src == self.rank
+        if send and m.phase == 2 and not all(d in run.done for d in m.deps):
+            return False  # its bytes are still arriving (earlier in the global order)
+        is_delta = delta is not None and delta.is_delta(m.src, m.dst)
+        buf = None if is_delta else self._inplace(m, send)
+        slot = -1
+        if buf is None:
+            if not self._free:
+                return False  # every bucket slot is in use: wait for one
+            slot = self._free.pop()
+            buf = self._slots[slot][:m.nbytes]
+            run.in_use += m.nbytes
+            if send:
+                run.st.cast_bytes += self._pack(m, buf)
+        run.st.peak_buffer_bytes = max(run.st.peak_buffer_bytes, run.in_use)
+        req: Request | DeltaSend | DeltaRecv
+        if is_delta:
+            assert delta is not None
+            req = self._delta_send(m, buf, delta, run.st) if send else DeltaRecv(self.t, m, buf)
+        else:
+            req = self.t.isend(buf, m.dst, m.phase) if send else self.t.irecv(buf, m.src, m.phase)
+            if send and delta is not None:
+                self._keep_base(m, buf, delta)
+        run.active.append(_Active(m, req, buf, not send, slot))
+        return True
+
+    def _complete(self, a: _Active, run: _Run, delta: DeltaPush | None) -> None:
+        """A finished message: unpack (or apply its delta), count it, free its slot."""
+        st = run.st
+        wire = getattr(a.req, "wire", a.msg.nbytes)
+        if a.is_recv:
+            if isinstance(a.req, DeltaRecv):
+                assert delta is not None
+                run.problems += self._delta_apply(a.msg, a.req, delta, st)
+            elif a.slot >= 0:
+                self._unpack(a.msg, a.buf)  # type: ignore[arg-type]
+            st.bytes_received += wire
+            st.full_bytes_received += a.msg.nbytes
+            run.done.add(a.msg.uid)
+        else:
+            st.bytes_sent += wire
+            st.full_bytes_sent += a.msg.nbytes
+        if a.slot >= 0:
+            self._free.append(a.slot)
+            run.in_use -= a.msg.nbytes
+        st.messages += 1
+        run.active.remove(a)
+
+    def _stalled(self, active: Sequence[_Active]) -> PeerTimeoutError:
+        """The timeout, naming the silent peers (and, for a late forwarder, whom it waits for)."""
+        peers = sorted({a.msg.src if a.is_recv else a.msg.dst for a in active})
+        name0 = self.peer_names or (lambda p: f"rank {p}")
+        upstream: dict[int, set[int]] = defaultdict(set)
+        for a in active:
+            if a.is_recv and a.msg.phase == 2:
+                upstream[a.msg.src].update(self._by_uid[d].src for d in a.msg.deps if d in self._by_uid)
+
+        def name(p: int) -> str:
+            up = sorted(upstream.get(p, ()))
+            return str(name0(p)) + (f" (which forwards bytes from {', '.join(name0(u) for u in up)})" if up else "")
+        for a in active:
+            a.req.cancel()
+        return PeerTimeoutError(f"rank {self.rank}: timed out after {self.timeout:g} s waiting for "
+                                f"{', '.join(name(p) for p in peers)} (transfer not completed; the peer "
+                                "died, hung or never arrived)")
 
     # -- integrity without gathering
     def _digest(self, region: Any) -> int:
