@@ -366,6 +366,7 @@ def test_hf_to_torch_dist_matches_megatrons_own_save(fixture: str, spec: str, tm
     rc, _, err = run_cli(capsys, "convert", str(hf), str(mg), "--out", str(out), "--format", "torch_dist")
     assert rc == 0, err
     assert (out / "latest_checkpointed_iteration.txt").read_text() == "release"
+    assert sorted(p.name for p in out.iterdir()) == ["latest_checkpointed_iteration.txt", "release"]  # no temp left
     assert not (out / ".staging").exists()
     ours, _ = read_megatron_dist(out)
     theirs, skipped = read_megatron_dist(d)
