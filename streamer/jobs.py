@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +33,7 @@ from formats.errors import PeerTimeoutError, UsageError
 from formats.manifest import atomic_write_bytes
 
 from .transport.base import Transport
+from .watchdog import Watchdog, abort
 
 __all__ = ["CONTROLS", "Group", "Watchdog", "abort", "connect", "launcher_rank"]
 
@@ -103,52 +103,9 @@ class Group:
                  rendezvous: str | None = None) -> Group:
         from .transport.mpi import MPITransport
 
-        return cls(MPITransport(comm), MPITransport(role_comm), role, n_send, n_recv, rendezvous, comm=comm)
-
-
-def abort(message: str, code: int = 3) -> None:
-    """Print ``message`` and abort every rank with ``code`` (mpiexec then exits with it)."""
-    try:
-        os.write(2, (message.rstrip() + "\n").encode())
-    except OSError:
-        pass
-    # hydra forwards output asynchronously and drops what is in flight when it tears the job down:
-    # give it a moment so the reason reaches the user
-    time.sleep(0.5)
-    try:
-        from mpi4py import MPI
-
-        MPI.COMM_WORLD.Abort(code)
-    finally:
-        os._exit(code)
-
-
-class Watchdog:
-    """Abort with exit 3 if the guarded block takes longer than ``timeout`` seconds."""
-
-    def __init__(self, timeout: float, message: str, cleanup: Any = None) -> None:
-        self.timeout = timeout
-        self.message = message
-        self.cleanup = cleanup
-        self._t: threading.Timer | None = None
-
-    def _fire(self) -> None:
-        if self.cleanup is not None:
-            try:
-                self.cleanup()
-            except Exception:  # noqa: BLE001 - best effort before aborting
-                pass
-        abort(f"shardstream: timed out after {self.timeout:g} s {self.message}")
-
-    def __enter__(self) -> Watchdog:
-        self._t = threading.Timer(self.timeout, self._fire)
-        self._t.daemon = True
-        self._t.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._t is not None:
-            self._t.cancel()
+        role_names = (lambda r: _rank_name(r, n_send)) if role == "send" else (lambda r: _rank_name(r + n_send, n_send))
+        return cls(MPITransport(comm, lambda r: _rank_name(r, n_send)), MPITransport(role_comm, role_names), role,
+                   n_send, n_recv, rendezvous, comm=comm)
 
 
 def _iallgather_int(comm: Any, value: int, timeout: float, what: str) -> list[int]:

@@ -6,10 +6,13 @@ peer becomes a ``PeerTimeoutError`` instead of a hang.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+
+from formats.errors import PeerTimeoutError
 
 from .base import HostBuffers, RemoteAbortError, wait_all
 
@@ -18,6 +21,10 @@ __all__ = ["ABORT_TAG", "MPIRequest", "MPITransport"]
 #: tag of the abort notice (data messages use their phase, 0..2; checksums 7; the baseline 11; delta
 #: headers 17..18 and payloads 4096..20479, see streamer/delta.py)
 ABORT_TAG = 0x5AB
+#: after a collective timed out: "still here" to rank 0, and rank 0's list of missing ranks back
+ROLL_CALL_TAG, NAMES_TAG = 0x5AC, 0x5AD
+#: how long rank 0 waits for the others to report after its own collective timed out (seconds)
+ROLL_CALL_GRACE = 2.0
 
 
 class MPIRequest:
@@ -61,8 +68,11 @@ class MPITransport(HostBuffers):
 
     name = "mpi"
 
-    def __init__(self, comm: Any) -> None:
+    def __init__(self, comm: Any, names: Any = None) -> None:
         from mpi4py import MPI
+
+        #: a rank's name in messages (the refit group names sender/receiver ranks)
+        self.names = names or (lambda r: f"rank {r}")
 
         self.MPI = MPI
         self.comm = comm
@@ -92,9 +102,60 @@ class MPITransport(HostBuffers):
             raise _broken("recv", src, e) from e
 
     def _wait(self, req: Any, timeout: float, what: str) -> None:
-        # a collective has no single peer; name the whole group
-        wait_all([MPIRequest(req, "collective", -1)], timeout, what,
-                 names=lambda _p: f"one or more of ranks 0..{self.size - 1}")
+        try:
+            wait_all([MPIRequest(req, "collective", -1)], timeout, what,
+                     names=lambda _p: f"one or more of ranks 0..{self.size - 1}")
+        except PeerTimeoutError as e:
+            # a collective has no single peer: ask who is still here, to name who is not
+            missing = self._roll_call(timeout, what)
+            if missing:
+                raise PeerTimeoutError(
+                    f"timed out after {timeout:g} s in {what}: {', '.join(self.names(r) for r in missing)} did "
+                    "not arrive (died, hung, or stuck waiting for another rank)") from e
+            raise
+
+    def _roll_call(self, timeout: float, what: str) -> list[int]:
+        """After a collective timed out: every rank that timed out reports to rank 0, which names
+        the ranks that did not report and sends the names back. Point-to-point only to ranks known
+        to be alive (a send to a dead peer can block inside MPI); a watchdog bounds the rest."""
+        import json
+
+        from ..watchdog import Watchdog
+
+        grace = min(timeout, 10.0) + ROLL_CALL_GRACE
+        generic = (f"timed out after {timeout:g} s waiting for one or more of ranks 0..{self.size - 1} in {what} "
+                   "(the peer died, hung or never arrived)")
+        with Watchdog(grace + 5.0, f"naming the ranks missing from {what}; first: {generic}"):
+            if self.rank != 0:
+                here = np.zeros(1, dtype=np.uint8)
+                self.comm.Isend([here, self.MPI.BYTE], dest=0, tag=ROLL_CALL_TAG)
+                text = self._probe_recv(0, NAMES_TAG, grace)
+                return [int(r) for r in json.loads(text)] if text else []
+            present = {0}
+            deadline = time.monotonic() + ROLL_CALL_GRACE
+            while time.monotonic() < deadline and len(present) < self.size:
+                status = self.MPI.Status()
+                if self.comm.Iprobe(source=self.MPI.ANY_SOURCE, tag=ROLL_CALL_TAG, status=status):
+                    buf = np.zeros(max(1, status.Get_count(self.MPI.BYTE)), dtype=np.uint8)
+                    self.comm.Recv([buf, self.MPI.BYTE], source=status.Get_source(), tag=ROLL_CALL_TAG)
+                    present.add(status.Get_source())
+                else:
+                    time.sleep(1e-3)
+            missing = sorted(set(range(self.size)) - present)
+            names = np.frombuffer(json.dumps(missing).encode(), dtype=np.uint8)
+            self._keep = [self.comm.Isend([names, self.MPI.BYTE], dest=r, tag=NAMES_TAG) for r in present if r]
+            return missing
+
+    def _probe_recv(self, src: int, tag: int, timeout: float) -> bytes:
+        deadline = time.monotonic() + timeout
+        status = self.MPI.Status()
+        while not self.comm.Iprobe(source=src, tag=tag, status=status):
+            if time.monotonic() > deadline:
+                return b""
+            time.sleep(1e-3)
+        buf = np.zeros(status.Get_count(self.MPI.BYTE), dtype=np.uint8)
+        self.comm.Recv([buf, self.MPI.BYTE], source=src, tag=tag)
+        return buf.tobytes()
 
     def barrier(self, timeout: float) -> None:
         self._wait(self.comm.Ibarrier(), timeout, "barrier")
