@@ -14,16 +14,20 @@ import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from .box import Box
 from .dtypes import DTYPES, DType
 from .errors import ManifestError, ShardNotFoundError
 from .limits import INT64_MAX
 
+if TYPE_CHECKING:
+    from .compact import ArrayRef, Layout
+
 __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
+    "COMPACT_FORMAT_VERSION",
     "Source",
     "Chunk",
     "ArraySpec",
@@ -39,6 +43,9 @@ __all__ = [
 
 FORMAT = "shardstream.manifest"
 FORMAT_VERSION = 1
+#: the compact form (meshes + layouts, formats/compact.py); readers take both
+COMPACT_FORMAT_VERSION = 2
+FORMAT_VERSIONS = (FORMAT_VERSION, COMPACT_FORMAT_VERSION)
 MAX_MANIFEST_BYTES = 2 << 30  # refuse to json-parse more than 2 GiB
 
 
@@ -113,11 +120,64 @@ class Chunk:
         return d
 
 
-@dataclass(frozen=True, slots=True)
 class ArraySpec:
+    """One array: global shape, data type and its chunks.
+
+    ``chunks`` is given (v1, or any writer) or computed on first use from ``ref``, the array's
+    layout in a compact (v2) manifest, then kept: a manifest expands array by array, only the
+    arrays something asks about. ``ArraySpec(shape, data_type, chunks)`` works as it always did.
+    """
+
+    __slots__ = ("shape", "data_type", "_chunks", "ref", "_fqn")
+
     shape: tuple[int, ...]
     data_type: str
-    chunks: tuple[Chunk, ...]
+    ref: ArrayRef | None
+    _chunks: tuple[Chunk, ...] | None
+    _fqn: str | None
+
+    def __init__(self, shape: tuple[int, ...], data_type: str, chunks: tuple[Chunk, ...] | None = None, *,
+                 ref: ArrayRef | None = None, fqn: str | None = None) -> None:
+        if (chunks is None) == (ref is None):
+            raise TypeError("ArraySpec needs chunks or a layout reference (ref=, with fqn=), not both")
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "data_type", data_type)
+        object.__setattr__(self, "_chunks", chunks)
+        object.__setattr__(self, "ref", ref)
+        object.__setattr__(self, "_fqn", fqn)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"ArraySpec is immutable (cannot set {name!r})")
+
+    @property
+    def chunks(self) -> tuple[Chunk, ...]:
+        got: tuple[Chunk, ...] | None = self._chunks
+        if got is None:
+            assert self.ref is not None and self._fqn is not None
+            got = self.ref.expand(self._fqn)
+            object.__setattr__(self, "_chunks", got)
+        return got
+
+    @property
+    def expanded(self) -> bool:
+        """Whether the chunks are at hand (given, or already expanded from the layout)."""
+        return self._chunks is not None
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ArraySpec):
+            return NotImplemented
+        return (self.shape, self.data_type, self.chunks) == (other.shape, other.data_type, other.chunks)
+
+    def __hash__(self) -> int:
+        return hash((self.shape, self.data_type, self.chunks))
+
+    def __repr__(self) -> str:
+        if self._chunks is None and self.ref is not None:
+            return f"ArraySpec(shape={self.shape!r}, data_type={self.data_type!r}, ref={self.ref.layout.name!r})"
+        return f"ArraySpec(shape={self.shape!r}, data_type={self.data_type!r}, chunks={self.chunks!r})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (ArraySpec, (self.shape, self.data_type, self.chunks))
 
     @property
     def dtype(self) -> DType:
@@ -210,7 +270,8 @@ class Manifest:
     def with_arrays(self, arrays: Mapping[str, ArraySpec]) -> Manifest:
         return replace(self, arrays=dict(arrays))
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, *, arrays: bool = True) -> dict[str, Any]:
+        """The v1 wire form (every chunk listed); ``arrays=False``: everything but the arrays."""
         d: dict[str, Any] = {"format": FORMAT, "format_version": FORMAT_VERSION}
         if self.name is not None:
             d["name"] = self.name
@@ -224,7 +285,8 @@ class Manifest:
         if self.tensors:
             d["tensors"] = {str(r): {n: t.to_dict() for n, t in ts.items()}
                             for r, ts in sorted(self.tensors.items())}
-        d["arrays"] = {fqn: a.to_dict() for fqn, a in self.arrays.items()}
+        if arrays:
+            d["arrays"] = {fqn: a.to_dict() for fqn, a in self.arrays.items()}
         return d
 
 
@@ -232,6 +294,7 @@ class Manifest:
 
 _TOP_KEYS = {"format", "format_version", "name", "world_size", "mesh", "topology", "partial",
              "tensors", "arrays"}
+_COMPACT_TOP_KEYS = _TOP_KEYS | {"meshes", "layouts"}
 _ARRAY_KEYS = {"shape", "data_type", "chunks"}
 _CHUNK_KEYS = {"region", "holders", "source"}
 _REGION_KEYS = {"offsets", "sizes"}
@@ -365,8 +428,9 @@ class _Parser:
         if obj.get("format") != FORMAT:
             self.bad("", f"'format' must be {FORMAT!r}, got {_short(obj.get('format'))}")
         fv = obj.get("format_version")
-        if fv != FORMAT_VERSION or not _is_int(fv):
-            self.bad("", f"unsupported format_version {_short(fv)} (this shardstream reads version {FORMAT_VERSION})")
+        if fv not in FORMAT_VERSIONS or not _is_int(fv):
+            self.bad("", f"unsupported format_version {_short(fv)} (this shardstream reads versions "
+                         f"{' and '.join(map(str, FORMAT_VERSIONS))})")
 
     def world_size(self, ws: object) -> int:
         if not isinstance(ws, int) or isinstance(ws, bool) or ws < 1:
@@ -437,16 +501,31 @@ class _Parser:
             return None
         return None if shp is None else TensorSpec(shp, dt)
 
-    def arrays(self, av: object) -> dict[str, ArraySpec]:
+    def arrays(self, av: object, layouts: Mapping[str, Layout] | None) -> dict[str, ArraySpec]:
         arrays: dict[str, ArraySpec] = {}
         if not isinstance(av, dict):
             self.bad("", f"missing or invalid 'arrays' (expected an object), got {_short(av)}")
             return arrays
         for fqn, a in av.items():
-            spec = self.array(fqn, a)
+            if isinstance(a, str) or (isinstance(a, dict) and "layout" in a):
+                spec = self.compact_array(fqn, a, layouts)
+            else:
+                spec = self.array(fqn, a)
             if spec is not None:
                 arrays[fqn] = spec
         return arrays
+
+    def compact_array(self, fqn: str, a: str | dict[str, Any],
+                      layouts: Mapping[str, Layout] | None) -> ArraySpec | None:
+        if layouts is None:
+            self.bad(fqn, "an array given by a layout needs format_version 2")
+            return None
+        from .compact import parse_ref
+
+        ref = parse_ref(self, fqn, a, layouts)
+        if ref is None:
+            return None
+        return ArraySpec(ref.layout.shape, ref.layout.data_type, ref=ref, fqn=fqn)
 
     def array(self, fqn: str, a: object) -> ArraySpec | None:
         if not isinstance(a, dict):
@@ -501,7 +580,8 @@ def parse_manifest(obj: object, *, where: str = "<manifest>", base_dir: Path | N
     p.format(obj)
     if p.problems:  # wrong format / version: the rest would only be noise
         raise ManifestError(problems=p.problems)
-    p.keys(obj, _TOP_KEYS, "")
+    compact = obj.get("format_version") == COMPACT_FORMAT_VERSION
+    p.keys(obj, _COMPACT_TOP_KEYS if compact else _TOP_KEYS, "")
     ws = p.world_size(obj.get("world_size"))
     name = obj.get("name")
     if name is not None and not isinstance(name, str):
@@ -514,7 +594,12 @@ def parse_manifest(obj: object, *, where: str = "<manifest>", base_dir: Path | N
         p.bad("", f"partial must be true or false, got {_short(partial)}")
         partial = False
     tensors = p.tensors(obj.get("tensors"))
-    arrays = p.arrays(obj.get("arrays"))
+    layouts: dict[str, Layout] | None = None
+    if compact:
+        from .compact import parse_compact
+
+        layouts = parse_compact(p, obj.get("meshes"), obj.get("layouts"))
+    arrays = p.arrays(obj.get("arrays"), layouts)
     if p.problems:
         raise ManifestError(problems=p.problems)
     return Manifest(world_size=ws, arrays=arrays, name=name, mesh=mesh, topology=topo,
@@ -557,8 +642,18 @@ def load_manifest(path: str | os.PathLike[str]) -> Manifest:
     return loads_manifest(data, where=str(p), base_dir=p.parent.resolve())
 
 
-def dumps_manifest(m: Manifest) -> str:
-    return json.dumps(m.to_dict(), separators=(",", ":"), sort_keys=False) + "\n"
+def dumps_manifest(m: Manifest, *, format_version: int = FORMAT_VERSION) -> str:
+    """The wire form: version 1 lists every chunk, version 2 is the compact form (arrays a
+    layout describes exactly refer to it, the rest keep explicit chunks)."""
+    if format_version == COMPACT_FORMAT_VERSION:
+        from .compact import compact_dict
+
+        d = compact_dict(m)
+    elif format_version == FORMAT_VERSION:
+        d = m.to_dict()
+    else:
+        raise ManifestError(f"cannot write format_version {format_version!r} (expected 1 or 2)")
+    return json.dumps(d, separators=(",", ":"), sort_keys=False) + "\n"
 
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
@@ -580,5 +675,5 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
         pass
 
 
-def save_manifest(m: Manifest, path: str | os.PathLike[str]) -> None:
-    atomic_write_bytes(path, dumps_manifest(m).encode())
+def save_manifest(m: Manifest, path: str | os.PathLike[str], *, format_version: int = FORMAT_VERSION) -> None:
+    atomic_write_bytes(path, dumps_manifest(m, format_version=format_version).encode())

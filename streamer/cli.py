@@ -99,7 +99,7 @@ def cmd_layout(args: argparse.Namespace) -> int:
         problems = validate_manifest(m, where=args.output, check_paths=False)
         if problems:
             raise ShardstreamError(problems=problems)
-        save_manifest(m, args.output)
+        save_manifest(m, args.output, format_version=args.format_version)
         chunks = sum(len(a.chunks) for a in m.arrays.values())
         _out(args, {"manifest": args.output, "world_size": m.world_size, "arrays": len(m.arrays), "chunks": chunks,
                     "preset": args.preset, "dtype": dtype},
@@ -135,7 +135,7 @@ def cmd_layout(args: argparse.Namespace) -> int:
     problems = validate_manifest(m, where=args.output, check_paths=False)
     if problems:
         raise ShardstreamError(problems=problems)
-    save_manifest(m, args.output)
+    save_manifest(m, args.output, format_version=args.format_version)
     chunks = sum(len(a.chunks) for a in m.arrays.values())
     _out(args, {"manifest": args.output, "world_size": m.world_size, "arrays": len(m.arrays), "chunks": chunks},
          f"wrote {args.output}: world_size {m.world_size}, {len(m.arrays)} arrays, {chunks} chunks")
@@ -429,6 +429,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="per-rank file name (default rank-{rank:05d}.safetensors; one rank: HF names)")
     p.add_argument("--no-files", action="store_true", help="a live (in-memory) manifest: no source.file")
     p.add_argument("--domain-size", type=_positive_int)
+    p.add_argument("--format-version", type=int, choices=(1, 2), default=2,
+                   help="2 (default): compact manifest, arrays refer to shared mesh layouts; 1: every chunk listed")
     p.add_argument("--name")
     p.add_argument("-o", "--output", required=True, metavar="MANIFEST")
     p.add_argument("--json", action="store_true")
