@@ -159,6 +159,13 @@ class ArraySpec:
         return got
 
     @property
+    def chunk_count(self) -> int:
+        """``len(chunks)``, without expanding a compact array."""
+        if self._chunks is None and self.ref is not None:
+            return len(self.ref.layout.regions)
+        return len(self.chunks)
+
+    @property
     def expanded(self) -> bool:
         """Whether the chunks are at hand (given, or already expanded from the layout)."""
         return self._chunks is not None
@@ -260,6 +267,10 @@ class Manifest:
         for t, ts in self.tensors.get(rank, {}).items():
             out[t] = ts
         return out
+
+    def chunk_count(self) -> int:
+        """Chunks over all arrays, without expanding compact ones."""
+        return sum(a.chunk_count for a in self.arrays.values())
 
     def ranks_holding(self) -> list[int]:
         s: set[int] = set()

@@ -64,7 +64,7 @@ def cmd_import(args: argparse.Namespace) -> int:
     out = Path(args.output)
     m = import_checkpoint(args.paths, manifest_dir=out.parent.resolve(), name=args.name)
     save_manifest(m, out)
-    chunks = sum(len(a.chunks) for a in m.arrays.values())
+    chunks = m.chunk_count()
     nbytes = sum(a.nbytes for a in m.arrays.values())
     _out(args, {"manifest": str(out), "arrays": len(m.arrays), "chunks": chunks, "bytes": nbytes},
          f"wrote {out}: {len(m.arrays)} arrays, {chunks} chunks, {nbytes / 1e9:.3f} GB")
@@ -100,7 +100,7 @@ def cmd_layout(args: argparse.Namespace) -> int:
         if problems:
             raise ShardstreamError(problems=problems)
         save_manifest(m, args.output, format_version=args.format_version)
-        chunks = sum(len(a.chunks) for a in m.arrays.values())
+        chunks = m.chunk_count()
         _out(args, {"manifest": args.output, "world_size": m.world_size, "arrays": len(m.arrays), "chunks": chunks,
                     "preset": args.preset, "dtype": dtype},
              f"wrote {args.output}: {args.preset}, {dtype}, world_size {m.world_size}, {len(m.arrays)} arrays, "
@@ -136,7 +136,7 @@ def cmd_layout(args: argparse.Namespace) -> int:
     if problems:
         raise ShardstreamError(problems=problems)
     save_manifest(m, args.output, format_version=args.format_version)
-    chunks = sum(len(a.chunks) for a in m.arrays.values())
+    chunks = m.chunk_count()
     _out(args, {"manifest": args.output, "world_size": m.world_size, "arrays": len(m.arrays), "chunks": chunks},
          f"wrote {args.output}: world_size {m.world_size}, {len(m.arrays)} arrays, {chunks} chunks")
     return 0
@@ -154,7 +154,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
             problems = validate_manifest(m, where=path)
             if args.data and not problems:
                 problems = validate_data(m, where=path)
-            info = {"arrays": len(m.arrays), "chunks": sum(len(a.chunks) for a in m.arrays.values()),
+            info = {"arrays": len(m.arrays), "chunks": m.chunk_count(),
                     "world_size": m.world_size}
         except ShardstreamError as e:
             problems = e.problems or [str(e)]
@@ -272,7 +272,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     for fqn, a, c in m.iter_chunks():
         for h_ in c.holders:
             per_rank[h_] = per_rank.get(h_, 0) + c.region.volume * a.dtype.itemsize
-    chunks = sum(len(a.chunks) for a in m.arrays.values())
+    chunks = m.chunk_count()
     nbytes = sum(a.nbytes for a in m.arrays.values())
     lines = [f"{args.path}: manifest {m.name or ''} world_size {m.world_size}, mesh {m.mesh}, "
              f"{len(m.arrays)} arrays, {chunks} chunks, {nbytes / 1e9:.3f} GB logical"]
