@@ -45,12 +45,18 @@ from .layouts.mesh import LayoutError, Mesh, Pin, Placement, Replicate, Shard, c
 if TYPE_CHECKING:
     from .manifest import ArraySpec, Chunk, Manifest
 
-__all__ = ["ArrayRef", "Layout", "MeshDecl", "array_vars", "compact_dict", "fill_pattern", "parse_compact"]
+__all__ = ["ArrayRef", "Layout", "MeshDecl", "array_vars", "compact_dict", "fill_pattern", "is_run", "parse_compact",
+           "parse_ref", "parse_run"]
 
 _LAYOUT_KEYS = {"mesh", "placements", "shape", "data_type", "tensor", "file"}
 _MESH_KEYS = {"axes", "shape", "ranks"}
 _RANGE_KEYS = {"start", "stop", "step"}
 _REF_KEYS = {"layout", "block"}
+_RUN_KEYS = {"experts", "members"}
+_SEGMENT_KEYS = {"layout", "stop", "block", "step"}
+#: an expert array's name: (prefix ending in ``experts``, expert, member suffix)
+_EXPERT_RE = re.compile(r"(.*(?<![^.])(?:local_)?experts)\.(\d+)\.(.+)\Z")
+RUN_MARK = ".{expert}"
 _VAR_OF = {"layers": "layer", "experts": "expert", "local_experts": "expert"}
 _VARS_RE = re.compile(r"(?<![^.])(layers|experts|local_experts)\.(\d+)(?![^.])")
 _TOKEN_RE = re.compile(r"\{\{|\}\}|\{([a-z]+)(?:([+-])(\d+))?\}|[{}]")
@@ -414,6 +420,72 @@ def parse_ref(p: _Problems, fqn: str, v: str | dict[str, Any], layouts: Mapping[
     return ArrayRef(lay, block)
 
 
+def is_run(key: str) -> bool:
+    """Whether an ``arrays`` key of a v2 manifest is a run of expert arrays (``PREFIX.{expert}``)."""
+    return key.endswith(RUN_MARK)
+
+
+def parse_run(p: _Problems, key: str, v: object, layouts: Mapping[str, Layout]) -> list[tuple[str, ArrayRef]]:
+    """A run of expert arrays, in order: for each expert, each member (see :func:`compact_dict`)."""
+    if not isinstance(v, dict):
+        p.bad(key, f"a run of expert arrays must be an object {{\"experts\", \"members\"}}, got {v!r}")
+        return []
+    p.keys(v, _RUN_KEYS, key)
+    ev, mv = v.get("experts"), v.get("members")
+    if not isinstance(ev, dict) or not isinstance(mv, dict) or not mv:
+        p.bad(key, "a run needs 'experts' {\"start\", \"stop\"} and a non-empty 'members' object")
+        return []
+    p.keys(ev, {"start", "stop"}, key + ".experts")
+    e0 = _int(p, ev.get("start"), key, "experts.start", 0)
+    e1 = _int(p, ev.get("stop"), key, "experts.stop", 0 if e0 is None else e0 + 1)
+    if e0 is None or e1 is None:
+        return []
+    prefix = key[: -len(RUN_MARK)]
+    per: dict[str, list[ArrayRef]] = {}
+    for suffix, segs in mv.items():
+        refs = _parse_segments(p, f"{key}.members.{suffix}", segs, e0, e1, layouts)
+        if refs is None:
+            return []
+        per[suffix] = refs
+    return [(f"{prefix}.{e}.{suffix}", refs[e - e0]) for e in range(e0, e1) for suffix, refs in per.items()]
+
+
+def _parse_segments(p: _Problems, ctx: str, segs: object, e0: int, e1: int,
+                    layouts: Mapping[str, Layout]) -> list[ArrayRef] | None:
+    if not isinstance(segs, list) or not segs:
+        p.bad(ctx, f"must be a non-empty list of segments, got {segs!r}")
+        return None
+    out: list[ArrayRef] = []
+    start = e0
+    for k, sv in enumerate(segs):
+        sctx = f"{ctx}[{k}]"
+        if not isinstance(sv, dict):
+            p.bad(sctx, f"a segment must be an object, got {sv!r}")
+            return None
+        p.keys(sv, _SEGMENT_KEYS, sctx)
+        lname = sv.get("layout")
+        lay = layouts.get(lname) if isinstance(lname, str) else None
+        if lay is None:
+            p.bad(sctx, f"layout {lname!r} is not declared in 'layouts'")
+            return None
+        stop = _int(p, sv.get("stop"), sctx, "stop", start + 1)
+        if stop is None:
+            return None
+        nd = len(lay.shape)
+        block = p.ints(sv.get("block", [0] * nd), sctx, "block", ndim=nd)
+        step = p.ints(sv.get("step", [0] * nd), sctx, "step", ndim=nd)
+        if block is None or step is None:
+            return None
+        for i in range(stop - start):
+            b = tuple(x + i * y for x, y in zip(block, step))
+            out.append(ArrayRef(lay, b if any(b) else None))
+        start = stop
+    if start != e1:
+        p.bad(ctx, f"segments end at expert {start}, expected experts.stop {e1}")
+        return None
+    return out
+
+
 # ---------------------------------------------------------------- writing
 
 
@@ -505,6 +577,7 @@ def compact_dict(m: Manifest) -> dict[str, Any]:
     layouts: dict[tuple[Any, ...], tuple[str, Layout, str]] = {}
     cache: dict[tuple[Any, ...], list[tuple[Box, tuple[int, ...]]]] = {}
     arrays: dict[str, Any] = {}
+    refs: dict[str, tuple[str, tuple[int, ...] | None]] = {}  # compact arrays: layout name, block
 
     def mesh_name(d: MeshDecl) -> str:
         name = d.name
@@ -537,6 +610,7 @@ def compact_dict(m: Manifest) -> dict[str, Any]:
             hit = (name, lay, mname)
             layouts[key] = hit
         arrays[fqn] = ArrayRef(hit[1], block).to_wire(hit[0])
+        refs[fqn] = (hit[0], block)
     d: dict[str, Any] = {"format": FORMAT, "format_version": 2}
     head = m.to_dict(arrays=False)
     for k, v in head.items():
@@ -546,6 +620,95 @@ def compact_dict(m: Manifest) -> dict[str, Any]:
         d["meshes"] = {n: md.to_dict() for n, md in meshes.items()}
     if layouts:
         d["layouts"] = {n: dict(lay.to_dict(), mesh=mn) for n, lay, mn in layouts.values()}
-    d["arrays"] = arrays
+    d["arrays"] = _with_runs(arrays, refs)
     return d
+
+
+def _with_runs(arrays: dict[str, Any], refs: Mapping[str, tuple[str, tuple[int, ...] | None]]) -> dict[str, Any]:
+    """``arrays`` with each run of consecutive compact expert arrays (expert ``e0..e1``, each with
+    the same member suffixes in the same order) written as one ``PREFIX.{expert}`` entry: per
+    member, segments of consecutive experts with one layout and a block growing by ``step``."""
+    items = list(arrays.items())
+    out: dict[str, Any] = {}
+    i = 0
+    while i < len(items):
+        run = _run_at(items, i, refs)
+        if run is None:
+            out[items[i][0]] = items[i][1]
+            i += 1
+            continue
+        key, value, n = run
+        out[key] = value
+        i += n
+    return out
+
+
+def _run_at(items: list[tuple[str, Any]], i: int,
+            refs: Mapping[str, tuple[str, tuple[int, ...] | None]]) -> tuple[str, dict[str, Any], int] | None:
+    m = _EXPERT_RE.match(items[i][0])
+    if m is None or items[i][0] not in refs or RUN_MARK in items[i][0]:
+        return None
+    prefix, e0 = m.group(1), int(m.group(2))
+    members: list[str] = []
+    j = i
+    while j < len(items):  # the member suffixes of the first expert
+        mj = _EXPERT_RE.match(items[j][0])
+        if mj is None or mj.group(1) != prefix or int(mj.group(2)) != e0 or items[j][0] not in refs:
+            break
+        members.append(mj.group(3))
+        j += 1
+    if len(set(members)) != len(members):
+        return None
+    e = e0 + 1
+    while True:  # whole experts e0+1, e0+2, ... with the same members
+        names = [f"{prefix}.{e}.{s}" for s in members]
+        if j + len(names) > len(items) or any(items[j + k][0] != n or n not in refs for k, n in enumerate(names)):
+            break
+        j += len(names)
+        e += 1
+    if e - e0 < 2:
+        return None
+    mv: dict[str, Any] = {}
+    for s in members:
+        segs = _segments([refs[f"{prefix}.{x}.{s}"] for x in range(e0, e)], e0)
+        if segs is None:
+            return None
+        mv[s] = segs
+    return prefix + RUN_MARK, {"experts": {"start": e0, "stop": e}, "members": mv}, j - i
+
+
+def _segments(seq: list[tuple[str, tuple[int, ...] | None]], e0: int) -> list[dict[str, Any]] | None:
+    """Segments reproducing ``seq`` (layout, block per expert from ``e0``), or None when a block
+    is written as explicit zeros (expansion gives no block for zeros)."""
+    out: list[dict[str, Any]] = []
+    k = 0
+    while k < len(seq):
+        name, b0 = seq[k]
+        if b0 is not None and not any(b0):
+            return None
+        base = b0 or (0,) * len(_nd_of(seq))
+        step: tuple[int, ...] | None = None
+        n = 1
+        while k + n < len(seq) and seq[k + n][0] == name:
+            bn = seq[k + n][1]
+            v = bn or (0,) * len(base)
+            st = tuple((x - y) // n for x, y in zip(v, base)) if step is None else step
+            want = tuple(x + n * y for x, y in zip(base, st))
+            if (want if any(want) else None) != bn:
+                break
+            step = st
+            n += 1
+        seg: dict[str, Any] = {"layout": name, "stop": e0 + k + n}
+        if any(base):
+            seg["block"] = list(base)
+        if step is not None and any(step):
+            seg["step"] = list(step)
+        out.append(seg)
+        k += n
+    return out
+
+
+def _nd_of(seq: list[tuple[str, tuple[int, ...] | None]]) -> tuple[int, ...]:
+    """Any block of ``seq`` (for its length), or ``()`` when none is given."""
+    return next((b for _, b in seq if b is not None), ())
 

@@ -518,13 +518,27 @@ class _Parser:
             self.bad("", f"missing or invalid 'arrays' (expected an object), got {_short(av)}")
             return arrays
         for fqn, a in av.items():
+            if layouts is not None and fqn.endswith(".{expert}"):
+                self.expert_run(fqn, a, layouts, arrays)
+                continue
             if isinstance(a, str) or (isinstance(a, dict) and "layout" in a):
                 spec = self.compact_array(fqn, a, layouts)
             else:
                 spec = self.array(fqn, a)
             if spec is not None:
+                if fqn in arrays:
+                    self.bad(fqn, "array is given twice (by a run of expert arrays and on its own)")
                 arrays[fqn] = spec
         return arrays
+
+    def expert_run(self, key: str, a: object, layouts: Mapping[str, Layout], arrays: dict[str, ArraySpec]) -> None:
+        from .compact import parse_run
+
+        for fqn, ref in parse_run(self, key, a, layouts):
+            if fqn in arrays:
+                self.bad(key, f"array {fqn!r} is given twice")
+                continue
+            arrays[fqn] = ArraySpec(ref.layout.shape, ref.layout.data_type, ref=ref, fqn=fqn)
 
     def compact_array(self, fqn: str, a: str | dict[str, Any],
                       layouts: Mapping[str, Layout] | None) -> ArraySpec | None:

@@ -212,3 +212,56 @@ def test_explicit_chunks_mix_with_layouts_and_chunks_stay_a_property() -> None:
     assert [str(c.region) for c in m.arrays["a.weight"].chunks] == ["[0:4, 0:3]", "[0:4, 3:6]"]
     assert m.arrays["a.weight"].expanded
     assert m.arrays["a.weight"] == loads_manifest(json.dumps(v1)).arrays["a.weight"]
+
+
+# ------------------------------------------------------------------ runs of expert arrays
+
+
+def _moe_v2(mesh: str = "tp=2") -> dict[str, Any]:
+    m = _preset("vllm", mesh, "moe", files=False)
+    assert m is not None
+    d: dict[str, Any] = json.loads(dumps_manifest(m, format_version=2))
+    return d
+
+
+def test_expert_arrays_are_one_run_per_layer() -> None:
+    d = _moe_v2()
+    run = d["arrays"]["model.layers.1.mlp.experts.{expert}"]
+    assert run["experts"] == {"start": 0, "stop": MOE["num_experts"]}
+    assert list(run["members"]) == ["gate_proj.weight", "up_proj.weight", "down_proj.weight"]
+    up = run["members"]["up_proj.weight"]
+    assert len(up) == 1 and up[0]["block"] == [16, 0] and up[0]["step"] == [32, 0]  # [gate_e; up_e] stacked
+    m = loads_manifest(json.dumps(d))
+    spec = m.arrays["model.layers.1.mlp.experts.4.up_proj.weight"]
+    assert spec.ref is not None and spec.ref.block == (4 * 32 + 16, 0)
+    assert list(m.arrays).index("model.layers.1.mlp.experts.0.up_proj.weight") == \
+        list(m.arrays).index("model.layers.1.mlp.experts.0.gate_proj.weight") + 1
+
+
+RUN_BAD: list[tuple[str, Any, str]] = [
+    ("run-unknown-key", lambda r: r.update(count=3), "unknown key 'count'"),
+    ("segment-unknown-key", lambda r: r["members"]["gate_proj.weight"][0].update(stride=[1, 0]),
+     "members.gate_proj.weight[0]: unknown key 'stride'"),
+    ("segments-short", lambda r: r["members"]["gate_proj.weight"][0].update(stop=3),
+     "members.gate_proj.weight: segments end at expert 3, expected experts.stop 6"),
+    ("segment-layout", lambda r: r["members"]["gate_proj.weight"][0].update(layout="nope"),
+     "layout 'nope' is not declared in 'layouts'"),
+    ("run-not-object", lambda r: r.clear(), "a run needs 'experts'"),
+]
+
+
+@pytest.mark.parametrize("mutate,expect", [pytest.param(f, e, id=i) for i, f, e in RUN_BAD])
+def test_strict_parse_of_runs(mutate: Any, expect: str) -> None:
+    d = _moe_v2()
+    mutate(d["arrays"]["model.layers.1.mlp.experts.{expert}"])
+    with pytest.raises(ManifestError) as ei:
+        loads_manifest(json.dumps(d), where="m.json")
+    assert any(expect in p and "model.layers.1.mlp.experts.{expert}" in p for p in ei.value.problems), \
+        ei.value.problems
+
+
+def test_an_array_given_by_a_run_and_on_its_own_is_an_error() -> None:
+    d = _moe_v2()
+    d["arrays"]["model.layers.1.mlp.experts.2.gate_proj.weight"] = "L0"
+    with pytest.raises(ManifestError, match="given twice"):
+        loads_manifest(json.dumps(d))
