@@ -11,7 +11,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from formats.errors import PlanError, ShardstreamError, UsageError
 
@@ -19,6 +19,9 @@ from . import __version__
 from .args import emit as _out
 from .args import parse_size
 from .args import positive_int as _positive_int
+
+if TYPE_CHECKING:
+    from formats.manifest import Manifest
 
 __all__ = ["main", "parse_size", "build_parser"]
 
@@ -71,9 +74,25 @@ def cmd_import(args: argparse.Namespace) -> int:
     return 0
 
 
+def _write_layout(m: Manifest, args: argparse.Namespace) -> Manifest:
+    """Validate and write a generated manifest in ``--format-version``. The compact form is
+    parsed back and validated as written (per layout, without expanding an array); the returned
+    manifest is that parsed one."""
+    from formats.manifest import COMPACT_FORMAT_VERSION, atomic_write_bytes, dumps_manifest, loads_manifest
+    from formats.validate import validate_manifest
+
+    text = dumps_manifest(m, format_version=args.format_version)
+    if args.format_version == COMPACT_FORMAT_VERSION:
+        m = loads_manifest(text, where=args.output)
+    problems = validate_manifest(m, where=args.output, check_paths=False)
+    if problems:
+        raise ShardstreamError(problems=problems)
+    atomic_write_bytes(args.output, text.encode())
+    return m
+
+
 def cmd_layout(args: argparse.Namespace) -> int:
     from formats.layouts import apply_layout, parse_mesh, parse_rule
-    from formats.manifest import save_manifest
 
     mesh = parse_mesh(args.mesh or "tp=1")
     rule_texts = list(args.rule)
@@ -84,7 +103,6 @@ def cmd_layout(args: argparse.Namespace) -> int:
         raise UsageError("--dtype goes with --preset (other layouts take the dtypes of --model / --like)")
     if getattr(args, "preset", None):  # the framework's own local names and fused layouts
         from formats.layouts.presets import preset_dtype, preset_manifest
-        from formats.validate import validate_manifest
 
         if not getattr(args, "model", None) or args.like or args.rule or args.include_mtp:
             raise UsageError("layout --preset needs --model CFG (an HF config.json) and takes no --like, --rule "
@@ -96,10 +114,7 @@ def cmd_layout(args: argparse.Namespace) -> int:
         m = preset_manifest(args.model, args.preset, mesh, file_pattern=pattern, domain_size=args.domain_size,
                             name=args.name, dtype=dtype, fp8=args.fp8, first_stage_layers=args.first_stage_layers,
                             last_stage_layers=args.last_stage_layers)
-        problems = validate_manifest(m, where=args.output, check_paths=False)
-        if problems:
-            raise ShardstreamError(problems=problems)
-        save_manifest(m, args.output, format_version=args.format_version)
+        m = _write_layout(m, args)
         chunks = m.chunk_count()
         _out(args, {"manifest": args.output, "world_size": m.world_size, "arrays": len(m.arrays), "chunks": chunks,
                     "preset": args.preset, "dtype": dtype},
@@ -129,13 +144,8 @@ def cmd_layout(args: argparse.Namespace) -> int:
         # one rank: leave files to `convert`, which names them HF style (model.safetensors, or shards
         # + index with --max-shard-size); several ranks: one file per rank
         pattern = None if mesh.size == 1 else "rank-{rank:05d}.safetensors"
-    m = apply_layout(like, mesh, rules, file_pattern=pattern, domain_size=args.domain_size, name=args.name)
-    from formats.validate import validate_manifest
-
-    problems = validate_manifest(m, where=args.output, check_paths=False)
-    if problems:
-        raise ShardstreamError(problems=problems)
-    save_manifest(m, args.output, format_version=args.format_version)
+    m = _write_layout(apply_layout(like, mesh, rules, file_pattern=pattern, domain_size=args.domain_size,
+                                   name=args.name), args)
     chunks = m.chunk_count()
     _out(args, {"manifest": args.output, "world_size": m.world_size, "arrays": len(m.arrays), "chunks": chunks},
          f"wrote {args.output}: world_size {m.world_size}, {len(m.arrays)} arrays, {chunks} chunks")
