@@ -237,10 +237,7 @@ class Layout:
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"mesh": self.mesh.name, "placements": [str(p) for p in self.placements],
                              "shape": list(self.shape), "data_type": self.data_type}
-        if self.tensor is not None:
-            d["tensor"] = self.tensor
-        if self.file is not None:
-            d["file"] = self.file
+        d.update((k, v) for k, v in (("tensor", self.tensor), ("file", self.file)) if v is not None)
         return d
 
 
@@ -279,12 +276,20 @@ def _int(p: _Problems, v: object, ctx: str, what: str, lo: int) -> int | None:
     return v
 
 
+def _object(p: _Problems, v: object, ctx: str, allowed: set[str], what: str = "") -> dict[str, Any] | None:
+    """``v`` when it is an object (its unknown keys reported), else None (reported)."""
+    if not isinstance(v, dict):
+        p.bad(ctx, f"{what or 'must be'} an object, got {v!r}")
+        return None
+    p.keys(v, allowed, ctx)
+    return v
+
+
 def _parse_mesh(p: _Problems, name: str, v: object) -> MeshDecl | None:
     ctx = f"meshes.{name}"
-    if not isinstance(v, dict):
-        p.bad(ctx, f"must be an object, got {v!r}")
+    if _object(p, v, ctx, _MESH_KEYS) is None:
         return None
-    p.keys(v, _MESH_KEYS, ctx)
+    assert isinstance(v, dict)
     axes = v.get("axes")
     shape = p.ints(v.get("shape"), ctx, "shape")
     if not (isinstance(axes, list) and all(isinstance(a, str) for a in axes)):
@@ -327,10 +332,9 @@ def _parse_placement(text: object) -> Placement | None:
 
 def _parse_layout(p: _Problems, name: str, v: object, meshes: Mapping[str, MeshDecl]) -> Layout | None:
     ctx = f"layouts.{name}"
-    if not isinstance(v, dict):
-        p.bad(ctx, f"must be an object, got {v!r}")
+    if _object(p, v, ctx, _LAYOUT_KEYS) is None:
         return None
-    p.keys(v, _LAYOUT_KEYS, ctx)
+    assert isinstance(v, dict)
     miss = [k for k in ("mesh", "placements", "shape", "data_type") if k not in v]
     if miss:
         p.bad(ctx, f"missing required key(s) {', '.join(miss)}")
@@ -459,10 +463,9 @@ def _parse_segments(p: _Problems, ctx: str, segs: object, e0: int, e1: int,
     start = e0
     for k, sv in enumerate(segs):
         sctx = f"{ctx}[{k}]"
-        if not isinstance(sv, dict):
-            p.bad(sctx, f"a segment must be an object, got {sv!r}")
+        if _object(p, sv, sctx, _SEGMENT_KEYS, "a segment must be") is None:
             return None
-        p.keys(sv, _SEGMENT_KEYS, sctx)
+        assert isinstance(sv, dict)
         lname = sv.get("layout")
         lay = layouts.get(lname) if isinstance(lname, str) else None
         if lay is None:

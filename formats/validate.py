@@ -629,18 +629,8 @@ class _Compact:
         local.setdefault(key, []).append(_LocalEntry(fqn, 0, off, stop, lay.holders, dt.name))
         holders = set(lay.holders)
         for hr, ts in self.declared(tensor):
-            if hr not in holders:
-                continue
-            if len(ts.shape) != nd:
-                rep.add(fqn, "local tensor problems",
-                        f"local tensor {tensor!r} declared on rank {hr} has {len(ts.shape)} dims "
-                        f"(expected {nd}, got {len(ts.shape)})")
-                continue
-            for d in range(nd):
-                if stop[d] > ts.shape[d]:
-                    rep.add(fqn, "local tensor problems",
-                            f"local box {_box_from(off, stop)} does not fit local tensor {tensor!r} declared "
-                            f"on rank {hr} with shape {_dims(ts.shape)} in dim {d} (stop {stop[d]} > {ts.shape[d]})")
+            if hr in holders:
+                _check_declared(fqn, "", tensor, hr, ts, off, stop, rep)
 
 
 def _check_array_type(fqn: str, shape: tuple[int, ...], data_type: str, rep: _Report) -> DType | None:
@@ -801,19 +791,25 @@ def _validate_source(m: Manifest, fqn: str, ci: int, c: Chunk, dt: DType, loff: 
     if m.tensors:
         for hr in c.holders:
             ts = m.tensors.get(hr, {}).get(tensor)
-            if ts is None:
-                continue
-            if len(ts.shape) != nd:
-                rep.add(fqn, "local tensor problems",
-                        f"chunk {ci}: local tensor {tensor!r} declared on rank {hr} has {len(ts.shape)} dims "
-                        f"(expected {nd}, got {len(ts.shape)})")
-                continue
-            for d in range(nd):
-                if lstop[d] > ts.shape[d]:
-                    rep.add(fqn, "local tensor problems",
-                            f"chunk {ci}: local box {Box(loff, r.sizes)} does not fit local tensor {tensor!r} "
-                            f"declared on rank {hr} with shape {_dims(ts.shape)} in dim {d} "
-                            f"(stop {lstop[d]} > {ts.shape[d]})")
+            if ts is not None:
+                _check_declared(fqn, f"chunk {ci}: ", tensor, hr, ts, loff, lstop, rep)
+
+
+def _check_declared(fqn: str, lead: str, tensor: str, hr: int, ts: TensorSpec, off: tuple[int, ...],
+                    stop: tuple[int, ...], rep: _Report) -> None:
+    """A local box ``[off, stop)`` must fit the local tensor declared on rank ``hr``."""
+    nd = len(off)
+    if len(ts.shape) != nd:
+        rep.add(fqn, "local tensor problems",
+                f"{lead}local tensor {tensor!r} declared on rank {hr} has {len(ts.shape)} dims "
+                f"(expected {nd}, got {len(ts.shape)})")
+        return
+    for d in range(nd):
+        if stop[d] > ts.shape[d]:
+            rep.add(fqn, "local tensor problems",
+                    f"{lead}local box {_box_from(off, stop)} does not fit local tensor {tensor!r} "
+                    f"declared on rank {hr} with shape {_dims(ts.shape)} in dim {d} "
+                    f"(stop {stop[d]} > {ts.shape[d]})")
 
 
 def _declared_dtype(m: Manifest, holders: Iterable[int], tensor: str) -> DType | None:
