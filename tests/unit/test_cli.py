@@ -497,6 +497,28 @@ def test_layout_ok(world: World, capsys: Any) -> None:
     assert rc == 0 and all(c.source is None for _, _, c in load_manifest(out).iter_chunks())
 
 
+def test_layout_format_versions_convert_and_plan_alike(world: World, capsys: Any) -> None:
+    """The compact form (default) and --format-version 1 of one layout: the same plan digest and
+    the same converted bytes, and v2 is the one that names layouts."""
+    outs = {}
+    for fv in ("1", "2"):
+        man = world.root / f"l{fv}.json"
+        rc, _, err = run(capsys, "layout", "--like", world.hf, "--mesh", "dp=2,tp=3", "--rule", "a.weight=R,S(1)",
+                         "--format-version", fv, "-o", man)
+        assert rc == 0, err
+        assert json.loads(man.read_text())["format_version"] == int(fv)
+        rc, so, err = run(capsys, "plan", world.src, man, "--json")
+        assert rc == 0, err
+        out = world.root / f"out{fv}"
+        rc, _, err = run(capsys, "convert", world.src, man, "--out", out)
+        assert rc == 0, err
+        files = {p.name: p.read_bytes() for p in sorted(out.glob("*.safetensors"))}
+        outs[fv] = (json.loads(so)["digest"], files)
+    assert "layouts" in json.loads((world.root / "l2.json").read_text())
+    assert outs["1"][0] == outs["2"][0]
+    assert outs["1"][1] == outs["2"][1] and len(outs["1"][1]) == 6
+
+
 # ------------------------------------------------------------------ golden CLI contract
 
 
