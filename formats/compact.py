@@ -33,7 +33,7 @@ that it expands to the array's chunks, so ``compact -> expand`` is lossless by c
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Protocol
@@ -43,7 +43,7 @@ from .dtypes import DTYPES
 from .layouts.mesh import LayoutError, Mesh, Pin, Placement, Replicate, Shard, check_placements, chunk_regions
 
 if TYPE_CHECKING:
-    from .manifest import ArraySpec, Chunk, Manifest
+    from .manifest import ArraySpec, Chunk, Manifest, Source
 
 __all__ = ["ArrayRef", "Layout", "MeshDecl", "array_vars", "compact_dict", "fill_pattern", "is_run", "parse_compact",
            "parse_ref", "parse_run"]
@@ -505,69 +505,104 @@ def _main_mesh(m: Manifest) -> MeshDecl:
     return MeshDecl(f"rank={m.world_size}", Mesh(("rank",), (m.world_size,)))
 
 
-def _fit(fqn: str, spec: ArraySpec, decl: MeshDecl,
-         cache: dict[tuple[Any, ...], list[tuple[Box, tuple[int, ...]]]]) -> tuple[Any, ...] | None:
-    """``(placements, tensor pattern, file, block)`` whose layout on ``decl`` expands to exactly
-    ``spec``'s chunks, or None (the array keeps its explicit chunks)."""
-    chunks = spec.chunks
-    if not chunks:
-        return None
-    mesh = decl.mesh
-    c0 = chunks[0]
-    src = c0.source
-    for c in chunks:
-        if c.source is not src and c.source != src:
+#: a region as fitted: (offsets, sizes, sorted holders)
+Region = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
+
+
+class Fitter:
+    """Finds, for an array's chunks, the layout on ``decl`` that expands to exactly them.
+
+    Equal layouts are one :class:`Layout` object (named ``L0``, ``L1``, ... in order of first
+    use), so arrays that share one share its expanded chunks too. Any irregular array (several
+    local tensors or offsets, byte ranges, checksums, pieces that are not torch.chunk pieces of
+    the mesh) gets no layout and keeps its explicit chunks.
+    """
+
+    def __init__(self, decl: MeshDecl) -> None:
+        self.decl = decl
+        self.layouts: dict[tuple[Any, ...], Layout] = {}
+        self._regions: dict[tuple[Any, ...], list[tuple[Box, tuple[int, ...]]] | None] = {}
+
+    def fit_chunks(self, fqn: str, spec: ArraySpec) -> ArrayRef | None:
+        chunks = spec.chunks
+        if not chunks:
             return None
-    tensor = file = block = None
-    if src is not None:
-        if src.byte_range is not None or src.stored_shape is not None or src.checksum is not None:
-            return None
-        if src.tensor is None and src.offsets is None and src.file is None:
-            return None  # an explicit empty source: expansion would drop it
-        tensor, block, file = src.tensor, src.offsets, src.file
-        if tensor == fqn:
-            return None  # written explicitly: expansion would leave it out
-    r0 = c0.holders[0]
-    if r0 >= mesh.size:
-        return None
-    coords = mesh.coords(r0)
-    pl: list[Placement] = []
-    for a, (n, stride) in enumerate(zip(mesh.shape, mesh.strides)):
-        if n == 1:
-            pl.append(Replicate())
-            continue
-        nb = r0 + ((coords[a] + 1) % n - coords[a]) * stride
-        i = next((k for k, c in enumerate(chunks) if nb in c.holders), None)
-        if i is None:
-            pl.append(Pin(coords[a]))
-        elif i == 0:
-            pl.append(Replicate())
-        else:
-            dims = [d for d, (x, y) in enumerate(zip(chunks[i].region.offsets, c0.region.offsets)) if x != y]
-            if len(dims) != 1:
+        src = chunks[0].source
+        for c in chunks:
+            if c.source is not src and c.source != src:
                 return None
-            pl.append(Shard(dims[0]))
-    key = (spec.shape, tuple(pl))
-    want = cache.get(key)
-    if want is None:
-        try:
-            want = chunk_regions(spec.shape, mesh, pl)
-        except LayoutError:
+        regions = [(c.region.offsets, c.region.sizes, c.holders) for c in chunks]
+        return self.fit(fqn, spec.shape, spec.data_type, regions, src)
+
+    def fit(self, fqn: str, shape: tuple[int, ...], data_type: str, regions: Sequence[Region],
+            src: Source | None) -> ArrayRef | None:
+        """The layout reference for chunks ``regions`` (in v1 order) that all have source ``src``."""
+        if not regions:
             return None
-        cache[key] = want
-    if len(want) != len(chunks):
-        return None
-    for (b, hs), c in zip(want, chunks):
-        if c.region != b or c.holders != hs:
-            return None
-    pattern = None if tensor is None else templatize(tensor, fqn)
-    if pattern is not None:
-        try:
-            if fill_pattern(pattern, fqn) != tensor:
+        tensor = file = block = None
+        if src is not None:
+            if src.byte_range is not None or src.stored_shape is not None or src.checksum is not None:
                 return None
-        except ValueError:
+            if src.tensor is None and src.offsets is None and src.file is None:
+                return None  # an explicit empty source: expansion would drop it
+            if src.tensor == fqn:
+                return None  # written explicitly: expansion would leave it out
+            tensor, block, file = src.tensor, src.offsets, src.file
+        pl = self._placements(regions)
+        if pl is None:
             return None
-    return (tuple(pl), pattern, file, block)
+        key = (shape, pl)
+        if key not in self._regions:
+            try:
+                self._regions[key] = chunk_regions(shape, self.decl.mesh, pl)
+            except LayoutError:
+                self._regions[key] = None
+        want = self._regions[key]
+        if want is None or len(want) != len(regions):
+            return None
+        for (b, hs), (o, z, h) in zip(want, regions):
+            if b.offsets != o or b.sizes != z or hs != h:
+                return None
+        pattern = None if tensor is None else templatize(tensor, fqn)
+        if pattern is not None:
+            try:
+                if fill_pattern(pattern, fqn) != tensor:
+                    return None
+            except ValueError:
+                return None
+        lkey = (pl, shape, data_type, pattern, file)
+        lay = self.layouts.get(lkey)
+        if lay is None:
+            lay = self.layouts[lkey] = Layout(f"L{len(self.layouts)}", self.decl, pl, shape, data_type, pattern, file)
+        return ArrayRef(lay, block)
+
+    def _placements(self, regions: Sequence[Region]) -> tuple[Placement, ...] | None:
+        """The placement of each mesh axis, read off the neighbours of the first region's first
+        holder: a neighbour holding nothing pins the axis, one in the same region replicates,
+        one in a region moved along one dim shards that dim (checked by the caller)."""
+        mesh = self.decl.mesh
+        offs0, _, hs0 = regions[0]
+        r0 = hs0[0]
+        if r0 >= mesh.size or self.decl.start != 0 or self.decl.step != 1:
+            return None
+        coords = mesh.coords(r0)
+        pl: list[Placement] = []
+        for a, (n, stride) in enumerate(zip(mesh.shape, mesh.strides)):
+            if n == 1:
+                pl.append(Replicate())
+                continue
+            nb = r0 + ((coords[a] + 1) % n - coords[a]) * stride
+            i = next((k for k, r in enumerate(regions) if nb in r[2]), None)
+            if i is None:
+                pl.append(Pin(coords[a]))
+            elif i == 0:
+                pl.append(Replicate())
+            else:
+                dims = [d for d, (x, y) in enumerate(zip(regions[i][0], offs0)) if x != y]
+                if len(dims) != 1:
+                    return None
+                pl.append(Shard(dims[0]))
+        return tuple(pl)
 
 
 def compact_dict(m: Manifest) -> dict[str, Any]:
@@ -575,10 +610,9 @@ def compact_dict(m: Manifest) -> dict[str, Any]:
     reference to it (layouts deduplicated), the others keep their explicit chunks."""
     from .manifest import FORMAT
 
-    main = _main_mesh(m)
+    fitter = Fitter(_main_mesh(m))
     meshes: dict[str, MeshDecl] = {}
     layouts: dict[tuple[Any, ...], tuple[str, Layout, str]] = {}
-    cache: dict[tuple[Any, ...], list[tuple[Box, tuple[int, ...]]]] = {}
     arrays: dict[str, Any] = {}
     refs: dict[str, tuple[str, tuple[int, ...] | None]] = {}  # compact arrays: layout name, block
 
@@ -591,29 +625,18 @@ def compact_dict(m: Manifest) -> dict[str, Any]:
         return name
 
     for fqn, spec in m.arrays.items():
-        ref = spec.ref
-        if ref is not None:
-            lay, block = ref.layout, ref.block
-            mname = mesh_name(lay.mesh)
-            key: tuple[Any, ...] = (mname, lay.placements, lay.shape, lay.data_type, lay.tensor, lay.file)
-        else:
-            fit = _fit(fqn, spec, main, cache)
-            if fit is None:
-                arrays[fqn] = spec.to_dict()
-                continue
-            mname = mesh_name(main)
-            pl, pattern, file, block = fit
-            key = (mname, pl, spec.shape, spec.data_type, pattern, file)
-            lay = None
+        ref = spec.ref if spec.ref is not None else fitter.fit_chunks(fqn, spec)
+        if ref is None:
+            arrays[fqn] = spec.to_dict()
+            continue
+        lay = ref.layout
+        mname = mesh_name(lay.mesh)
+        key = (mname, *lay.key[1:])
         hit = layouts.get(key)
         if hit is None:
-            name = f"L{len(layouts)}"
-            if lay is None:
-                lay = Layout(name, main, key[1], key[2], key[3], key[4], key[5])
-            hit = (name, lay, mname)
-            layouts[key] = hit
-        arrays[fqn] = ArrayRef(hit[1], block).to_wire(hit[0])
-        refs[fqn] = (hit[0], block)
+            hit = layouts[key] = (f"L{len(layouts)}", lay, mname)
+        arrays[fqn] = ref.to_wire(hit[0])
+        refs[fqn] = (hit[0], ref.block)
     d: dict[str, Any] = {"format": FORMAT, "format_version": 2}
     head = m.to_dict(arrays=False)
     for k, v in head.items():

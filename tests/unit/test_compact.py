@@ -44,10 +44,11 @@ def _cases() -> list[Any]:
     return out
 
 
-def _preset(preset: str, mesh: str, cname: str, files: bool = True) -> Manifest | None:
+def _preset(preset: str, mesh: str, cname: str, files: bool = True, compact: bool = False) -> Manifest | None:
+    """The preset's manifest; by default as the v1 writer builds it (every chunk listed)."""
     cfg = CONFIGS[cname]
     try:
-        return preset_manifest(cfg, preset, parse_mesh(mesh), fp8=cname.endswith("fp8"),
+        return preset_manifest(cfg, preset, parse_mesh(mesh), fp8=cname.endswith("fp8"), compact=compact,
                                file_pattern="rank-{rank:05d}.safetensors" if files and preset != "hf" else None)
     except Exception as e:  # noqa: BLE001 - a combination the preset refuses is not this test's business
         if type(e).__name__ in ("PresetError", "LayoutError"):
@@ -69,6 +70,10 @@ def test_compact_expands_to_the_v1_json(preset: str, mesh: str, cname: str) -> N
     assert dumps_manifest(back) == v1
     # writing the compact form again gives the same bytes (layouts are kept, not refitted)
     assert dumps_manifest(back, format_version=2) == v2
+    # the preset's own compact (lazy) manifest: the same chunks, the same wire forms
+    lazy = _preset(preset, mesh, cname, compact=True)
+    assert lazy is not None and any(a.ref is not None for a in lazy.arrays.values())
+    assert dumps_manifest(lazy, format_version=2) == v2 and dumps_manifest(lazy) == v1
 
 
 @pytest.mark.parametrize("cname", ["qwen3", "moe", "dsv3"])

@@ -184,7 +184,7 @@ def preset_manifest(cfg: Mapping[str, Any] | str | os.PathLike[str], preset: str
                     dtype: str | None = None, expert_parallel: bool | None = None,
                     expert_tensor_parallel: int | None = None, moe_grouped_gemm: bool = False,
                     fp8: bool = False, first_stage_layers: int | None = None,
-                    last_stage_layers: int | None = None) -> Manifest:
+                    last_stage_layers: int | None = None, compact: bool = True) -> Manifest:
     """The manifest a ``preset`` framework holds for the HF model ``cfg`` on ``mesh`` (see the
     module docstring for each preset's names, layouts and mesh axes).
 
@@ -201,7 +201,9 @@ def preset_manifest(cfg: Mapping[str, Any] | str | os.PathLike[str], preset: str
     ``expert_tensor_parallel`` (megatron): 1 or tp (default tp); ``moe_grouped_gemm`` (megatron):
     TE grouped-GEMM expert names. ``first_stage_layers`` / ``last_stage_layers`` (megatron):
     Megatron-core's ``decoder_first/last_pipeline_num_layers`` (uneven pipelines, e.g. DeepSeek-V3's
-    61 layers on pp = 16 as 3 + 14 × 4 + 2).
+    61 layers on pp = 16 as 3 + 14 × 4 + 2). ``compact``: arrays a mesh layout describes exactly
+    are layout references whose chunks expand on first use (:mod:`formats.compact`); False lists
+    every chunk (the v1 writer; both give equal chunks).
     """
     fw = FRAMEWORKS.get(preset)
     if fw is None:
@@ -219,4 +221,4 @@ def preset_manifest(cfg: Mapping[str, Any] | str | os.PathLike[str], preset: str
                               last_stage_layers=last_stage_layers))
     if name is None:
         name = f"{info.model_type}-{preset}-{str(mesh).replace(',', '-').replace('=', '')}"
-    return b.build(name=name, domain_size=domain_size)
+    return b.build(name=name, domain_size=domain_size, compact=compact)
