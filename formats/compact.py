@@ -41,9 +41,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 from .box import Box
 from .dtypes import DTYPES
 from .layouts.mesh import LayoutError, Mesh, Pin, Placement, Replicate, Shard, check_placements, chunk_regions
+from .spec import FORMAT, Chunk, Source
 
 if TYPE_CHECKING:
-    from .manifest import ArraySpec, Chunk, Manifest, Source
+    from .spec import ArraySpec, Manifest
 
 __all__ = ["ArrayRef", "Layout", "MeshDecl", "array_vars", "compact_dict", "fill_pattern", "is_run", "parse_compact",
            "parse_ref", "parse_run"]
@@ -218,8 +219,6 @@ class Layout:
         return out
 
     def chunks(self, fqn: str, block: tuple[int, ...] | None) -> tuple[Chunk, ...]:
-        from .manifest import Chunk, Source
-
         tensor = None if self.tensor is None else fill_pattern(self.tensor, fqn)
         if tensor == fqn:
             tensor = None
@@ -608,8 +607,6 @@ class Fitter:
 def compact_dict(m: Manifest) -> dict[str, Any]:
     """The v2 wire form of ``m``: every array a layout describes exactly is written as a
     reference to it (layouts deduplicated), the others keep their explicit chunks."""
-    from .manifest import FORMAT
-
     fitter = Fitter(_main_mesh(m))
     meshes: dict[str, MeshDecl] = {}
     layouts: dict[tuple[Any, ...], tuple[str, Layout, str]] = {}
@@ -635,7 +632,7 @@ def compact_dict(m: Manifest) -> dict[str, Any]:
         hit = layouts.get(key)
         if hit is None:
             hit = layouts[key] = (f"L{len(layouts)}", lay, mname)
-        arrays[fqn] = ref.to_wire(hit[0])
+        arrays[fqn] = ArrayRef(lay, ref.block).to_wire(hit[0])
         refs[fqn] = (hit[0], ref.block)
     d: dict[str, Any] = {"format": FORMAT, "format_version": 2}
     head = m.to_dict(arrays=False)

@@ -142,7 +142,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from ...manifest import Manifest
+from ...spec import Manifest
 from ..mesh import LayoutError, Mesh
 from ..rules import check_file_pattern
 from . import fsdp2, hf, megatron, vllm

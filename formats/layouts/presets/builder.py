@@ -9,7 +9,7 @@ from typing import Any
 
 from ...box import Box
 from ...compact import Fitter, MeshDecl
-from ...manifest import ArraySpec, Chunk, Manifest, Source, TensorSpec
+from ...spec import ArraySpec, Chunk, Manifest, Source, TensorSpec
 from ..mesh import LayoutError, Mesh
 from .geometry import PresetError, divide
 
