@@ -270,3 +270,18 @@ def test_an_array_given_by_a_run_and_on_its_own_is_an_error() -> None:
     d["arrays"]["model.layers.1.mlp.experts.2.gate_proj.weight"] = "L0"
     with pytest.raises(ManifestError, match="given twice"):
         loads_manifest(json.dumps(d))
+
+
+def test_cli_validate_bad_compact_manifest_one_line_per_problem(tmp_path: Any, capsys: Any) -> None:
+    from streamer.cli import main
+
+    d = _v2()
+    d["layouts"]["L0"]["placements"] = ["X"]
+    d["arrays"]["a.weight"] = "L7"
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(d))
+    assert main(["validate", str(path)]) == 1
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 2 and all(ln.startswith(f"shardstream: {path}: ") or ln.startswith(f"{path}: ") for ln in err)
+    assert any("layouts.L0: bad placement 'X'" in ln for ln in err)
+    assert any("a.weight: layout 'L7' is not declared" in ln for ln in err)
