@@ -14,6 +14,7 @@ from typing import Any, Protocol, TypedDict
 
 from .box import Box
 from .dtypes import DTYPES, DType
+from .errors import ManifestError
 
 __all__ = ["ArrayRef", "ArraySpec", "COMPACT_FORMAT_VERSION", "Chunk", "FORMAT", "FORMAT_VERSION", "FORMAT_VERSIONS", "Manifest",
            "RegionDict", "Source", "TensorSpec"]
@@ -143,7 +144,10 @@ class ArraySpec:
         got: tuple[Chunk, ...] | None = self._chunks
         if got is None:
             assert self.ref is not None and self._fqn is not None
-            got = self.ref.expand(self._fqn)
+            try:
+                got = self.ref.expand(self._fqn)
+            except ValueError as e:  # a bad layout (LayoutError) or tensor pattern: say which array
+                raise ManifestError(f"{self._fqn}: {e}") from e
             object.__setattr__(self, "_chunks", got)
         return got
 
@@ -151,7 +155,10 @@ class ArraySpec:
     def chunk_count(self) -> int:
         """``len(chunks)``, without expanding a compact array."""
         if self._chunks is None and self.ref is not None:
-            return len(self.ref.layout.regions)
+            try:
+                return len(self.ref.layout.regions)
+            except ValueError as e:
+                raise ManifestError(f"{self._fqn}: {e}") from e
         return len(self.chunks)
 
     @property

@@ -164,7 +164,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
             problems = validate_manifest(m, where=path)
             if args.data and not problems:
                 problems = validate_data(m, where=path)
-            info = {"arrays": len(m.arrays), "chunks": m.chunk_count(),
+            info = {"arrays": len(m.arrays), "chunks": None if problems else m.chunk_count(),
                     "world_size": m.world_size}
         except ShardstreamError as e:
             problems = e.problems or [str(e)]

@@ -285,3 +285,18 @@ def test_cli_validate_bad_compact_manifest_one_line_per_problem(tmp_path: Any, c
     assert len(err) == 2 and all(ln.startswith(f"shardstream: {path}: ") or ln.startswith(f"{path}: ") for ln in err)
     assert any("layouts.L0: bad placement 'X'" in ln for ln in err)
     assert any("a.weight: layout 'L7' is not declared" in ln for ln in err)
+
+
+def test_a_bad_layout_fails_expansion_naming_the_array(tmp_path: Any, capsys: Any) -> None:
+    from streamer.cli import main
+
+    d = _v2()
+    name = next(k for k, v in d["arrays"].items() if v == "L0")
+    d["layouts"]["L0"]["placements"] = ["P(5)"]
+    m = loads_manifest(json.dumps(d))
+    with pytest.raises(ManifestError, match=f"^{name}: layout 'L0': pinned to coordinate 5 of axis 'tp'"):
+        _ = m.arrays[name].chunks
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(d))
+    assert main(["validate", str(path)]) == 1
+    assert f"{path}: {name}: layout 'L0': pinned to coordinate 5" in capsys.readouterr().err
