@@ -300,3 +300,29 @@ def test_a_bad_layout_fails_expansion_naming_the_array(tmp_path: Any, capsys: An
     path.write_text(json.dumps(d))
     assert main(["validate", str(path)]) == 1
     assert f"{path}: {name}: layout 'L0': pinned to coordinate 5" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_deepseek_v3_vllm_dp8_tp32_is_small_and_validates_in_little_memory(tmp_path: Any) -> None:
+    """Issue 14's targets for the compact form: DeepSeek-V3 on vLLM DP8×TP32 (1.44M chunks) is
+    under 1 MB, and a fresh process parses and validates it in under 300 MB, expanding no array."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    cfg = Path(__file__).resolve().parents[2] / "workloads" / "models" / "deepseek-v3.config.json"
+    m = preset_manifest(cfg, "vllm", parse_mesh("dp=8,tp=32"))
+    text = dumps_manifest(m, format_version=2)
+    assert len(text) < 1_000_000
+    path = tmp_path / "dsv3.json"
+    path.write_text(text)
+    # peak RSS of the fresh process: VmHWM (ru_maxrss of a child carries the forking parent's peak over)
+    code = ("import sys\n"
+            "from formats.manifest import load_manifest\n"
+            "from formats.validate import validate_manifest\n"
+            "m = load_manifest(sys.argv[1])\n"
+            "assert validate_manifest(m) == []\n"
+            "assert m.chunk_count() == 1437667 and not any(a.expanded for a in m.arrays.values())\n"
+            "print(next(ln.split()[1] for ln in open('/proc/self/status') if ln.startswith('VmHWM')))\n")
+    out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, check=True)
+    assert int(out.stdout.split()[-1]) < 300 * 1024  # kB
