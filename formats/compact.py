@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 __all__ = ["ArrayRef", "Layout", "MeshDecl", "array_vars", "compact_dict", "fill_pattern", "is_run", "parse_compact",
            "parse_ref", "parse_run"]
 
-_LAYOUT_KEYS = {"mesh", "placements", "shape", "data_type", "tensor", "file"}
+_LAYOUT_KEYS = {"mesh", "placements", "shape", "data_type", "tensor", "file", "shard_order"}
 _MESH_KEYS = {"axes", "shape", "ranks"}
 _RANGE_KEYS = {"start", "stop", "step"}
 _REF_KEYS = {"layout", "block"}
@@ -178,6 +178,8 @@ class Layout:
     data_type: str
     tensor: str | None = None  # pattern; None: the array's own name
     file: str | None = None
+    #: the order in which the sharding axes split (mesh axis indices); None: mesh order
+    order: tuple[int, ...] | None = None
     #: expanded chunks by (local tensor, block): arrays that agree share one tuple (the planner
     #: memoises per tuple)
     _chunks: dict[tuple[str | None, tuple[int, ...] | None], tuple[Chunk, ...]] = field(
@@ -186,12 +188,13 @@ class Layout:
     @property
     def key(self) -> tuple[Any, ...]:
         """What makes two layouts the same (everything but the name)."""
-        return (self.mesh.name, self.placements, self.shape, self.data_type, self.tensor, self.file)
+        return (self.mesh.name, self.placements, self.shape, self.data_type, self.tensor, self.file, self.order)
 
     @cached_property
     def regions(self) -> tuple[tuple[Box, tuple[int, ...]], ...]:
         """The non-empty regions and their holders (ranks, not mesh indices), sorted by offsets."""
-        rs = chunk_regions(self.shape, self.mesh.mesh, self.placements, what=f"layout {self.name!r}")
+        rs = chunk_regions(self.shape, self.mesh.mesh, self.placements, what=f"layout {self.name!r}",
+                           order=self.order)
         if self.mesh.start == 0 and self.mesh.step == 1:
             return tuple(rs)
         return tuple((b, tuple(self.mesh.rank(h) for h in hs)) for b, hs in rs)
@@ -237,6 +240,8 @@ class Layout:
         d: dict[str, Any] = {"mesh": self.mesh.name, "placements": [str(p) for p in self.placements],
                              "shape": list(self.shape), "data_type": self.data_type}
         d.update((k, v) for k, v in (("tensor", self.tensor), ("file", self.file)) if v is not None)
+        if self.order is not None:
+            d["shard_order"] = [self.mesh.mesh.axes[a] for a in self.order]
         return d
 
 
@@ -375,9 +380,19 @@ def _parse_layout(p: _Problems, name: str, v: object, meshes: Mapping[str, MeshD
     if file is not None and (not isinstance(file, str) or not file):
         p.bad(ctx, f"file must be a non-empty string, got {file!r}")
         ok = False
+    order = None
+    if "shard_order" in v and mesh is not None:
+        so = v["shard_order"]
+        axes = mesh.mesh.axes
+        if not (isinstance(so, list) and sorted(map(str, so)) == sorted(axes) and len(so) == len(axes)):
+            p.bad(ctx, f"shard_order must list the axes of mesh {mesh.name!r} ({', '.join(axes)}) once each, "
+                       f"got {so!r}")
+            ok = False
+        else:
+            order = tuple(axes.index(a) for a in so)
     if not ok or shape is None or mesh is None:
         return None
-    return Layout(name, mesh, tuple(pl), shape, dt, tensor, file)
+    return Layout(name, mesh, tuple(pl), shape, dt, tensor, file, order)
 
 
 def parse_compact(p: _Problems, meshes_v: object, layouts_v: object) -> dict[str, Layout]:
@@ -550,18 +565,10 @@ class Fitter:
         pl = self._placements(regions)
         if pl is None:
             return None
-        key = (shape, pl)
-        if key not in self._regions:
-            try:
-                self._regions[key] = chunk_regions(shape, self.decl.mesh, pl)
-            except LayoutError:
-                self._regions[key] = None
-        want = self._regions[key]
-        if want is None or len(want) != len(regions):
+        orders = [o for o in self._orders(pl) if self._matches(shape, pl, o, regions)]
+        if not orders:
             return None
-        for (b, hs), (o, z, h) in zip(want, regions):
-            if b.offsets != o or b.sizes != z or hs != h:
-                return None
+        order = orders[0]
         pattern = None if tensor is None else templatize(tensor, fqn)
         if pattern is not None:
             try:
@@ -569,11 +576,36 @@ class Fitter:
                     return None
             except ValueError:
                 return None
-        lkey = (pl, shape, data_type, pattern, file)
+        lkey = (pl, shape, data_type, pattern, file, order)
         lay = self.layouts.get(lkey)
         if lay is None:
-            lay = self.layouts[lkey] = Layout(f"L{len(self.layouts)}", self.decl, pl, shape, data_type, pattern, file)
+            lay = self.layouts[lkey] = Layout(f"L{len(self.layouts)}", self.decl, pl, shape, data_type, pattern, file,
+                                              order)
         return ArrayRef(lay, block)
+
+    def _orders(self, pl: tuple[Placement, ...]) -> list[tuple[int, ...] | None]:
+        """Shard orders to try: the mesh order, then (with several sharding axes) the reverse --
+        FSDP2 over TP shards the TP piece (DTensor's ``_StridedShard``)."""
+        shards = [a for a, q in enumerate(pl) if isinstance(q, Shard)]
+        if len(shards) < 2:
+            return [None]
+        return [None, tuple(range(len(pl) - 1, -1, -1))]
+
+    def _matches(self, shape: tuple[int, ...], pl: tuple[Placement, ...], order: tuple[int, ...] | None,
+                 regions: Sequence[Region]) -> bool:
+        key = (shape, pl, order)
+        if key not in self._regions:
+            try:
+                self._regions[key] = chunk_regions(shape, self.decl.mesh, pl, order=order)
+            except LayoutError:
+                self._regions[key] = None
+        want = self._regions[key]
+        if want is None or len(want) != len(regions):
+            return False
+        for (b, hs), (o, z, h) in zip(want, regions):
+            if b.offsets != o or b.sizes != z or hs != h:
+                return False
+        return True
 
     def _placements(self, regions: Sequence[Region]) -> tuple[Placement, ...] | None:
         """The placement of each mesh axis, read off the neighbours of the first region's first

@@ -326,3 +326,23 @@ def test_deepseek_v3_vllm_dp8_tp32_is_small_and_validates_in_little_memory(tmp_p
             "print(next(ln.split()[1] for ln in open('/proc/self/status') if ln.startswith('VmHWM')))\n")
     out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, check=True)
     assert int(out.stdout.split()[-1]) < 300 * 1024  # kB
+
+
+def test_fsdp2_over_tp_is_a_strided_shard_order() -> None:
+    """FSDP2 shards the TP-local tensor: tp splits first, then fsdp (DTensor's _StridedShard),
+    written as ``shard_order``; uneven torch.chunk pieces included (500 rows, 4 ranks)."""
+    m = _preset("fsdp2", "fsdp=2,tp=2", "qwen3", files=False, compact=True)
+    assert m is not None and all(a.ref is not None for a in m.arrays.values())
+    d = json.loads(dumps_manifest(m, format_version=2))
+    lay = d["layouts"][d["arrays"]["model.embed_tokens.weight"]]
+    assert lay["placements"] == ["S(0)", "S(0)"] and lay["shard_order"] == ["tp", "fsdp"]
+    regions = [(str(c.region), c.holders) for c in loads_manifest(json.dumps(d)).arrays["model.embed_tokens.weight"].chunks]
+    assert regions == [("[0:250, 0:64]", (0,)), ("[250:500, 0:64]", (2,)), ("[500:750, 0:64]", (1,)),
+                       ("[750:1000, 0:64]", (3,))]
+
+
+def test_shard_order_must_list_the_mesh_axes() -> None:
+    d = _v2()
+    d["layouts"]["L0"]["shard_order"] = ["tp", "tp"]
+    with pytest.raises(ManifestError, match=r"layouts.L0: shard_order must list the axes of mesh 'tp=2' \(tp\) once"):
+        loads_manifest(json.dumps(d))
