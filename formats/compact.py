@@ -562,13 +562,10 @@ class Fitter:
             if src.tensor == fqn:
                 return None  # written explicitly: expansion would leave it out
             tensor, block, file = src.tensor, src.offsets, src.file
-        pl = self._placements(regions)
-        if pl is None:
+        got = self._geometry(shape, regions)
+        if got is None:
             return None
-        orders = [o for o in self._orders(pl) if self._matches(shape, pl, o, regions)]
-        if not orders:
-            return None
-        order = orders[0]
+        decl, pl, order = got
         pattern = None if tensor is None else templatize(tensor, fqn)
         if pattern is not None:
             try:
@@ -576,12 +573,40 @@ class Fitter:
                     return None
             except ValueError:
                 return None
-        lkey = (pl, shape, data_type, pattern, file, order)
+        lkey = (decl.name, pl, shape, data_type, pattern, file, order)
         lay = self.layouts.get(lkey)
         if lay is None:
-            lay = self.layouts[lkey] = Layout(f"L{len(self.layouts)}", self.decl, pl, shape, data_type, pattern, file,
-                                              order)
+            lay = self.layouts[lkey] = Layout(f"L{len(self.layouts)}", decl, pl, shape, data_type, pattern, file, order)
         return ArrayRef(lay, block)
+
+    def _geometry(self, shape: tuple[int, ...], regions: Sequence[Region]
+                  ) -> tuple[MeshDecl, tuple[Placement, ...], tuple[int, ...] | None] | None:
+        """Mesh, placements and shard order whose regions are exactly ``regions``: on the job's
+        mesh, else on it with one axis split in two (``tp=8`` as ``tp=4,tp_rep=2``: vLLM's kv heads
+        replicated over pairs of TP ranks when tp > num_kv_heads)."""
+        for decl in (self.decl, *self.factored):
+            pl = self._placements(decl, regions)
+            if pl is None:
+                continue
+            for order in self._orders(pl):
+                if self._matches(decl, shape, pl, order, regions):
+                    return decl, pl, order
+        return None
+
+    @cached_property
+    def factored(self) -> tuple[MeshDecl, ...]:
+        mesh = self.decl.mesh
+        out = []
+        for a, (name, n) in enumerate(zip(mesh.axes, mesh.shape)):
+            inner = f"{name}_rep"
+            if inner in mesh.axes:
+                continue
+            for r in range(2, n):
+                if n % r == 0:
+                    m = Mesh(mesh.axes[:a] + (name, inner) + mesh.axes[a + 1:],
+                             mesh.shape[:a] + (n // r, r) + mesh.shape[a + 1:])
+                    out.append(MeshDecl(str(m), m, self.decl.start, self.decl.step))
+        return tuple(out)
 
     def _orders(self, pl: tuple[Placement, ...]) -> list[tuple[int, ...] | None]:
         """Shard orders to try: the mesh order, then (with several sharding axes) the reverse --
@@ -591,12 +616,12 @@ class Fitter:
             return [None]
         return [None, tuple(range(len(pl) - 1, -1, -1))]
 
-    def _matches(self, shape: tuple[int, ...], pl: tuple[Placement, ...], order: tuple[int, ...] | None,
-                 regions: Sequence[Region]) -> bool:
-        key = (shape, pl, order)
+    def _matches(self, decl: MeshDecl, shape: tuple[int, ...], pl: tuple[Placement, ...],
+                 order: tuple[int, ...] | None, regions: Sequence[Region]) -> bool:
+        key = (decl.name, shape, pl, order)
         if key not in self._regions:
             try:
-                self._regions[key] = chunk_regions(shape, self.decl.mesh, pl, order=order)
+                self._regions[key] = chunk_regions(shape, decl.mesh, pl, order=order)
             except LayoutError:
                 self._regions[key] = None
         want = self._regions[key]
@@ -607,14 +632,14 @@ class Fitter:
                 return False
         return True
 
-    def _placements(self, regions: Sequence[Region]) -> tuple[Placement, ...] | None:
+    def _placements(self, decl: MeshDecl, regions: Sequence[Region]) -> tuple[Placement, ...] | None:
         """The placement of each mesh axis, read off the neighbours of the first region's first
         holder: a neighbour holding nothing pins the axis, one in the same region replicates,
         one in a region moved along one dim shards that dim (checked by the caller)."""
-        mesh = self.decl.mesh
+        mesh = decl.mesh
         offs0, _, hs0 = regions[0]
         r0 = hs0[0]
-        if r0 >= mesh.size or self.decl.start != 0 or self.decl.step != 1:
+        if r0 >= mesh.size or decl.start != 0 or decl.step != 1:
             return None
         coords = mesh.coords(r0)
         pl: list[Placement] = []

@@ -24,8 +24,8 @@ from streamer.plan import plan_transfers
 #: (preset, mesh) pairs each preset accepts; megatron / vllm axes in their rank order
 MESHES: dict[str, list[str]] = {
     "megatron": ["tp=2", "pp=2,tp=2", "pp=2,ep=2,tp=1", "dp=2,tp=2"],
-    "vllm": ["tp=2", "dp=2,tp=2", "pp=2,tp=2", "ep=2,tp=2"],
-    "sglang": ["tp=2", "dp=2,tp=2", "ep=2,tp=2"],
+    "vllm": ["tp=2", "dp=2,tp=2", "pp=2,tp=2", "ep=2,tp=2", "dp=2,tp=4"],
+    "sglang": ["tp=2", "dp=2,tp=2", "ep=2,tp=2", "tp=4"],
     "fsdp2": ["fsdp=3", "dp=2,fsdp=2", "fsdp=2,tp=2"],
     "hf": ["tp=1"],
 }
@@ -346,3 +346,17 @@ def test_shard_order_must_list_the_mesh_axes() -> None:
     d["layouts"]["L0"]["shard_order"] = ["tp", "tp"]
     with pytest.raises(ManifestError, match=r"layouts.L0: shard_order must list the axes of mesh 'tp=2' \(tp\) once"):
         loads_manifest(json.dumps(d))
+
+
+def test_kv_heads_replicated_over_tp_ranks_use_a_split_axis() -> None:
+    """vLLM with tp (4) > num_kv_heads (2): TP ranks 2t and 2t+1 hold kv head t, i.e. S(0) over
+    ``tp=2`` and R over ``tp_rep=2`` on the same ranks: a second mesh declared next to the first."""
+    m = _preset("vllm", "dp=2,tp=4", "qwen3", files=False, compact=True)
+    assert m is not None
+    d = json.loads(dumps_manifest(m, format_version=2))
+    assert d["meshes"]["dp=2,tp=2,tp_rep=2"] == {"axes": ["dp", "tp", "tp_rep"], "shape": [2, 2, 2],
+                                                  "ranks": {"start": 0, "stop": 8}}
+    k = d["arrays"]["model.layers.1.self_attn.k_proj.weight"]
+    assert d["layouts"][k["layout"]]["placements"] == ["R", "S(0)", "R"] and k["block"] == [16, 0]
+    chunks = loads_manifest(json.dumps(d)).arrays["model.layers.1.self_attn.k_proj.weight"].chunks
+    assert [c.holders for c in chunks] == [(0, 1, 4, 5), (2, 3, 6, 7)]
