@@ -221,6 +221,15 @@ class Layout:
                        f"outside world_size {world_size}")
         return out
 
+    @cached_property
+    def sizes_by_rank(self) -> dict[int, list[tuple[int, ...]]]:
+        """The region sizes each holder holds, in region order."""
+        out: dict[int, list[tuple[int, ...]]] = {}
+        for b, hs in self.regions:
+            for h in hs:
+                out.setdefault(h, []).append(b.sizes)
+        return out
+
     def chunks(self, fqn: str, block: tuple[int, ...] | None) -> tuple[Chunk, ...]:
         tensor = None if self.tensor is None else fill_pattern(self.tensor, fqn)
         if tensor == fqn:
@@ -254,6 +263,16 @@ class ArrayRef:
 
     def expand(self, fqn: str) -> tuple[Chunk, ...]:
         return self.layout.chunks(fqn, self.block)
+
+    def local_stops(self, fqn: str, rank: int) -> list[tuple[str, tuple[int, ...]]]:
+        """(local tensor, stop of the local box) of each region ``rank`` holds, without expanding."""
+        sizes = self.layout.sizes_by_rank.get(rank)
+        if not sizes:
+            return []
+        lay = self.layout
+        tensor = fqn if lay.tensor is None else fill_pattern(lay.tensor, fqn)
+        off = self.block or (0,) * len(lay.shape)
+        return [(tensor, tuple([o + z for o, z in zip(off, sz)])) for sz in sizes]
 
     def to_wire(self, name: str) -> str | dict[str, Any]:
         if self.block is None:

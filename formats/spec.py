@@ -109,6 +109,8 @@ class ArrayRef(Protocol):
 
     def expand(self, fqn: str) -> tuple[Chunk, ...]: ...
 
+    def local_stops(self, fqn: str, rank: int) -> list[tuple[str, tuple[int, ...]]]: ...
+
 
 class ArraySpec:
     """One array: global shape, data type and its chunks.
@@ -245,11 +247,7 @@ class Manifest:
         out: dict[str, TensorSpec] = {}
         stops: dict[str, list[int]] = {}
         dts: dict[str, str] = {}
-        for fqn, spec, c in self.iter_chunks():
-            if rank not in c.holders:
-                continue
-            t = c.tensor(fqn)
-            st = c.local_box.stops
+        for fqn, spec, t, st in self._local_stops(rank):
             cur = stops.get(t)
             if cur is None:
                 stops[t] = list(st)
@@ -263,6 +261,18 @@ class Manifest:
         for t, ts in self.tensors.get(rank, {}).items():
             out[t] = ts
         return out
+
+    def _local_stops(self, rank: int) -> Iterator[tuple[str, ArraySpec, str, tuple[int, ...]]]:
+        """(array, spec, local tensor, stop of the local box) of every chunk ``rank`` holds, in
+        manifest order; compact arrays answer from their layout without expanding."""
+        for fqn, spec in self.arrays.items():
+            if spec.ref is not None and not spec.expanded:
+                for t, st in spec.ref.local_stops(fqn, rank):
+                    yield fqn, spec, t, st
+                continue
+            for c in spec.chunks:
+                if rank in c.holders:
+                    yield fqn, spec, c.tensor(fqn), c.local_box.stops
 
     def chunk_count(self) -> int:
         """Chunks over all arrays, without expanding compact ones."""
