@@ -280,8 +280,15 @@ class Manifest:
 
     def ranks_holding(self) -> list[int]:
         s: set[int] = set()
-        for _, _, c in self.iter_chunks():
-            s.update(c.holders)
+        seen: set[int] = set()  # layouts already counted
+        for spec in self.arrays.values():
+            if spec.ref is not None and not spec.expanded:
+                if id(spec.ref.layout) not in seen:
+                    seen.add(id(spec.ref.layout))
+                    s.update(spec.ref.layout.holders)
+                continue
+            for c in spec.chunks:
+                s.update(c.holders)
         return sorted(s)
 
     def with_arrays(self, arrays: Mapping[str, ArraySpec]) -> Manifest:

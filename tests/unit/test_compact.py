@@ -75,6 +75,7 @@ def test_compact_expands_to_the_v1_json(preset: str, mesh: str, cname: str) -> N
     assert lazy is not None and any(a.ref is not None for a in lazy.arrays.values())
     assert dumps_manifest(lazy, format_version=2) == v2
     fresh = loads_manifest(v2)
+    assert fresh.ranks_holding() == m.ranks_holding()
     for r in range(m.world_size):  # answered from the layouts, without expanding
         assert fresh.local_tensors(r) == m.local_tensors(r)
     assert not any(a.expanded for a in fresh.arrays.values() if a.ref is not None)
