@@ -197,7 +197,9 @@ def main() -> int:
         sys.stderr.flush()
         os._exit(1)  # do not wait in a collective that the others never reach
     dist.barrier()
-    print(f"OK {rank} {json.dumps(out, sort_keys=True)}", flush=True)
+    # one write per line: ranks share torchrun's stdout, and a separate newline write interleaves
+    sys.stdout.flush()
+    os.write(1, f"OK {rank} {json.dumps(out, sort_keys=True)}\n".encode())
     dist.destroy_process_group()
     return 0
 
