@@ -1,6 +1,7 @@
-"""Manifest wire format v1 (design §3): parse strictly, serialise exactly.
+"""Manifest wire formats (design §3): v1 and the compact v2 (``compact.py``); parse strictly,
+serialise exactly.
 
-The wire form is plain JSON; the model is frozen dataclasses. ``parse_manifest`` reports every
+The wire form is plain JSON; the model is frozen dataclasses (``spec.py``, re-exported here). ``parse_manifest`` reports every
 structural problem it finds (unknown keys, wrong types, versions) in one ``ManifestError``.
 Semantic checks (coverage, overlaps, bounds, paths) live in ``validate.py``.
 
@@ -11,19 +12,31 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field, replace
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import Any
 
 from .box import Box
-from .dtypes import DTYPES, DType
+from .compact import Layout, compact_dict, parse_compact, parse_ref, parse_run
+from .dtypes import DTYPES
 from .errors import ManifestError, ShardNotFoundError
 from .limits import INT64_MAX
+from .spec import (
+    COMPACT_FORMAT_VERSION,
+    FORMAT,
+    FORMAT_VERSION,
+    FORMAT_VERSIONS,
+    ArraySpec,
+    Chunk,
+    Manifest,
+    Source,
+    TensorSpec,
+)
 
 __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
+    "COMPACT_FORMAT_VERSION",
     "Source",
     "Chunk",
     "ArraySpec",
@@ -37,201 +50,14 @@ __all__ = [
     "atomic_write_bytes",
 ]
 
-FORMAT = "shardstream.manifest"
-FORMAT_VERSION = 1
 MAX_MANIFEST_BYTES = 2 << 30  # refuse to json-parse more than 2 GiB
-
-
-class RegionDict(TypedDict):
-    offsets: list[int]
-    sizes: list[int]
-
-
-@dataclass(frozen=True, slots=True)
-class Source:
-    """Where a chunk's bytes live on each holder. Every field is optional on the wire."""
-
-    tensor: str | None = None
-    offsets: tuple[int, ...] | None = None
-    file: str | None = None
-    byte_range: tuple[int, int] | None = None
-    stored_shape: tuple[int, ...] | None = None
-    checksum: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {}
-        if self.tensor is not None:
-            d["tensor"] = self.tensor
-        if self.offsets is not None:
-            d["offsets"] = list(self.offsets)
-        if self.file is not None:
-            d["file"] = self.file
-        if self.byte_range is not None:
-            d["byte_range"] = list(self.byte_range)
-        if self.stored_shape is not None:
-            d["stored_shape"] = list(self.stored_shape)
-        if self.checksum is not None:
-            d["checksum"] = self.checksum
-        return d
-
-
-@dataclass(frozen=True, slots=True)
-class Chunk:
-    region: Box
-    holders: tuple[int, ...]
-    source: Source | None = None
-
-    def tensor(self, fqn: str) -> str:
-        """Local tensor name on the holders (default: the array's own name)."""
-        return self.source.tensor if self.source and self.source.tensor is not None else fqn
-
-    @property
-    def local_offsets(self) -> tuple[int, ...]:
-        if self.source and self.source.offsets is not None:
-            return self.source.offsets
-        return (0,) * self.region.ndim
-
-    @property
-    def local_box(self) -> Box:
-        """The region's place inside its local tensor."""
-        return Box(self.local_offsets, self.region.sizes)
-
-    def file_for(self, rank: int) -> str | None:
-        """The file holding this chunk's copy on ``rank`` (``{rank}`` patterns expanded)."""
-        f = self.source.file if self.source else None
-        if f is None or "{" not in f:
-            return f
-        return f.format(rank=rank)
-
-    def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {
-            "region": {"offsets": list(self.region.offsets), "sizes": list(self.region.sizes)},
-            "holders": list(self.holders),
-        }
-        if self.source is not None:
-            d["source"] = self.source.to_dict()
-        return d
-
-
-@dataclass(frozen=True, slots=True)
-class ArraySpec:
-    shape: tuple[int, ...]
-    data_type: str
-    chunks: tuple[Chunk, ...]
-
-    @property
-    def dtype(self) -> DType:
-        return DTYPES[self.data_type]
-
-    @property
-    def nbytes(self) -> int:
-        n = self.dtype.itemsize
-        for s in self.shape:
-            n *= s
-        return n
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"shape": list(self.shape), "data_type": self.data_type,
-                "chunks": [c.to_dict() for c in self.chunks]}
-
-
-@dataclass(frozen=True, slots=True)
-class TensorSpec:
-    """Declared shape/dtype of a local tensor (``tensors`` section)."""
-
-    shape: tuple[int, ...]
-    data_type: str
-
-    @property
-    def nbytes(self) -> int:
-        n = DTYPES[self.data_type].itemsize
-        for s in self.shape:
-            n *= s
-        return n
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"shape": list(self.shape), "data_type": self.data_type}
-
-
-@dataclass(frozen=True)
-class Manifest:
-    world_size: int
-    arrays: Mapping[str, ArraySpec]
-    name: str | None = None
-    mesh: Mapping[str, Any] | None = None
-    topology: Mapping[str, Any] | None = None
-    partial: bool = False
-    tensors: Mapping[int, Mapping[str, TensorSpec]] = field(default_factory=dict)
-    #: directory that relative ``source.file`` paths resolve against (not serialised)
-    base_dir: Path | None = None
-
-    @property
-    def domain_size(self) -> int | None:
-        if self.topology and "domain_size" in self.topology:
-            return int(self.topology["domain_size"])
-        return None
-
-    def iter_chunks(self) -> Iterator[tuple[str, ArraySpec, Chunk]]:
-        for fqn, spec in self.arrays.items():
-            for c in spec.chunks:
-                yield fqn, spec, c
-
-    def local_tensors(self, rank: int) -> dict[str, TensorSpec]:
-        """Shape and dtype of every local tensor on ``rank``: declared in ``tensors``, else the
-        per-dim maximum of ``offsets + sizes`` over the chunks that name it (design §3)."""
-        out: dict[str, TensorSpec] = {}
-        stops: dict[str, list[int]] = {}
-        dts: dict[str, str] = {}
-        for fqn, spec, c in self.iter_chunks():
-            if rank not in c.holders:
-                continue
-            t = c.tensor(fqn)
-            st = c.local_box.stops
-            cur = stops.get(t)
-            if cur is None:
-                stops[t] = list(st)
-                dts[t] = spec.data_type
-            elif len(cur) == len(st):
-                for i, v in enumerate(st):
-                    if v > cur[i]:
-                        cur[i] = v
-        for t, stop in stops.items():
-            out[t] = TensorSpec(tuple(stop), dts[t])
-        for t, ts in self.tensors.get(rank, {}).items():
-            out[t] = ts
-        return out
-
-    def ranks_holding(self) -> list[int]:
-        s: set[int] = set()
-        for _, _, c in self.iter_chunks():
-            s.update(c.holders)
-        return sorted(s)
-
-    def with_arrays(self, arrays: Mapping[str, ArraySpec]) -> Manifest:
-        return replace(self, arrays=dict(arrays))
-
-    def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"format": FORMAT, "format_version": FORMAT_VERSION}
-        if self.name is not None:
-            d["name"] = self.name
-        d["world_size"] = self.world_size
-        if self.mesh is not None:
-            d["mesh"] = dict(self.mesh)
-        if self.topology is not None:
-            d["topology"] = dict(self.topology)
-        if self.partial:
-            d["partial"] = True
-        if self.tensors:
-            d["tensors"] = {str(r): {n: t.to_dict() for n, t in ts.items()}
-                            for r, ts in sorted(self.tensors.items())}
-        d["arrays"] = {fqn: a.to_dict() for fqn, a in self.arrays.items()}
-        return d
 
 
 # ---------------------------------------------------------------- parsing
 
 _TOP_KEYS = {"format", "format_version", "name", "world_size", "mesh", "topology", "partial",
              "tensors", "arrays"}
+_COMPACT_TOP_KEYS = _TOP_KEYS | {"meshes", "layouts"}
 _ARRAY_KEYS = {"shape", "data_type", "chunks"}
 _CHUNK_KEYS = {"region", "holders", "source"}
 _REGION_KEYS = {"offsets", "sizes"}
@@ -365,8 +191,9 @@ class _Parser:
         if obj.get("format") != FORMAT:
             self.bad("", f"'format' must be {FORMAT!r}, got {_short(obj.get('format'))}")
         fv = obj.get("format_version")
-        if fv != FORMAT_VERSION or not _is_int(fv):
-            self.bad("", f"unsupported format_version {_short(fv)} (this shardstream reads version {FORMAT_VERSION})")
+        if fv not in FORMAT_VERSIONS or not _is_int(fv):
+            self.bad("", f"unsupported format_version {_short(fv)} (this shardstream reads versions "
+                         f"{' and '.join(map(str, FORMAT_VERSIONS))})")
 
     def world_size(self, ws: object) -> int:
         if not isinstance(ws, int) or isinstance(ws, bool) or ws < 1:
@@ -437,16 +264,41 @@ class _Parser:
             return None
         return None if shp is None else TensorSpec(shp, dt)
 
-    def arrays(self, av: object) -> dict[str, ArraySpec]:
+    def arrays(self, av: object, layouts: Mapping[str, Layout] | None) -> dict[str, ArraySpec]:
         arrays: dict[str, ArraySpec] = {}
         if not isinstance(av, dict):
             self.bad("", f"missing or invalid 'arrays' (expected an object), got {_short(av)}")
             return arrays
         for fqn, a in av.items():
-            spec = self.array(fqn, a)
+            if layouts is not None and fqn.endswith(".{expert}"):
+                self.expert_run(fqn, a, layouts, arrays)
+                continue
+            if isinstance(a, str) or (isinstance(a, dict) and "layout" in a):
+                spec = self.compact_array(fqn, a, layouts)
+            else:
+                spec = self.array(fqn, a)
             if spec is not None:
+                if fqn in arrays:
+                    self.bad(fqn, "array is given twice (by a run of expert arrays and on its own)")
                 arrays[fqn] = spec
         return arrays
+
+    def expert_run(self, key: str, a: object, layouts: Mapping[str, Layout], arrays: dict[str, ArraySpec]) -> None:
+        for fqn, ref in parse_run(self, key, a, layouts):
+            if fqn in arrays:
+                self.bad(key, f"array {fqn!r} is given twice")
+                continue
+            arrays[fqn] = ArraySpec(ref.layout.shape, ref.layout.data_type, ref=ref, fqn=fqn)
+
+    def compact_array(self, fqn: str, a: str | dict[str, Any],
+                      layouts: Mapping[str, Layout] | None) -> ArraySpec | None:
+        if layouts is None:
+            self.bad(fqn, "an array given by a layout needs format_version 2")
+            return None
+        ref = parse_ref(self, fqn, a, layouts)
+        if ref is None:
+            return None
+        return ArraySpec(ref.layout.shape, ref.layout.data_type, ref=ref, fqn=fqn)
 
     def array(self, fqn: str, a: object) -> ArraySpec | None:
         if not isinstance(a, dict):
@@ -501,7 +353,8 @@ def parse_manifest(obj: object, *, where: str = "<manifest>", base_dir: Path | N
     p.format(obj)
     if p.problems:  # wrong format / version: the rest would only be noise
         raise ManifestError(problems=p.problems)
-    p.keys(obj, _TOP_KEYS, "")
+    compact = obj.get("format_version") == COMPACT_FORMAT_VERSION
+    p.keys(obj, _COMPACT_TOP_KEYS if compact else _TOP_KEYS, "")
     ws = p.world_size(obj.get("world_size"))
     name = obj.get("name")
     if name is not None and not isinstance(name, str):
@@ -514,7 +367,10 @@ def parse_manifest(obj: object, *, where: str = "<manifest>", base_dir: Path | N
         p.bad("", f"partial must be true or false, got {_short(partial)}")
         partial = False
     tensors = p.tensors(obj.get("tensors"))
-    arrays = p.arrays(obj.get("arrays"))
+    layouts: dict[str, Layout] | None = None
+    if compact:
+        layouts = parse_compact(p, obj.get("meshes"), obj.get("layouts"))
+    arrays = p.arrays(obj.get("arrays"), layouts)
     if p.problems:
         raise ManifestError(problems=p.problems)
     return Manifest(world_size=ws, arrays=arrays, name=name, mesh=mesh, topology=topo,
@@ -557,8 +413,16 @@ def load_manifest(path: str | os.PathLike[str]) -> Manifest:
     return loads_manifest(data, where=str(p), base_dir=p.parent.resolve())
 
 
-def dumps_manifest(m: Manifest) -> str:
-    return json.dumps(m.to_dict(), separators=(",", ":"), sort_keys=False) + "\n"
+def dumps_manifest(m: Manifest, *, format_version: int = FORMAT_VERSION) -> str:
+    """The wire form: version 1 lists every chunk, version 2 is the compact form (arrays a
+    layout describes exactly refer to it, the rest keep explicit chunks)."""
+    if format_version == COMPACT_FORMAT_VERSION:
+        d = compact_dict(m)
+    elif format_version == FORMAT_VERSION:
+        d = m.to_dict()
+    else:
+        raise ManifestError(f"cannot write format_version {format_version!r} (expected 1 or 2)")
+    return json.dumps(d, separators=(",", ":"), sort_keys=False) + "\n"
 
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
@@ -580,5 +444,5 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
         pass
 
 
-def save_manifest(m: Manifest, path: str | os.PathLike[str]) -> None:
-    atomic_write_bytes(path, dumps_manifest(m).encode())
+def save_manifest(m: Manifest, path: str | os.PathLike[str], *, format_version: int = FORMAT_VERSION) -> None:
+    atomic_write_bytes(path, dumps_manifest(m, format_version=format_version).encode())

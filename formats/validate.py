@@ -33,7 +33,7 @@ from .checksum import new_hasher
 from .dtypes import DTYPES, DType
 from .errors import FormatError, ShardNotFoundError, ShardstreamError, UsageError
 from .limits import INT64_MAX
-from .manifest import Chunk, Manifest
+from .manifest import ArraySpec, Chunk, Manifest, TensorSpec
 
 __all__ = ["INT64_MAX", "MAX_PER_KIND", "check_file_path", "validate_data", "validate_manifest"]
 
@@ -479,9 +479,13 @@ def validate_manifest(m: Manifest, *, where: str = "<manifest>", check_paths: bo
     # local tensor identity: (name, file pattern, byte_range) -> entries
     local: dict[_LocalKey, list[_LocalEntry]] = {}
     files: dict[str, list[Any]] = {}  # file -> [first fqn, first chunk, uses, holders]
+    compact = _Compact(m)
     for fqn, spec in m.arrays.items():
         try:
-            _validate_array(m, fqn, spec.shape, spec.data_type, spec.chunks, rep, local, files)
+            if spec.ref is not None and not spec.expanded:
+                compact.check(fqn, spec, rep, local, files)
+            else:
+                _validate_array(m, fqn, spec.shape, spec.data_type, spec.chunks, rep, local, files)
         except Exception as e:  # noqa: BLE001 - pragma: no cover - safety net, validation never raises
             rep.add(fqn, "internal errors", f"internal error while validating ({type(e).__name__}: {e})")
     try:
@@ -539,6 +543,94 @@ def _validate_array(m: Manifest, fqn: str, shape: tuple[int, ...], data_type: st
         box_chunk.append(ci)
     if array_ok:
         _check_coverage(m, fqn, shape, offs, stops, box_chunk, rep)
+
+
+class _Compact:
+    """Validation of arrays given by a layout (compact manifests), without expanding them.
+
+    A layout's regions tile the array by construction (torch.chunk pieces of the whole array),
+    so coverage, overlaps, bounds and holders reduce to checks of the layout itself, made once
+    per layout however many arrays share it and reported on the first array that uses it. Per
+    array remain its local tensor name (the pattern must fill from the array's name) and its
+    local box: ``[block, block + extent)`` on the layout's holders, one entry per array in the
+    local tensor checks (``extent``: the largest region size per dim, a bounding box).
+    """
+
+    def __init__(self, m: Manifest) -> None:
+        self.m = m
+        self.layouts: dict[int, bool] = {}  # id(layout) -> usable
+        self.files: set[tuple[str, int]] = set()
+        self._declared: dict[str, list[tuple[int, TensorSpec]]] | None = None
+
+    def declared(self, tensor: str) -> list[tuple[int, TensorSpec]]:
+        if self._declared is None:
+            self._declared = {}
+            for r, ts in self.m.tensors.items():
+                for name, t in ts.items():
+                    self._declared.setdefault(name, []).append((r, t))
+        return self._declared.get(tensor, [])
+
+    def layout_ok(self, fqn: str, spec: ArraySpec, rep: _Report) -> bool:
+        assert spec.ref is not None
+        lay = spec.ref.layout
+        ok = self.layouts.get(id(lay))
+        if ok is None:
+            dt = _check_array_type(fqn, lay.shape, lay.data_type, rep)
+            problems = lay.check(self.m.world_size)
+            if lay.file is not None:
+                perr = _check_pattern(lay.file)
+                if perr is not None:
+                    problems.append(f"layout {lay.name!r}: {perr}")
+            if dt is not None and prod(lay.shape) * dt.itemsize > INT64_MAX:
+                problems.append(f"layout {lay.name!r}: array size overflows int64 (expected at most "
+                                f"{INT64_MAX} bytes, got {prod(lay.shape) * dt.itemsize})")
+            for msg in problems:
+                rep.add(fqn, "layout problems", msg)
+            ok = dt is not None and not problems
+            self.layouts[id(lay)] = ok
+        return ok
+
+    def check(self, fqn: str, spec: ArraySpec, rep: _Report, local: dict[_LocalKey, list[_LocalEntry]],
+              files: dict[str, list[Any]]) -> None:
+        ref = spec.ref
+        assert ref is not None
+        if not self.layout_ok(fqn, spec, rep):
+            return
+        lay = ref.layout
+        if lay.tensor is None:
+            tensor = fqn
+        else:
+            from .compact import fill_pattern
+
+            try:
+                tensor = fill_pattern(lay.tensor, fqn)
+            except ValueError as e:
+                rep.add(fqn, "source problems", f"layout {lay.name!r}: {e}")
+                return
+        nd = len(lay.shape)
+        off = ref.block if ref.block is not None else (0,) * nd
+        stop = tuple([o + e for o, e in zip(off, lay.extent)])
+        dt = DTYPES[lay.data_type]
+        if prod(stop) * dt.itemsize > INT64_MAX:
+            rep.add(fqn, "size problems", f"local box {_box_from(off, stop)} overflows int64 (expected a local "
+                                          f"tensor of at most {INT64_MAX} bytes)")
+            return
+        if lay.file is not None:
+            use = files.get(lay.file)
+            if use is None:
+                use = files[lay.file] = [fqn, 0, 0, set()]
+            use[2] += len(lay.regions)
+            if (lay.file, id(lay)) not in self.files:  # holders once per layout, not per array
+                self.files.add((lay.file, id(lay)))
+                use[3].update(lay.holders)
+        if not lay.regions:
+            return
+        key = (tensor, lay.file, None)
+        local.setdefault(key, []).append(_LocalEntry(fqn, 0, off, stop, lay.holders, dt.name))
+        holders = set(lay.holders)
+        for hr, ts in self.declared(tensor):
+            if hr in holders:
+                _check_declared(fqn, "", tensor, hr, ts, off, stop, rep)
 
 
 def _check_array_type(fqn: str, shape: tuple[int, ...], data_type: str, rep: _Report) -> DType | None:
@@ -699,19 +791,25 @@ def _validate_source(m: Manifest, fqn: str, ci: int, c: Chunk, dt: DType, loff: 
     if m.tensors:
         for hr in c.holders:
             ts = m.tensors.get(hr, {}).get(tensor)
-            if ts is None:
-                continue
-            if len(ts.shape) != nd:
-                rep.add(fqn, "local tensor problems",
-                        f"chunk {ci}: local tensor {tensor!r} declared on rank {hr} has {len(ts.shape)} dims "
-                        f"(expected {nd}, got {len(ts.shape)})")
-                continue
-            for d in range(nd):
-                if lstop[d] > ts.shape[d]:
-                    rep.add(fqn, "local tensor problems",
-                            f"chunk {ci}: local box {Box(loff, r.sizes)} does not fit local tensor {tensor!r} "
-                            f"declared on rank {hr} with shape {_dims(ts.shape)} in dim {d} "
-                            f"(stop {lstop[d]} > {ts.shape[d]})")
+            if ts is not None:
+                _check_declared(fqn, f"chunk {ci}: ", tensor, hr, ts, loff, lstop, rep)
+
+
+def _check_declared(fqn: str, lead: str, tensor: str, hr: int, ts: TensorSpec, off: tuple[int, ...],
+                    stop: tuple[int, ...], rep: _Report) -> None:
+    """A local box ``[off, stop)`` must fit the local tensor declared on rank ``hr``."""
+    nd = len(off)
+    if len(ts.shape) != nd:
+        rep.add(fqn, "local tensor problems",
+                f"{lead}local tensor {tensor!r} declared on rank {hr} has {len(ts.shape)} dims "
+                f"(expected {nd}, got {len(ts.shape)})")
+        return
+    for d in range(nd):
+        if stop[d] > ts.shape[d]:
+            rep.add(fqn, "local tensor problems",
+                    f"{lead}local box {_box_from(off, stop)} does not fit local tensor {tensor!r} "
+                    f"declared on rank {hr} with shape {_dims(ts.shape)} in dim {d} "
+                    f"(stop {stop[d]} > {ts.shape[d]})")
 
 
 def _declared_dtype(m: Manifest, holders: Iterable[int], tensor: str) -> DType | None:

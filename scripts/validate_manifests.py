@@ -55,7 +55,7 @@ def check(path: str, data: bool) -> dict[str, Any]:
         if data and not problems:
             problems = validate_data(m, where=path)
         info["arrays"] = len(m.arrays)
-        info["chunks"] = sum(len(a.chunks) for a in m.arrays.values())
+        info["chunks"] = m.chunk_count()
         info["world_size"] = m.world_size
     except ShardstreamError as e:
         problems = e.problems or [str(e)]

@@ -558,8 +558,8 @@ def bench_plan(sizes: tuple[int, ...] = (1_200, 4_800, 19_200, 102_400), *, mode
         st = plan.stats()
         mres = {"config": model, "train": train, "serve": serve, "arrays": len(arrays),
                         "plan_peak_rss_growth_bytes": grew,
-                        "src_chunks": sum(len(a.chunks) for a in src.arrays.values()),
-                        "dst_chunks": sum(len(a.chunks) for a in dst.arrays.values()),
+                        "src_chunks": src.chunk_count(),
+                        "dst_chunks": dst.chunk_count(),
                         "manifests_s": t1 - t0, "plan_s": t2 - t1, "transfers": plan.num_transfers,
                         "moved_bytes": st.moved_bytes, "broadcast_moved_bytes": st.broadcast_moved_bytes}
     rows = []
@@ -570,7 +570,7 @@ def bench_plan(sizes: tuple[int, ...] = (1_200, 4_800, 19_200, 102_400), *, mode
         ms, md = parse_mesh("tp=8"), parse_mesh("dp=2,tp=4")
         src = apply_layout(base, ms, [parse_rule("*=S(0)", ms)], file_pattern=None)
         dst = apply_layout(base, md, [parse_rule("*=R,S(1)", md)], file_pattern=None)
-        chunks = sum(len(a.chunks) for a in src.arrays.values()) + sum(len(a.chunks) for a in dst.arrays.values())
+        chunks = src.chunk_count() + dst.chunk_count()
         t0 = time.perf_counter()
         p1 = validate_manifest(src, check_paths=False) + validate_manifest(dst, check_paths=False)
         t1 = time.perf_counter()

@@ -245,8 +245,9 @@ def _worker(argv: list[str]) -> int:
         return MISSING
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    with open(a.manifest) as f:
-        man = json.load(f)
+    from formats.manifest import load_manifest
+
+    man = load_manifest(a.manifest).to_dict()  # the v1 form (every chunk listed), whichever was written
     if int(man["world_size"]) != world:
         raise SystemExit(f"{a.manifest} has world_size {man['world_size']}, launched with {world}")
     specs = placements(man)

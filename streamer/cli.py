@@ -11,7 +11,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from formats.errors import PlanError, ShardstreamError, UsageError
 from formats.limits import RANK_FILE_PATTERN
@@ -20,6 +20,9 @@ from . import __version__
 from .args import emit as _out
 from .args import parse_block, parse_size
 from .args import positive_int as _positive_int
+
+if TYPE_CHECKING:
+    from formats.manifest import Manifest
 
 __all__ = ["main", "parse_size", "build_parser"]
 
@@ -81,16 +84,32 @@ def cmd_import(args: argparse.Namespace) -> int:
     else:
         m = import_checkpoint(args.paths, manifest_dir=out.parent.resolve(), name=args.name)
     save_manifest(m, out)
-    chunks = sum(len(a.chunks) for a in m.arrays.values())
+    chunks = m.chunk_count()
     nbytes = sum(a.nbytes for a in m.arrays.values())
     _out(args, {"manifest": str(out), "arrays": len(m.arrays), "chunks": chunks, "bytes": nbytes, **extra},
          f"wrote {out}: {len(m.arrays)} arrays, {chunks} chunks, {nbytes / 1e9:.3f} GB")
     return 0
 
 
+def _write_layout(m: Manifest, args: argparse.Namespace) -> Manifest:
+    """Validate and write a generated manifest in ``--format-version``. The compact form is
+    parsed back and validated as written (per layout, without expanding an array); the returned
+    manifest is that parsed one."""
+    from formats.manifest import COMPACT_FORMAT_VERSION, atomic_write_bytes, dumps_manifest, loads_manifest
+    from formats.validate import validate_manifest
+
+    text = dumps_manifest(m, format_version=args.format_version)
+    if args.format_version == COMPACT_FORMAT_VERSION:
+        m = loads_manifest(text, where=args.output)
+    problems = validate_manifest(m, where=args.output, check_paths=False)
+    if problems:
+        raise ShardstreamError(problems=problems)
+    atomic_write_bytes(args.output, text.encode())
+    return m
+
+
 def cmd_layout(args: argparse.Namespace) -> int:
     from formats.layouts import apply_layout, parse_mesh, parse_rule
-    from formats.manifest import save_manifest
 
     mesh = parse_mesh(args.mesh or "tp=1")
     rule_texts = list(args.rule)
@@ -103,7 +122,6 @@ def cmd_layout(args: argparse.Namespace) -> int:
         raise UsageError("--dtype goes with --preset (other layouts take the dtypes of --model / --like)")
     if getattr(args, "preset", None):  # the framework's own local names and fused layouts
         from formats.layouts.presets import preset_dtype, preset_manifest
-        from formats.validate import validate_manifest
 
         if not getattr(args, "model", None) or args.like or args.rule or args.include_mtp:
             raise UsageError("layout --preset needs --model CFG (an HF config.json) and takes no --like, --rule "
@@ -115,11 +133,8 @@ def cmd_layout(args: argparse.Namespace) -> int:
         m = preset_manifest(args.model, args.preset, mesh, file_pattern=pattern, domain_size=args.domain_size,
                             name=args.name, dtype=dtype, fp8=args.fp8, first_stage_layers=args.first_stage_layers,
                             last_stage_layers=args.last_stage_layers, megatron_spec=args.megatron_spec or "te")
-        problems = validate_manifest(m, where=args.output, check_paths=False)
-        if problems:
-            raise ShardstreamError(problems=problems)
-        save_manifest(m, args.output)
-        chunks = sum(len(a.chunks) for a in m.arrays.values())
+        m = _write_layout(m, args)
+        chunks = m.chunk_count()
         _out(args, {"manifest": args.output, "world_size": m.world_size, "arrays": len(m.arrays), "chunks": chunks,
                     "preset": args.preset, "dtype": dtype},
              f"wrote {args.output}: {args.preset}, {dtype}, world_size {m.world_size}, {len(m.arrays)} arrays, "
@@ -148,14 +163,9 @@ def cmd_layout(args: argparse.Namespace) -> int:
         # one rank: leave files to `convert`, which names them HF style (model.safetensors, or shards
         # + index with --max-shard-size); several ranks: one file per rank
         pattern = None if mesh.size == 1 else RANK_FILE_PATTERN
-    m = apply_layout(like, mesh, rules, file_pattern=pattern, domain_size=args.domain_size, name=args.name)
-    from formats.validate import validate_manifest
-
-    problems = validate_manifest(m, where=args.output, check_paths=False)
-    if problems:
-        raise ShardstreamError(problems=problems)
-    save_manifest(m, args.output)
-    chunks = sum(len(a.chunks) for a in m.arrays.values())
+    m = _write_layout(apply_layout(like, mesh, rules, file_pattern=pattern, domain_size=args.domain_size,
+                                   name=args.name), args)
+    chunks = m.chunk_count()
     _out(args, {"manifest": args.output, "world_size": m.world_size, "arrays": len(m.arrays), "chunks": chunks},
          f"wrote {args.output}: world_size {m.world_size}, {len(m.arrays)} arrays, {chunks} chunks")
     return 0
@@ -173,7 +183,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
             problems = validate_manifest(m, where=path)
             if args.data and not problems:
                 problems = validate_data(m, where=path)
-            info = {"arrays": len(m.arrays), "chunks": sum(len(a.chunks) for a in m.arrays.values()),
+            info = {"arrays": len(m.arrays), "chunks": None if problems else m.chunk_count(),
                     "world_size": m.world_size}
         except ShardstreamError as e:
             problems = e.problems or [str(e)]
@@ -342,7 +352,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     for fqn, a, c in m.iter_chunks():
         for h_ in c.holders:
             per_rank[h_] = per_rank.get(h_, 0) + c.region.volume * a.dtype.itemsize
-    chunks = sum(len(a.chunks) for a in m.arrays.values())
+    chunks = m.chunk_count()
     nbytes = sum(a.nbytes for a in m.arrays.values())
     lines = [f"{args.path}: manifest {m.name or ''} world_size {m.world_size}, mesh {m.mesh}, "
              f"{len(m.arrays)} arrays, {chunks} chunks, {nbytes / 1e9:.3f} GB logical"]
@@ -520,6 +530,8 @@ def _add_layout(sub: Any) -> None:
                    help=f"per-rank file name (default {RANK_FILE_PATTERN}; one rank: HF names)")
     p.add_argument("--no-files", action="store_true", help="a live (in-memory) manifest: no source.file")
     p.add_argument("--domain-size", type=_positive_int)
+    p.add_argument("--format-version", type=int, choices=(1, 2), default=2,
+                   help="2 (default): compact manifest, arrays refer to shared mesh layouts; 1: every chunk listed")
     p.add_argument("--name")
     p.add_argument("-o", "--output", required=True, metavar="MANIFEST")
     p.add_argument("--json", action="store_true")

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from formats.errors import PlanError, TransportError, UsageError, ValidationError
-from formats.manifest import Manifest, dumps_manifest, load_manifest, loads_manifest
+from formats.manifest import COMPACT_FORMAT_VERSION, Manifest, dumps_manifest, load_manifest, loads_manifest
 
 from .baseline import gather_broadcast
 from .delta import DeltaPush, DeltaState
@@ -190,7 +190,10 @@ class RefitSession:
     def _exchange_manifests(self) -> tuple[Manifest, Manifest]:
         t = self._t
         S = self.group.n_send
-        mine = dumps_manifest(self.manifest).encode()
+        # the two roots send the compact form (format_version 2: megabytes, not hundreds of them at
+        # DeepSeek-V3 scale); the other ranks serialise nothing
+        mine = dumps_manifest(self.manifest, format_version=COMPACT_FORMAT_VERSION).encode() \
+            if t.rank in (0, S) else None
         src_txt = t.bcast_bytes(mine if t.rank == 0 else None, 0, self.timeout)
         dst_txt = t.bcast_bytes(mine if t.rank == S else None, S, self.timeout)
         src = loads_manifest(src_txt, where="sender manifest")

@@ -303,7 +303,7 @@ def check_placements(shape: Sequence[int], mesh: Mesh, placements: Sequence[Plac
 
 
 def chunk_regions(shape: Sequence[int], mesh: Mesh, placements: Sequence[Placement],
-                  *, what: str = "array") -> list[tuple[Box, tuple[int, ...]]]:
+                  *, what: str = "array", order: Sequence[int] | None = None) -> list[tuple[Box, tuple[int, ...]]]:
     """The distinct non-empty regions of an array laid out on ``mesh``, each with its sorted
     holders, sorted by region offsets.
 
@@ -312,6 +312,9 @@ def chunk_regions(shape: Sequence[int], mesh: Mesh, placements: Sequence[Placeme
     piece ``coords[axis]``; ``R`` keeps it; ``Pin(c)`` keeps it on ranks with coordinate ``c``
     and gives nothing to the others. Work is one region per combination of the coordinates of
     the sharding axes (not one per rank): the replicate axes only multiply the holders.
+    ``order`` (a permutation of the mesh axis indices) changes the order in which the sharding
+    axes split: ``(1, 0)`` on ``(fsdp, tp)`` splits by tp first, then fsdp splits each TP piece
+    (FSDP2 over a TP-local tensor, DTensor's ``_StridedShard``).
 
     >>> m = Mesh(("dp", "tp"), (2, 2))
     >>> [(str(b), h) for b, h in chunk_regions((3, 4), m, (Replicate(), Shard(1)))]
@@ -336,6 +339,12 @@ def chunk_regions(shape: Sequence[int], mesh: Mesh, placements: Sequence[Placeme
             split_axes.append((a, p.dim, n))
             ranges.append(range(n))
     rep_offsets.sort()
+    if order is not None:
+        if sorted(order) != list(range(mesh.ndim)):
+            raise LayoutError(f"{what}: shard order {list(order)} is not a permutation of the mesh axes 0..{mesh.ndim - 1}")
+        pos = {a: i for i, a in enumerate(order)}
+        both = sorted(zip(split_axes, ranges), key=lambda t: pos[t[0][0]])
+        split_axes, ranges = [t[0] for t in both], [t[1] for t in both]
     if any(s == 0 for s in shape):
         return []
     found: dict[tuple[tuple[int, ...], tuple[int, ...]], list[int]] = {}

@@ -40,7 +40,7 @@ from typing import Any
 
 from ..dtypes import by_safetensors
 from ..errors import FormatError
-from ..manifest import ArraySpec, Manifest
+from ..spec import ArraySpec, Manifest
 from .mesh import LayoutError, Mesh
 from .rules import EP_AXIS, PP_AXIS, build_manifest, expert_index, layer_index, parse_rule, resolve_placements
 

@@ -43,7 +43,7 @@ from typing import Any
 from ..box import Box
 from ..dtypes import by_name
 from ..limits import RANK_FILE_PATTERN
-from ..manifest import ArraySpec, Chunk, Manifest, Source
+from ..spec import ArraySpec, Chunk, Manifest, Source
 from .mesh import (
     LayoutError,
     Mesh,

@@ -65,7 +65,7 @@ def test_destination_manifest_asks_for_the_cast(tmp_path: Path, fmt: str) -> Non
     t = _ckpt(tmp_path / "hf")
     assert main(["import", str(tmp_path / "hf"), "-o", str(tmp_path / "hf/manifest.json")]) == 0
     assert main(["layout", "--like", str(tmp_path / "hf/manifest.json"), "--mesh", "tp=3", "--rule", "w=S(1)",
-                 "-o", str(tmp_path / "tp3.json")]) == 0
+                 "--format-version", "1", "-o", str(tmp_path / "tp3.json")]) == 0
     m = json.loads((tmp_path / "tp3.json").read_text())
     m["arrays"]["w"]["data_type"] = "bfloat16"
     (tmp_path / "tp3.json").write_text(json.dumps(m))

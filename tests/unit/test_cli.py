@@ -83,7 +83,8 @@ def world(tmp_path: Path, capsys: Any) -> World:
     w = World(tmp_path)
     write_checkpoint(w.hf, ARRAYS, seed=1)
     save_manifest(import_checkpoint([w.hf]), w.src)
-    rc, _, err = run(capsys, "layout", "--like", w.src, "--mesh", "tp=2", "--rule", "a.weight=S(0)", "-o", w.dst)
+    rc, _, err = run(capsys, "layout", "--like", w.src, "--mesh", "tp=2", "--rule", "a.weight=S(0)", "--format-version", "1",
+             "-o", w.dst)  # the bad-input cases edit explicit chunks
     assert rc == 0, err
     return w
 
@@ -172,7 +173,7 @@ class Bad:
 BAD = [
     Bad("truncated-json", lambda w: w.src.write_text(w.src.read_text()[:57]), ("not valid JSON",), None,
         "src", "validate"),
-    Bad("wrong-format-version", _src(lambda o: o.update(format_version=2)), ("format_version 2",), None,
+    Bad("wrong-format-version", _src(lambda o: o.update(format_version=3)), ("format_version 3",), None,
         "src", "validate"),
     Bad("format-version-as-string", _src(lambda o: o.update(format_version="1")), ("format_version '1'",), None,
         "src", "validate"),
@@ -287,7 +288,7 @@ def test_several_problems_one_line_each(world: World, capsys: Any) -> None:
 
 
 def test_debug_shows_the_traceback(world: World) -> None:
-    world.edit(world.src, lambda o: o.update(format_version=2))
+    world.edit(world.src, lambda o: o.update(format_version=3))
     with pytest.raises(ManifestError):
         main(["--debug", "convert", str(world.src), str(world.dst), "--out", str(world.out)])
 
@@ -496,6 +497,28 @@ def test_layout_ok(world: World, capsys: Any) -> None:
     assert rc == 0 and all(c.source is None for _, _, c in load_manifest(out).iter_chunks())
 
 
+def test_layout_format_versions_convert_and_plan_alike(world: World, capsys: Any) -> None:
+    """The compact form (default) and --format-version 1 of one layout: the same plan digest and
+    the same converted bytes, and v2 is the one that names layouts."""
+    outs = {}
+    for fv in ("1", "2"):
+        man = world.root / f"l{fv}.json"
+        rc, _, err = run(capsys, "layout", "--like", world.hf, "--mesh", "dp=2,tp=3", "--rule", "a.weight=R,S(1)",
+                         "--format-version", fv, "-o", man)
+        assert rc == 0, err
+        assert json.loads(man.read_text())["format_version"] == int(fv)
+        rc, so, err = run(capsys, "plan", world.src, man, "--json")
+        assert rc == 0, err
+        out = world.root / f"out{fv}"
+        rc, _, err = run(capsys, "convert", world.src, man, "--out", out)
+        assert rc == 0, err
+        files = {p.name: p.read_bytes() for p in sorted(out.glob("*.safetensors"))}
+        outs[fv] = (json.loads(so)["digest"], files)
+    assert "layouts" in json.loads((world.root / "l2.json").read_text())
+    assert outs["1"][0] == outs["2"][0]
+    assert outs["1"][1] == outs["2"][1] and len(outs["1"][1]) == 6
+
+
 # ------------------------------------------------------------------ golden CLI contract
 
 
@@ -516,7 +539,8 @@ def _spec(p: argparse.ArgumentParser) -> list[str]:
 GOLDEN = {
     '': ['--debug', '--version'],
     'import': ['--json', '--model', '--name', '--to{hf}', '-o/--output!', '<paths>'],
-    'layout': ['--domain-size', '--dtype{bfloat16,float16,float32}', '--file-pattern', '--first-stage-layers', '--fp8', '--include-mtp', '--json',
+    'layout': ['--domain-size', '--dtype{bfloat16,float16,float32}', '--file-pattern', '--first-stage-layers',
+               '--format-version{1,2}', '--fp8', '--include-mtp', '--json',
                '--last-stage-layers', '--like', '--megatron-spec{te,local}',
         '--mesh', '--model', '--name', '--no-files', '--preset{megatron,vllm,sglang,fsdp2,hf}',
         '--rule', '-o/--output!'],

@@ -384,7 +384,8 @@ def test_cli_layout_model(tmp_path: Path, capsys: Any) -> None:
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(TINY_MOE))
     out = tmp_path / "m.json"
-    assert main(["layout", "--model", str(cfg), "--mesh", "pp=2,ep=2,tp=2", "--no-files", "-o", str(out)]) == 0
+    assert main(["layout", "--model", str(cfg), "--mesh", "pp=2,ep=2,tp=2", "--no-files", "--format-version", "1",
+                 "-o", str(out)]) == 0
     m = json.loads(out.read_text())
     assert m["world_size"] == 8
     q = m["arrays"]["model.layers.0.self_attn.q_proj.weight"]["chunks"]
@@ -393,7 +394,7 @@ def test_cli_layout_model(tmp_path: Path, capsys: Any) -> None:
     assert [(c["region"]["sizes"], c["holders"]) for c in ex] == [([64, 16], [6]), ([64, 16], [7])]
     # explicit rules replace the generic ones; --fp8 adds scales
     assert main(["layout", "--model", str(cfg), "--mesh", "tp=2", "--rule", "*=S(0)", "--fp8", "--no-files",
-                 "-o", str(out)]) == 0
+                 "--format-version", "1", "-o", str(out)]) == 0
     m = json.loads(out.read_text())
     assert m["arrays"]["model.layers.1.mlp.experts.0.down_proj.weight"]["data_type"] == "float8_e4m3fn"
     assert len(m["arrays"]["model.norm.weight"]["chunks"]) == 2

@@ -142,7 +142,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from ...manifest import Manifest
+from ...spec import Manifest
 from ..mesh import LayoutError, Mesh
 from ..rules import check_file_pattern
 from . import fsdp2, hf, megatron, vllm
@@ -184,7 +184,8 @@ def preset_manifest(cfg: Mapping[str, Any] | str | os.PathLike[str], preset: str
                     dtype: str | None = None, expert_parallel: bool | None = None,
                     expert_tensor_parallel: int | None = None, moe_grouped_gemm: bool = False,
                     fp8: bool = False, first_stage_layers: int | None = None,
-                    last_stage_layers: int | None = None, megatron_spec: str = "te") -> Manifest:
+                    last_stage_layers: int | None = None, megatron_spec: str = "te",
+                    compact: bool = True) -> Manifest:
     """The manifest a ``preset`` framework holds for the HF model ``cfg`` on ``mesh`` (see the
     module docstring for each preset's names, layouts and mesh axes).
 
@@ -203,6 +204,9 @@ def preset_manifest(cfg: Mapping[str, Any] | str | os.PathLike[str], preset: str
     Megatron-core's ``decoder_first/last_pipeline_num_layers`` (uneven pipelines, e.g. DeepSeek-V3's
     61 layers on pp = 16 as 3 + 14 × 4 + 2). ``megatron_spec`` (megatron): ``te`` (default) or
     ``local``, Megatron-core's local module spec (separate ``input_layernorm`` / ``pre_mlp_layernorm``).
+    ``compact``: arrays a mesh layout describes exactly are layout references whose chunks expand
+    on first use (:mod:`formats.compact`); False lists every chunk (the v1 writer; both give equal
+    chunks).
     """
     fw = FRAMEWORKS.get(preset)
     if fw is None:
@@ -222,4 +226,4 @@ def preset_manifest(cfg: Mapping[str, Any] | str | os.PathLike[str], preset: str
                               last_stage_layers=last_stage_layers, megatron_spec=megatron_spec))
     if name is None:
         name = f"{info.model_type}-{preset}-{str(mesh).replace(',', '-').replace('=', '')}"
-    return b.build(name=name, domain_size=domain_size)
+    return b.build(name=name, domain_size=domain_size, compact=compact)

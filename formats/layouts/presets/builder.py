@@ -8,7 +8,8 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from ...box import Box
-from ...manifest import ArraySpec, Chunk, Manifest, Source, TensorSpec
+from ...compact import Fitter, MeshDecl
+from ...spec import ArraySpec, Chunk, Manifest, Source, TensorSpec
 from ..mesh import LayoutError, Mesh
 from .geometry import PresetError, divide
 
@@ -170,18 +171,40 @@ class Builder:
         for r in holders:
             self.tensors.setdefault(r, {})[tensor] = TensorSpec(tuple(shape), data_type)
 
-    def build(self, *, name: str | None, domain_size: int | None) -> Manifest:
+    def _source(self, fqn: str, tensor: str, local: tuple[int, ...]) -> Source | None:
+        offsets = tuple(local) if any(local) else None
+        if tensor != fqn or offsets is not None or self.file is not None:
+            return Source(tensor=tensor if tensor != fqn else None, offsets=offsets, file=self.file)
+        return None
+
+    def _compact(self, fqn: str, shape: tuple[int, ...], dt: str, fitter: Fitter) -> ArraySpec | None:
+        """The array as a layout reference (chunks expanded lazily), when one local tensor at one
+        offset holds it and a layout on the mesh describes its chunks exactly."""
+        items = self.chunks[fqn]
+        if not items:
+            return None
+        (_, _, tensor, local) = next(iter(items))
+        if any(k[2] != tensor or k[3] != local for k in items):
+            return None
+        regions = sorted((offs, sizes, tuple(sorted(hs))) for (offs, sizes, _, _), hs in items.items())
+        ref = fitter.fit(fqn, shape, dt, regions, self._source(fqn, tensor, tuple(local)))
+        return None if ref is None else ArraySpec(shape, dt, ref=ref, fqn=fqn)
+
+    def build(self, *, name: str | None, domain_size: int | None, compact: bool = True) -> Manifest:
+        """The manifest. ``compact``: arrays a mesh layout describes exactly refer to it (their
+        chunks are expanded on first use, equal to the explicit ones); the others list chunks."""
         if domain_size is not None and (not isinstance(domain_size, int) or domain_size < 1):
             raise LayoutError(f"domain_size must be an integer >= 1, got {domain_size!r}")
         out: dict[str, ArraySpec] = {}
+        fitter = Fitter(MeshDecl(str(self.mesh), self.mesh))
         for fqn, (shape, dt) in self.arrays.items():
+            spec = self._compact(fqn, tuple(shape), dt, fitter) if compact else None
+            if spec is not None:
+                out[fqn] = spec
+                continue
             chunks = []
             for (offs, sizes, tensor, local), hs in self.chunks[fqn].items():
-                offsets = tuple(local) if any(local) else None
-                src = None
-                if tensor != fqn or offsets is not None or self.file is not None:
-                    src = Source(tensor=tensor if tensor != fqn else None, offsets=offsets, file=self.file)
-                chunks.append(Chunk(Box(offs, sizes), tuple(sorted(hs)), src))
+                chunks.append(Chunk(Box(offs, sizes), tuple(sorted(hs)), self._source(fqn, tensor, tuple(local))))
             chunks.sort(key=lambda c: (c.region.offsets, c.holders))
             out[fqn] = ArraySpec(tuple(shape), dt, tuple(chunks))
         return Manifest(world_size=self.mesh.size, arrays=out, name=name, mesh=self.mesh.to_dict(),
