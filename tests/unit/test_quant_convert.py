@@ -203,7 +203,7 @@ def test_zarr_output_quantizes_too(tmp_path: Path, scheme: str) -> None:
 def test_fp8_destination_it_cannot_quantize_is_refused(tmp_path: Path, capsys: Any, case: str) -> None:
     import dataclasses
 
-    from formats.manifest import Source
+    from formats.manifest import ArraySpec, Source
 
     _hf(tmp_path / "hf", {"w.weight": torch.ones((256, 256), dtype=torch.bfloat16),
                           "e.bias": torch.ones((1, 2), dtype=torch.float32)})
@@ -215,8 +215,8 @@ def test_fp8_destination_it_cannot_quantize_is_refused(tmp_path: Path, capsys: A
     if case == "mixed-tensor":  # another array stored in the scales' local tensor, past them
         c = m.arrays["e.bias"].chunks[0]
         src = dataclasses.replace(c.source or Source(), tensor="w.weight_scale_inv", offsets=(2, 0))
-        m = m.with_arrays({**m.arrays, "e.bias": dataclasses.replace(
-            m.arrays["e.bias"], chunks=(dataclasses.replace(c, source=src),))})
+        a = m.arrays["e.bias"]
+        m = m.with_arrays({**m.arrays, "e.bias": ArraySpec(a.shape, a.data_type, (dataclasses.replace(c, source=src),))})
     save_manifest(m, tmp_path / "dst.json")
     capsys.readouterr()
     assert main(["convert", str(tmp_path / "hf"), str(tmp_path / "dst.json"), "--out", str(tmp_path / "out")]) == 1
