@@ -90,17 +90,8 @@ def _manifests(arrays: dict[str, tuple[tuple[int, ...], str]], train_mesh: str, 
     return lay("float32", train_mesh), lay("bfloat16", serve_mesh)
 
 
-def delta_worker(argv: list[str]) -> int:
-    """Runs inside ``mpiexec -n S+R``: ranks < S train and send, the rest receive."""
+def _delta_args(argv: list[str]) -> Any:
     import argparse
-
-    import torch
-    from mpi4py import MPI
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from .jobs import Group
-    from .persist import alloc_local
-    from .refit import RefitSession, StepStats
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--senders", type=int, required=True)
@@ -110,7 +101,20 @@ def delta_worker(argv: list[str]) -> int:
     ap.add_argument("--lr", type=float, default=1e-6)
     ap.add_argument("--bucket-size", type=int, default=64 << 20)
     ap.add_argument("--out", required=True)
-    a = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def delta_worker(argv: list[str]) -> int:
+    """Runs inside ``mpiexec -n S+R``: ranks < S train and send, the rest receive."""
+    import torch
+    from mpi4py import MPI
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from .jobs import Group
+    from .persist import alloc_local
+    from .refit import RefitSession
+
+    a = _delta_args(argv)
     torch.set_num_threads(1)
     world = MPI.COMM_WORLD
     S, rank = a.senders, world.Get_rank()
@@ -149,46 +153,57 @@ def delta_worker(argv: list[str]) -> int:
             if step:
                 train_step(step)
             refresh()
-        row: dict[str, Any] = {"step": step}
-        order = ("delta", "full") if step % 2 else ("full", "delta")
-        for kind in order:
-            world.Barrier()
-            t0 = time.perf_counter()
-            s = sessions[kind]
-            st: StepStats = s.push(local) if role == "send" else s.pull(local)
-            row[f"{kind}_s"] = world.allreduce(time.perf_counter() - t0, op=MPI.MAX)
-            mine = {"wire": st.bytes_sent + st.bytes_received, "full": st.full_bytes_sent + st.full_bytes_received,
-                    "changed": (st.changed_fraction or 0.0) * st.full_bytes_sent, "enc_s": st.encode_seconds,
-                    "dec_s": st.decode_seconds, "enc_b": st.full_bytes_sent if st.encode_seconds else 0,
-                    "dec_b": st.full_bytes_received if st.decode_seconds else 0, "base": st.base_bytes,
-                    "sent_full": st.full_bytes_sent if role == "send" else 0}
-            tot = {k: world.allreduce(v, op=MPI.SUM) for k, v in mine.items()}
-            row[f"{kind}_wire_bytes"] = tot["wire"] // 2  # each byte counted by its sender and its receiver
-            row[f"{kind}_full_bytes"] = tot["full"] // 2
-            if kind == "delta":
-                row["changed_fraction"] = tot["changed"] / tot["sent_full"] if step and tot["sent_full"] else None
-                row["encode_gbps_per_core"] = tot["enc_b"] / tot["enc_s"] / 1e9 if tot["enc_s"] else None
-                row["decode_gbps_per_core"] = tot["dec_b"] / tot["dec_s"] / 1e9 if tot["dec_s"] else None
-                row["base_bytes"] = tot["base"]
-                row["delta_ratio"] = row["delta_wire_bytes"] / row["delta_full_bytes"] if step else None
-        rows.append(row)
+        rows.append(_push_row(world, sessions, local, role, step))
     for s in sessions.values():
         s.close()
     if rank == 0:
-        later = rows[1:]
-
-        def med(key: str) -> float | None:
-            vals = [r[key] for r in later if r.get(key) is not None]
-            return median(vals) if vals else None
-
         summary = {"senders": S, "receivers": world.Get_size() - S, "train_mesh": a.train_mesh,
                    "serve_mesh": a.serve_mesh, "model": LLAMA_CONFIG,
                    "parameters": sum(p.numel() for p in params.values()), "lr": a.lr, "steps": a.steps,
-                   "full_bytes": rows[0]["full_full_bytes"],
-                   "delta_bytes_ratio": med("delta_ratio"),
-                   "changed_fraction": med("changed_fraction"), "full_s": med("full_s"), "delta_s": med("delta_s"),
-                   "encode_gbps_per_core": med("encode_gbps_per_core"),
-                   "decode_gbps_per_core": med("decode_gbps_per_core"),
-                   "base_bytes": rows[-1]["base_bytes"], "rows": rows}
+                   **_summary(rows)}
         Path(a.out).write_text(json.dumps(summary))
     return 0
+
+
+def _push_row(world: Any, sessions: dict[str, Any], local: dict[str, Any], role: str, step: int) -> dict[str, Any]:
+    """One step: a full and a delta push of the same weights (order alternating), and their figures
+    summed over every rank."""
+    from mpi4py import MPI
+
+    row: dict[str, Any] = {"step": step}
+    order = ("delta", "full") if step % 2 else ("full", "delta")
+    for kind in order:
+        world.Barrier()
+        t0 = time.perf_counter()
+        s = sessions[kind]
+        st = s.push(local) if role == "send" else s.pull(local)
+        row[f"{kind}_s"] = world.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+        mine = {"wire": st.bytes_sent + st.bytes_received, "full": st.full_bytes_sent + st.full_bytes_received,
+                "changed": (st.changed_fraction or 0.0) * st.full_bytes_sent, "enc_s": st.encode_seconds,
+                "dec_s": st.decode_seconds, "enc_b": st.full_bytes_sent if st.encode_seconds else 0,
+                "dec_b": st.full_bytes_received if st.decode_seconds else 0, "base": st.base_bytes,
+                "sent_full": st.full_bytes_sent if role == "send" else 0}
+        tot = {k: world.allreduce(v, op=MPI.SUM) for k, v in mine.items()}
+        row[f"{kind}_wire_bytes"] = tot["wire"] // 2  # each byte counted by its sender and its receiver
+        row[f"{kind}_full_bytes"] = tot["full"] // 2
+        if kind == "delta":
+            row["changed_fraction"] = tot["changed"] / tot["sent_full"] if step and tot["sent_full"] else None
+            row["encode_gbps_per_core"] = tot["enc_b"] / tot["enc_s"] / 1e9 if tot["enc_s"] else None
+            row["decode_gbps_per_core"] = tot["dec_b"] / tot["dec_s"] / 1e9 if tot["dec_s"] else None
+            row["base_bytes"] = tot["base"]
+            row["delta_ratio"] = row["delta_wire_bytes"] / row["delta_full_bytes"] if step else None
+    return row
+
+
+def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over the steps after the first (full) one."""
+    later = rows[1:]
+
+    def med(key: str) -> float | None:
+        vals = [r[key] for r in later if r.get(key) is not None]
+        return median(vals) if vals else None
+
+    return {"full_bytes": rows[0]["full_full_bytes"], "delta_bytes_ratio": med("delta_ratio"),
+            "changed_fraction": med("changed_fraction"), "full_s": med("full_s"), "delta_s": med("delta_s"),
+            "encode_gbps_per_core": med("encode_gbps_per_core"), "decode_gbps_per_core": med("decode_gbps_per_core"),
+            "base_bytes": rows[-1]["base_bytes"], "rows": rows}
