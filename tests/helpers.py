@@ -50,6 +50,7 @@ __all__ = [
     "random_layout_pair",
     "region_slices",
     "run_plan_loopback",
+    "run_sessions",
 ]
 
 DTYPES_UNDER_TEST = ("bfloat16", "float32", "int64", "uint8", "bool")
@@ -358,3 +359,40 @@ def run_plan_loopback(
             res.hung.append(g)
     res.elapsed = time.monotonic() - t0
     return res
+
+
+def run_sessions(src: Manifest, dst: Manifest, act: Callable[[Any, int], Any], *, join_timeout: float = 30.0,
+                 corrupt: Callable[[int, int, int, bytearray], None] | None = None,
+                 options_of: Callable[[str], dict[str, Any]] | None = None,
+                 **options: Any) -> tuple[dict[int, Any], dict[int, BaseException]]:
+    """Every rank of a two-job refit as a thread over the loopback transport: each opens a
+    ``RefitSession`` (senders ``0..S-1`` on ``src``, receivers on ``dst``) with ``options`` and runs
+    ``act(session, local rank)``; ``options_of(role)`` adds options of one side only. Returns each
+    global rank's result and each one's exception."""
+    from streamer.jobs import Group
+    from streamer.refit import RefitSession
+
+    S, D = src.world_size, dst.world_size
+    hub = LoopbackHub(S + D)
+    hub.corrupt = corrupt
+    eps = hub.endpoints()
+    results: dict[int, Any] = {}
+    errors: dict[int, BaseException] = {}
+
+    def rank(g: int) -> None:
+        role = "send" if g < S else "recv"
+        try:
+            with RefitSession.open(src if role == "send" else dst, role, group=Group(eps[g], eps[g], role, S, D,
+                                   plane="loopback"), transport=eps[g], timeout=10, **options,
+                                   **(options_of(role) if options_of else {})) as s:
+                results[g] = act(s, g if g < S else g - S)
+        except BaseException as e:  # noqa: BLE001 - collected per rank
+            errors[g] = e
+
+    threads = [threading.Thread(target=rank, args=(g,)) for g in range(S + D)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(join_timeout)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    return results, errors

@@ -5,22 +5,19 @@ bytes; a byte flipped in a delta is caught by verify (exit 1) and healed by the 
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pytest
-from helpers import check_dest_tensors, empty_dest_tensors, lay_out, make_source_tensors
+from helpers import check_dest_tensors, empty_dest_tensors, lay_out, make_source_tensors, run_sessions
 
 from formats.box import Box
 from formats.layouts import Mesh, Replicate, Shard
 from formats.manifest import Chunk, Manifest, Source
 from streamer.convert import cast_bytes
 from streamer.delta import DeltaChecksumError
-from streamer.jobs import Group
 from streamer.refit import RefitSession, StepStats
-from streamer.transport.loopback import LoopbackHub
 
 # fp32 masters on the trainer; bf16 on the server except "e" (bf16 on both: no cast), "b", and an
 # FP8 weight with its fp32 scales, quantized by the trainer (deltas are taken on bytes: any dtype)
@@ -86,29 +83,7 @@ def _want(full: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 def _run(src: Manifest, dst: Manifest, act: Callable[[RefitSession, int], Any],
          corrupt: Callable[[int, int, int, bytearray], None] | None = None,
          **options: Any) -> dict[int, Any]:
-    S, D = src.world_size, dst.world_size
-    hub = LoopbackHub(S + D)
-    hub.corrupt = corrupt
-    eps = hub.endpoints()
-    results: dict[int, Any] = {}
-    errors: dict[int, BaseException] = {}
-
-    def rank(g: int) -> None:
-        role = "send" if g < S else "recv"
-        group = Group(eps[g], eps[g], role, S, D, plane="loopback")
-        try:
-            with RefitSession.open(src if role == "send" else dst, role, group=group, transport=eps[g],
-                                   timeout=10, **options) as s:
-                results[g] = act(s, g if g < S else g - S)
-        except BaseException as e:  # noqa: BLE001 - collected per rank
-            errors[g] = e
-
-    threads = [threading.Thread(target=rank, args=(g,)) for g in range(S + D)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not any(t.is_alive() for t in threads), "a rank hung"
+    results, errors = run_sessions(src, dst, act, join_timeout=60, corrupt=corrupt, **options)
     assert not errors, {g: repr(e) for g, e in errors.items()}
     return results
 
@@ -257,23 +232,9 @@ def test_delta_with_the_broadcast_baseline_is_refused_everywhere() -> None:
 
     src, dst = _manifests()
     S, D = src.world_size, dst.world_size
-    eps = LoopbackHub(S + D).endpoints()
-    errors: dict[int, BaseException] = {}
-
-    def rank(g: int) -> None:
-        role = "send" if g < S else "recv"
-        try:  # one side asks for delta, the other for the baseline: they agree on both, then refuse
-            RefitSession.open(src if role == "send" else dst, role, group=Group(eps[g], eps[g], role, S, D,
-                              plane="loopback"), transport=eps[g], timeout=10, delta=role == "send",
-                              strategy="broadcast")
-        except BaseException as e:  # noqa: BLE001 - collected per rank
-            errors[g] = e
-
-    threads = [threading.Thread(target=rank, args=(g,)) for g in range(S + D)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    # one side asks for delta, the other for the baseline: they agree on both, then refuse
+    _, errors = run_sessions(src, dst, lambda s, r: None, options_of=lambda role: {"delta": role == "send"},
+                             strategy="broadcast")
     assert sorted(errors) == list(range(S + D))
     assert all(isinstance(e, UsageError) and "--strategy reshard" in str(e) for e in errors.values()), errors
 

@@ -5,19 +5,23 @@ protocol, and pushes accept torch tensors and nn.Modules."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pytest
-from helpers import check_dest_tensors, empty_dest_tensors, lay_out, make_source_tensors, oracle_arrays
+from helpers import (
+    check_dest_tensors,
+    empty_dest_tensors,
+    lay_out,
+    make_source_tensors,
+    oracle_arrays,
+    run_sessions,
+)
 
 from formats.layouts import Mesh, Replicate, Shard
 from formats.manifest import Manifest
-from streamer.jobs import Group
 from streamer.refit import RefitSession, RefusedError
-from streamer.transport.loopback import LoopbackHub
 
 ARRAYS = {"w": ((6, 4), "bfloat16"), "b": ((6,), "float32"), "s": ((), "float32")}
 
@@ -32,28 +36,7 @@ def _manifests() -> tuple[Manifest, Manifest]:
 
 def _run(src: Manifest, dst: Manifest, act: Callable[[RefitSession, int], Any], *, verify: bool = False,
          strategy: str = "reshard") -> tuple[dict[int, Any], dict[int, BaseException]]:
-    S, D = src.world_size, dst.world_size
-    eps = LoopbackHub(S + D).endpoints()
-    results: dict[int, Any] = {}
-    errors: dict[int, BaseException] = {}
-
-    def rank(g: int) -> None:
-        role = "send" if g < S else "recv"
-        group = Group(eps[g], eps[g], role, S, D, plane="loopback")
-        try:
-            s = RefitSession.open(src if role == "send" else dst, role, group=group, transport=eps[g], timeout=10,
-                                  verify=verify, strategy=strategy)
-            results[g] = act(s, g if g < S else g - S)
-        except BaseException as e:  # noqa: BLE001 - collected per rank
-            errors[g] = e
-
-    threads = [threading.Thread(target=rank, args=(g,)) for g in range(S + D)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert not any(t.is_alive() for t in threads), "a rank hung"
-    return results, errors
+    return run_sessions(src, dst, act, verify=verify, strategy=strategy)
 
 
 def _push_pull(src_tensors: dict[int, dict[str, Any]], dst_tensors: dict[int, dict[str, np.ndarray]]) -> Any:
