@@ -207,3 +207,26 @@ class Saved:
     stdout: str
     stderr: str
     seconds: float
+
+
+def launch_pair(tmp: Path, recv_cmd: Sequence[object], send_cmd: Sequence[object], *, timeout: float = 90,
+                file_wait: float = 30) -> tuple[Background, Background, int | None, int | None, float]:
+    """The receiver job first (background) until it writes ``tmp/rdv``, then the sender job; both
+    waited for. Returns the jobs, their exit codes and the seconds from the sender's start."""
+    rdv = tmp / "rdv"
+    recv = Background(recv_cmd, tmp, "recv")
+    try:
+        deadline = time.monotonic() + file_wait
+        while not rdv.exists() and recv.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert rdv.exists(), f"the receiver job never wrote {rdv} (rc {recv.poll()}):\n{recv.stderr[-2000:]}"
+        t0 = time.monotonic()
+        send = Background(send_cmd, tmp, "send")
+        try:
+            rc_send = send.wait(timeout)
+            rc_recv = recv.wait(timeout)
+        finally:
+            send.close()
+    finally:
+        recv.close()
+    return send, recv, rc_send, rc_recv, time.monotonic() - t0

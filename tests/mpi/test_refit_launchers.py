@@ -7,11 +7,10 @@ and the reason, and leaves the receivers' output untouched."""
 from __future__ import annotations
 
 import shutil
-import time
 from pathlib import Path
 
 import pytest
-from mpi_helpers import BIN, Background, Ckpt, Saved, same_files
+from mpi_helpers import BIN, Ckpt, Saved, launch_pair, same_files
 
 SEND = ["shardstream", "refit", "send"]
 RECV = ["shardstream", "refit", "recv"]
@@ -25,31 +24,10 @@ def _torchrun(n: int, *args: object) -> list[object]:
     return [TORCHRUN, "--standalone", "--nproc-per-node", n, str(BIN / "shardstream"), *args]
 
 
-def _launch_pair(tmp: Path, recv_cmd: list[object], send_cmd: list[object],
-                 timeout: float = 90) -> tuple[Background, Background, int | None, int | None, float]:
-    rdv = tmp / "rdv"
-    recv = Background(recv_cmd, tmp, "recv")
-    try:
-        deadline = time.monotonic() + 30
-        while not rdv.exists() and recv.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert rdv.exists(), f"the receiver job never wrote {rdv} (rc {recv.poll()}):\n{recv.stderr[-2000:]}"
-        t0 = time.monotonic()
-        send = Background(send_cmd, tmp, "send")
-        try:
-            rc_send = send.wait(timeout)
-            rc_recv = recv.wait(timeout)
-        finally:
-            send.close()
-    finally:
-        recv.close()
-    return send, recv, rc_send, rc_recv, time.monotonic() - t0
-
-
 def test_torchrun_trainer_to_mpiexec_server(ckpt: Ckpt, mpmd_saved: Saved, tmp_path: Path) -> None:
     """torchrun senders (no MPI at all) + mpiexec receivers started with --control store."""
     rdv, out = tmp_path / "rdv", tmp_path / "saved"
-    send, recv, rc_s, rc_r, _ = _launch_pair(
+    send, recv, rc_s, rc_r, _ = launch_pair(
         tmp_path,
         ["mpiexec", "-n", "4", *RECV, "--manifest", ckpt.serve, "--rendezvous", rdv, "--control", "store",
          "--save", out, "--verify", "--timeout", "60", "--steps", "2"],
@@ -64,7 +42,7 @@ def test_torchrun_trainer_to_mpiexec_server(ckpt: Ckpt, mpmd_saved: Saved, tmp_p
 def test_torchrun_both_sides(ckpt: Ckpt, mpmd_saved: Saved, tmp_path: Path) -> None:
     """Two torchrun jobs: the receivers pick the store plane by themselves (no MPI launcher)."""
     rdv, out = tmp_path / "rdv", tmp_path / "saved"
-    send, recv, rc_s, rc_r, _ = _launch_pair(
+    send, recv, rc_s, rc_r, _ = launch_pair(
         tmp_path,
         _torchrun(4, "refit", "recv", "--manifest", ckpt.serve, "--rendezvous", rdv, "--save", out,
                   "--timeout", "60"),
@@ -106,7 +84,7 @@ def test_refused_sender_ends_both_jobs_fast(ckpt: Ckpt, tmp_path: Path, launcher
     else:
         recv_cmd = ["mpiexec", "-n", "4", *RECV, "--control", "store"]
         send_cmd = _torchrun(4, "refit", "send", *send_args)
-    send, recv, rc_s, rc_r, took = _launch_pair(
+    send, recv, rc_s, rc_r, took = launch_pair(
         tmp_path, [*recv_cmd, "--manifest", ckpt.serve, "--rendezvous", rdv, "--save", out, "--timeout", "120"],
         send_cmd, timeout=60)
     assert rc_s == 1 and rc_r == 1, f"send {rc_s} recv {rc_r}\n{send.stderr[-3000:]}\n{recv.stderr[-3000:]}"

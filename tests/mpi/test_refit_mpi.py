@@ -17,6 +17,7 @@ from mpi_helpers import (
     Ckpt,
     Saved,
     child_ranks,
+    launch_pair,
     ok,
     run,
     safetensors_files,
@@ -42,20 +43,9 @@ def _two_jobs(ckpt: Ckpt, tmp: Path, recv_args: list[str], send_args: list[str],
               timeout: float = 60) -> tuple[Background, Background, int | None, int | None]:
     """Receiver job first (background), then the sender job, joined by ``tmp/rdv``."""
     rdv = tmp / "rdv"
-    recv = Background(["mpiexec", "-n", n, *RECV, "--rendezvous", rdv, *recv_args], tmp, "recv")
-    try:
-        deadline = time.monotonic() + 20
-        while not rdv.exists() and recv.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert rdv.exists(), f"the receiver job never wrote {rdv} (rc {recv.poll()}):\n{recv.stderr[-2000:]}"
-        send = Background(["mpiexec", "-n", n, *SEND, "--rendezvous", rdv, *send_args], tmp, "send")
-        try:
-            rc_send = send.wait(timeout)
-            rc_recv = recv.wait(timeout)
-        finally:
-            send.close()
-    finally:
-        recv.close()
+    send, recv, rc_send, rc_recv, _ = launch_pair(
+        tmp, ["mpiexec", "-n", n, *RECV, "--rendezvous", rdv, *recv_args],
+        ["mpiexec", "-n", n, *SEND, "--rendezvous", rdv, *send_args], timeout=timeout, file_wait=20)
     return send, recv, rc_send, rc_recv
 
 
