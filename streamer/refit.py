@@ -185,6 +185,8 @@ class RefitSession:
                             "different shardstream versions or read different manifests")
         # each rank orders only its own messages: a full-size plan has millions of transfers
         self.schedule = build_schedule(self.plan, self.bucket_size, self._shape_of, rank=self.transport.rank)
+        # what every push is checked against: computed once (a full-size manifest has many chunks)
+        self._specs = self.manifest.local_tensors(self.local_rank)
         self._started = True
 
     def _exchange_manifests(self) -> tuple[Manifest, Manifest]:
@@ -280,7 +282,7 @@ class RefitSession:
         local, problems = collect_local(tensors)
         who = self.group.name(self._t.rank)
         problems = [f"{who}: {p}" for p in problems]
-        problems += check_local(local, self.manifest.local_tensors(self.local_rank), who)
+        problems += check_local(local, self._specs, who)
         digests = {}
         if self.verify and self.role == "send" and not problems:
             digests = replica_digests(self.src, self.local_rank, local)

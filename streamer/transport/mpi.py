@@ -134,28 +134,33 @@ class MPITransport(HostBuffers):
             present = {0}
             deadline = time.monotonic() + ROLL_CALL_GRACE
             while time.monotonic() < deadline and len(present) < self.size:
-                status = self.MPI.Status()
-                if self.comm.Iprobe(source=self.MPI.ANY_SOURCE, tag=ROLL_CALL_TAG, status=status):
-                    buf = np.zeros(max(1, status.Get_count(self.MPI.BYTE)), dtype=np.uint8)
-                    self.comm.Recv([buf, self.MPI.BYTE], source=status.Get_source(), tag=ROLL_CALL_TAG)
-                    present.add(status.Get_source())
-                else:
+                got = self._take(self.MPI.ANY_SOURCE, ROLL_CALL_TAG)
+                if got is None:
                     time.sleep(1e-3)
+                else:
+                    present.add(got[0])
             missing = sorted(set(range(self.size)) - present)
             names = np.frombuffer(json.dumps(missing).encode(), dtype=np.uint8)
             self._keep = [self.comm.Isend([names, self.MPI.BYTE], dest=r, tag=NAMES_TAG) for r in present if r]
             return missing
 
     def _probe_recv(self, src: int, tag: int, timeout: float) -> bytes:
+        """The next message with ``tag`` from ``src``, or b"" after ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
-        status = self.MPI.Status()
-        while not self.comm.Iprobe(source=src, tag=tag, status=status):
+        while (got := self._take(src, tag)) is None:
             if time.monotonic() > deadline:
                 return b""
             time.sleep(1e-3)
+        return got[1]
+
+    def _take(self, src: int, tag: int) -> tuple[int, bytes] | None:
+        """(source, bytes) of a message with ``tag`` that has arrived (any size), else None."""
+        status = self.MPI.Status()
+        if not self.comm.Iprobe(source=src, tag=tag, status=status):
+            return None
         buf = np.zeros(status.Get_count(self.MPI.BYTE), dtype=np.uint8)
-        self.comm.Recv([buf, self.MPI.BYTE], source=src, tag=tag)
-        return buf.tobytes()
+        self.comm.Recv([buf, self.MPI.BYTE], source=status.Get_source(), tag=tag)
+        return status.Get_source(), buf.tobytes()
 
     def barrier(self, timeout: float) -> None:
         self._wait(self.comm.Ibarrier(), timeout, "barrier")
@@ -197,13 +202,11 @@ class MPITransport(HostBuffers):
     def poll_abort(self) -> RemoteAbortError | None:
         import json
 
-        status = self.MPI.Status()
         try:
-            if not self.comm.Iprobe(source=self.MPI.ANY_SOURCE, tag=ABORT_TAG, status=status):
+            got = self._take(self.MPI.ANY_SOURCE, ABORT_TAG)
+            if got is None:
                 return None
-            buf = np.zeros(status.Get_count(self.MPI.BYTE), dtype=np.uint8)
-            self.comm.Recv([buf, self.MPI.BYTE], source=status.Get_source(), tag=ABORT_TAG)
-            info = json.loads(buf.tobytes())
+            info = json.loads(got[1])
         except (self.MPI.Exception, ValueError):
             return None
         return RemoteAbortError(str(info["message"]), int(info["exit_code"]))
