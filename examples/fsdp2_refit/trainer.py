@@ -53,8 +53,10 @@ def main(cfg_path: str, rendezvous: str, steps: int, reference: str | None) -> i
                 write_reference(model, Path(reference), step, rank)
             st = session.push(model)  # shardstream 3/3
             dist.all_reduce(torch.ones(1))  # the trainer's group still works after a push
-            print(json.dumps({"rank": rank, "step": step, "loss": float(loss), "bytes_sent": st.bytes_sent}),
-                  flush=True)
+            # one write per line: ranks share torchrun's stdout, and print() may write the text and
+            # its newline apart (unbuffered), which lets another rank's line land in between
+            line = json.dumps({"rank": rank, "step": step, "loss": float(loss), "bytes_sent": st.bytes_sent})
+            os.write(1, (line + "\n").encode())
     dist.destroy_process_group()
     return 0
 

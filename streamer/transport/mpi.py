@@ -21,9 +21,9 @@ __all__ = ["ABORT_TAG", "MPIRequest", "MPITransport"]
 #: tag of the abort notice (data messages use their phase, 0..2; checksums 7; the baseline 11; delta
 #: headers 17..18 and payloads 4096..20479, see streamer/delta.py)
 ABORT_TAG = 0x5AB
-#: after a collective timed out: "still here" to rank 0, and rank 0's list of missing ranks back
-ROLL_CALL_TAG, NAMES_TAG = 0x5AC, 0x5AD
-#: how long rank 0 waits for the others to report after its own collective timed out (seconds)
+#: after a collective timed out: "still here", from every rank that timed out to every other rank
+ROLL_CALL_TAG = 0x5AC
+#: how long a rank listens for the others' reports after its own collective timed out (seconds)
 ROLL_CALL_GRACE = 2.0
 
 
@@ -109,29 +109,35 @@ class MPITransport(HostBuffers):
             # a collective has no single peer: ask who is still here, to name who is not
             missing = self._roll_call(timeout, what)
             if missing:
+                shown = ", ".join(self.names(r) for r in missing[:8])
+                if len(missing) > 8:
+                    shown += f" and {len(missing) - 8} more"
                 raise PeerTimeoutError(
-                    f"timed out after {timeout:g} s in {what}: {', '.join(self.names(r) for r in missing)} did "
+                    f"timed out after {timeout:g} s in {what}: {shown} did "
                     "not arrive (died, hung, or stuck waiting for another rank)") from e
             raise
 
     def _roll_call(self, timeout: float, what: str) -> list[int]:
-        """After a collective timed out: every rank that timed out reports to rank 0, which names
-        the ranks that did not report and sends the names back. Point-to-point only to ranks known
-        to be alive (a send to a dead peer can block inside MPI); a watchdog bounds the rest."""
-        import json
+        """After a collective timed out: every rank that timed out tells every other rank so, then
+        listens for ``ROLL_CALL_GRACE`` seconds; the ranks it did not hear from are named.
 
+        No coordinator: when one rank of a job dies, its launcher kills the whole job, so any
+        fixed rank may be gone. Small non-blocking sends only (never waited on; a send to a dead
+        peer is left pending), and a watchdog bounds the rest."""
         from ..watchdog import Watchdog
 
-        grace = min(timeout, 10.0) + ROLL_CALL_GRACE
         generic = (f"timed out after {timeout:g} s waiting for one or more of ranks 0..{self.size - 1} in {what} "
                    "(the peer died, hung or never arrived)")
-        with Watchdog(grace + 5.0, f"naming the ranks missing from {what}; first: {generic}"):
-            if self.rank != 0:
-                here = np.zeros(1, dtype=np.uint8)
-                self.comm.Isend([here, self.MPI.BYTE], dest=0, tag=ROLL_CALL_TAG)
-                text = self._probe_recv(0, NAMES_TAG, grace)
-                return [int(r) for r in json.loads(text)] if text else []
-            present = {0}
+        here = np.zeros(1, dtype=np.uint8)
+        with Watchdog(ROLL_CALL_GRACE + 10.0, f"naming the ranks missing from {what}; first: {generic}"):
+            self._keep = [here]
+            for r in range(self.size):
+                if r != self.rank:
+                    try:
+                        self._keep.append(self.comm.Isend([here, self.MPI.BYTE], dest=r, tag=ROLL_CALL_TAG))
+                    except self.MPI.Exception:
+                        pass  # that peer is gone: it is named below, as it never reports
+            present = {self.rank}
             deadline = time.monotonic() + ROLL_CALL_GRACE
             while time.monotonic() < deadline and len(present) < self.size:
                 got = self._take(self.MPI.ANY_SOURCE, ROLL_CALL_TAG)
@@ -139,19 +145,7 @@ class MPITransport(HostBuffers):
                     time.sleep(1e-3)
                 else:
                     present.add(got[0])
-            missing = sorted(set(range(self.size)) - present)
-            names = np.frombuffer(json.dumps(missing).encode(), dtype=np.uint8)
-            self._keep = [self.comm.Isend([names, self.MPI.BYTE], dest=r, tag=NAMES_TAG) for r in present if r]
-            return missing
-
-    def _probe_recv(self, src: int, tag: int, timeout: float) -> bytes:
-        """The next message with ``tag`` from ``src``, or b"" after ``timeout`` seconds."""
-        deadline = time.monotonic() + timeout
-        while (got := self._take(src, tag)) is None:
-            if time.monotonic() > deadline:
-                return b""
-            time.sleep(1e-3)
-        return got[1]
+            return sorted(set(range(self.size)) - present)
 
     def _take(self, src: int, tag: int) -> tuple[int, bytes] | None:
         """(source, bytes) of a message with ``tag`` that has arrived (any size), else None."""

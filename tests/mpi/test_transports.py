@@ -83,3 +83,13 @@ def test_bench_refit_delta_tiny(tmp_path: Path) -> None:
     assert r["rows"][0]["delta_wire_bytes"] == r["full_bytes"] > 0  # the first push is full
     assert 0.001 < r["changed_fraction"] < 0.1 and r["delta_bytes_ratio"] < 0.1, r
     assert r["encode_gbps_per_core"] > 0 and r["decode_gbps_per_core"] > 0 and r["base_bytes"] == r["full_bytes"]
+
+
+@pytest.mark.skipif(not Path(MPIEXEC).exists(), reason="mpiexec not installed")
+@pytest.mark.parametrize("absent", [0, 2])
+def test_collective_timeout_names_the_absent_rank(absent: int) -> None:
+    """A collective that times out names the rank that never came, rank 0 included."""
+    env = dict(os.environ, HYDRA_LAUNCHER="fork", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    p = subprocess.run([MPIEXEC, "-n", "3", sys.executable, str(ROOT / "tests/mpi/roll_call_worker.py"), str(absent)],
+                       capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
+    assert p.returncode == 0 and p.stdout.count("OK") == 3, p.stdout[-3000:] + p.stderr[-3000:]
