@@ -555,6 +555,7 @@ class Fitter:
         self.decl = decl
         self.layouts: dict[tuple[Any, ...], Layout] = {}
         self._regions: dict[tuple[Any, ...], list[tuple[Box, tuple[int, ...]]] | None] = {}
+        self._patterns: dict[tuple[str, int | None, int | None], str] = {}
 
     def fit_chunks(self, fqn: str, spec: ArraySpec) -> ArrayRef | None:
         chunks = spec.chunks
@@ -585,18 +586,39 @@ class Fitter:
         if got is None:
             return None
         decl, pl, order = got
-        pattern = None if tensor is None else templatize(tensor, fqn)
-        if pattern is not None:
-            try:
-                if fill_pattern(pattern, fqn) != tensor:
-                    return None
-            except ValueError:
-                return None
+        return self.ref(fqn, shape, data_type, decl, pl, order, tensor, block, file)
+
+    def ref(self, fqn: str, shape: tuple[int, ...], data_type: str, decl: MeshDecl, pl: tuple[Placement, ...],
+            order: tuple[int, ...] | None, tensor: str | None, block: tuple[int, ...] | None,
+            file: str | None) -> ArrayRef | None:
+        """The reference to the layout ``decl`` + ``pl`` (+ ``order``) of array ``fqn`` in local
+        tensor ``tensor`` (None: its own name) at ``block``; None when the tensor name has no
+        pattern in the array's name. Writers that know an array's layout (the presets) call this
+        directly instead of :meth:`fit`; both share one :class:`Layout` per distinct layout."""
+        pattern = None if tensor is None else self._pattern(tensor, fqn)
+        if pattern == "":
+            return None
         lkey = (decl.name, pl, shape, data_type, pattern, file, order)
         lay = self.layouts.get(lkey)
         if lay is None:
             lay = self.layouts[lkey] = Layout(f"L{len(self.layouts)}", decl, pl, shape, data_type, pattern, file, order)
         return ArrayRef(lay, block)
+
+    def _pattern(self, tensor: str, fqn: str) -> str:
+        """:func:`templatize` of ``tensor`` for ``fqn``, memoised on the variables it depends on
+        (every expert of a layer shares one); ``""`` when the pattern does not give ``tensor`` back."""
+        vs = array_vars(fqn)
+        key = (tensor, vs.get("layer"), vs.get("expert"))
+        got = self._patterns.get(key)
+        if got is None:
+            got = templatize(tensor, fqn)
+            try:
+                if fill_pattern(got, fqn) != tensor:
+                    got = ""
+            except ValueError:
+                got = ""
+            self._patterns[key] = got
+        return got
 
     def _geometry(self, shape: tuple[int, ...], regions: Sequence[Region]
                   ) -> tuple[MeshDecl, tuple[Placement, ...], tuple[int, ...] | None] | None:

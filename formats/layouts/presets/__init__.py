@@ -214,7 +214,8 @@ def preset_manifest(cfg: Mapping[str, Any] | str | os.PathLike[str], preset: str
     if file_pattern is not None:
         check_file_pattern(file_pattern)
     info = model_info(cfg, dtype=dtype, fp8=fp8)
-    b = Builder(mesh, info.arrays, file_pattern, label=preset, fp8_block=info.fp8_block if fw.fused_scales else None)
+    b = Builder(mesh, info.arrays, file_pattern, label=preset, fp8_block=info.fp8_block if fw.fused_scales else None,
+                compact=compact)
     if preset != "megatron" and megatron_spec != "te":
         raise LayoutError(f"{preset}: megatron_spec is a megatron option")
     if not fw.stage_layers and (first_stage_layers is not None or last_stage_layers is not None):
@@ -226,4 +227,4 @@ def preset_manifest(cfg: Mapping[str, Any] | str | os.PathLike[str], preset: str
                               last_stage_layers=last_stage_layers, megatron_spec=megatron_spec))
     if name is None:
         name = f"{info.model_type}-{preset}-{str(mesh).replace(',', '-').replace('=', '')}"
-    return b.build(name=name, domain_size=domain_size, compact=compact)
+    return b.build(name=name, domain_size=domain_size)

@@ -226,10 +226,6 @@ class LayerContext:
         """The framework's module prefix of decoder layer ``layer`` (HF numbering by default)."""
         return f"model.layers.{layer}."
 
-    def stage_ranks(self, stage: int) -> tuple[int, ...]:
-        """Every rank of pipeline stage ``stage`` (replicated arrays)."""
-        return self.b.ranks(pp=stage)
-
 
 C = TypeVar("C", bound=LayerContext)
 
@@ -287,7 +283,7 @@ def replicated(local: str = "{fqn}") -> Callable[[LayerContext, Site, re.Match[s
 
     def place(c: LayerContext, s: Site, m: re.Match[str]) -> None:
         name = s.fqn if local == "{fqn}" else s.prefix + local.format(*m.groups())
-        c.b.whole(s.fqn, name, c.stage_ranks(s.stage))
+        c.b.whole(s.fqn, name, pp=s.stage)
 
     return place
 
@@ -353,8 +349,7 @@ def _place_mla(b: Builder, site: Site, attn: str, entry: tuple[str, str, str | N
                 l0 = b.arrays[front][0][0]
             else:
                 local = rest.removeprefix("self_attn.")  # nothing to fuse with: the HF module stays
-        shape = b.arrays[fqn][0]
-        b.rows(fqn, 0, shape[0], attn + local, l0, b.ranks(pp=stage))
+        b.spread(fqn, attn + local, {"pp": stage}, l0=l0)
     elif split == "S0":
         b.column(fqn, T, stage, attn + local, 0, heads.format("its output dim", b.arrays[fqn][0][0]))
     else:

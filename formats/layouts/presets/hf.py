@@ -16,7 +16,7 @@ def place(b: Builder, info: ModelInfo, opts: Options) -> None:
         raise PresetError(f"preset hf: one rank, got mesh {b.mesh} ({b.mesh.size} ranks); use fsdp2 or a rule "
                           f"layout for several ranks")
     for fqn in info.arrays:
-        b.whole(fqn, fqn, (0,))
+        b.whole(fqn, fqn)
 
 
 FRAMEWORK = Framework("hf", None, ordered=False, place=place)

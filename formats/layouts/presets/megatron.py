@@ -75,7 +75,7 @@ def _output_layer(c: _Ctx, fqn: str) -> None:
 
 
 def _final_norm(c: _Ctx, fqn: str) -> None:
-    c.b.whole(fqn, "decoder.final_layernorm.weight", c.b.ranks(pp=c.b.size("pp") - 1))
+    c.b.whole(fqn, "decoder.final_layernorm.weight", pp=c.b.size("pp") - 1)
 
 
 TOP = {"model.embed_tokens.weight": _embedding, "lm_head.weight": _output_layer, "model.norm.weight": _final_norm}
@@ -88,13 +88,13 @@ def _input_layernorm(c: _Ctx, s: Site, m: re.Match[str]) -> None:
     # MLA or the local spec: a separate norm module; else fused into TE's linear_qkv
     local = ("input_layernorm.weight" if c.info.mla or c.local_spec
              else "self_attention.linear_qkv.layer_norm_weight")
-    c.b.whole(s.fqn, s.prefix + local, c.stage_ranks(s.stage))
+    c.b.whole(s.fqn, s.prefix + local, pp=s.stage)
 
 
 def _pre_mlp_layernorm(c: _Ctx, s: Site, m: re.Match[str]) -> None:
     local = ("pre_mlp_layernorm.weight" if c.info.is_moe_layer(s.layer) or c.local_spec
              else "mlp.linear_fc1.layer_norm_weight")
-    c.b.whole(s.fqn, s.prefix + local, c.stage_ranks(s.stage))
+    c.b.whole(s.fqn, s.prefix + local, pp=s.stage)
 
 
 def _qkv(c: _Ctx, s: Site, m: re.Match[str]) -> None:
@@ -131,7 +131,7 @@ def _mlp(c: _Ctx, s: Site, m: re.Match[str]) -> None:
     elif s.kind == "weight":
         c.b.down(s.fqn, c.tp, s.stage, mod + "linear_fc2.weight", "megatron")
     else:
-        c.b.whole(s.fqn, mod + "linear_fc2.bias", c.stage_ranks(s.stage))
+        c.b.whole(s.fqn, mod + "linear_fc2.bias", pp=s.stage)
 
 
 def _expert(c: _Ctx, s: Site, m: re.Match[str]) -> None:
@@ -152,21 +152,13 @@ def _expert(c: _Ctx, s: Site, m: re.Match[str]) -> None:
     fqn, shape = s.fqn, s.shape
     if etp == 1:
         ep_c, t0 = divmod(r, T)
-        hs = b.ranks(pp=s.stage, ep=ep_c, tp=t0)
-        if proj == "down_proj":
-            b.whole(fqn, tensor, hs)
-        else:
-            b.rows(fqn, 0, shape[0], tensor, 0 if proj == "gate_proj" else shape[0], hs)
+        b.spread(fqn, tensor, {"pp": s.stage, "ep": ep_c, "tp": t0},
+                 l0=0 if proj != "up_proj" else shape[0])
         return
     dim = 1 if proj == "down_proj" else 0
     n = divide(shape[dim], T, f"megatron: moe_intermediate_size ({shape[dim]}) must be divisible by the "
                               f"expert tensor-parallel size ({T})")
-    for t in range(T):
-        hs = b.ranks(pp=s.stage, ep=r, tp=t)
-        if proj == "down_proj":
-            b.cols(fqn, t * n, n, tensor, 0, hs)
-        else:
-            b.rows(fqn, t * n, n, tensor, 0 if proj == "gate_proj" else n, hs)
+    b.spread(fqn, tensor, {"pp": s.stage, "ep": r}, split=("tp", dim), l0=n if proj == "up_proj" else 0)
 
 
 RULES: list[Rule[_Ctx]] = [

@@ -97,7 +97,7 @@ def _lm_head(c: _Ctx, fqn: str) -> None:
 
 
 def _norm(c: _Ctx, fqn: str) -> None:
-    c.b.whole(fqn, fqn, c.b.ranks(pp=c.b.size("pp") - 1))
+    c.b.whole(fqn, fqn, pp=c.b.size("pp") - 1)
 
 
 TOP = {"model.embed_tokens.weight": _embed_tokens, "lm_head.weight": _lm_head, "model.norm.weight": _norm}
@@ -110,13 +110,11 @@ def _qkv(c: _Ctx, s: Site, m: re.Match[str]) -> None:
     """``qkv_proj`` = ``[q_shard; k_shard; v_shard]``; kv heads replicated when tp > num_kv_heads."""
     which = m.group(1)
     tensor = s.prefix + "self_attn.qkv_proj." + s.kind
-    for t in range(c.tp):
-        hs = c.b.ranks(pp=s.stage, tp=t)
-        if which == "q":
-            c.b.rows(s.fqn, t * c.q_loc, c.q_loc, tensor, 0, hs)
-        else:
-            shard = t // c.replicas  # vLLM's shard_id for k / v
-            c.b.rows(s.fqn, shard * c.kv_loc, c.kv_loc, tensor, c.q_loc + (0 if which == "k" else c.kv_loc), hs)
+    if which == "q":
+        c.b.spread(s.fqn, tensor, {"pp": s.stage}, split=("tp", 0))
+    else:  # TP rank t holds kv shard t // replicas (vLLM's shard_id)
+        c.b.spread(s.fqn, tensor, {"pp": s.stage}, split=("tp", 0), replicas=c.replicas,
+                   l0=c.q_loc + (0 if which == "k" else c.kv_loc))
 
 
 def _o_proj(c: _Ctx, s: Site, m: re.Match[str]) -> None:
@@ -150,20 +148,18 @@ def _expert(c: _Ctx, s: Site, m: re.Match[str]) -> None:
         r, start = c.expert_owner(E, e)
         le = e - start
         ep_c, t = divmod(r, T)
-        hs = b.ranks(pp=s.stage, ep=ep_c, tp=t)
+        fixed = {"pp": s.stage, "ep": ep_c, "tp": t}
         if proj == "down_proj":
-            b.rows(fqn, 0, H, w2, le * H, hs, scale_row=le * c.h_blocks)
+            b.spread(fqn, w2, fixed, l0=le * H, scale_row=le * c.h_blocks)
         else:
-            b.rows(fqn, 0, inter, w13, le * 2 * inter + (0 if proj == "gate_proj" else inter), hs)
+            b.spread(fqn, w13, fixed, l0=le * 2 * inter + (0 if proj == "gate_proj" else inter))
         return
     n = divide(inter, T, f"{c.preset}: moe_intermediate_size ({inter}) must be divisible by tp ({T}) "
                          f"(or enable expert parallelism)")
-    for t in range(T):
-        hs = b.ranks(pp=s.stage, tp=t)
-        if proj == "down_proj":
-            b.cols(fqn, t * n, n, w2, e * H, hs, scale_row=e * c.h_blocks)
-        else:
-            b.rows(fqn, t * n, n, w13, e * 2 * n + (0 if proj == "gate_proj" else n), hs)
+    if proj == "down_proj":
+        b.spread(fqn, w2, {"pp": s.stage}, split=("tp", 1), l0=e * H, scale_row=e * c.h_blocks)
+    else:
+        b.spread(fqn, w13, {"pp": s.stage}, split=("tp", 0), l0=e * 2 * n + (0 if proj == "gate_proj" else n))
 
 
 def _rules(mla: dict[str, tuple[str, str, str | None]]) -> list[Rule[_Ctx]]:
