@@ -35,7 +35,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .box import Box
@@ -90,38 +90,59 @@ def check_pattern(pattern: str) -> str | None:
     return None
 
 
-def fill_pattern(pattern: str, fqn: str) -> str:
-    """The local tensor name of array ``fqn`` under ``pattern`` (ValueError naming what is missing).
+def fill_pattern(pattern: str, fqn: str, vs: Mapping[str, int] | None = None) -> str:
+    """The local tensor name of array ``fqn`` under ``pattern`` (ValueError naming what is missing);
+    ``vs``: :func:`array_vars` of ``fqn`` when the caller has it.
 
     >>> fill_pattern("decoder.layers.{layer-4}.mlp.linear_fc1.weight", "model.layers.6.mlp.up_proj.weight")
     'decoder.layers.2.mlp.linear_fc1.weight'
     """
     if "{" not in pattern and "}" not in pattern:
         return pattern
-    vs = array_vars(fqn)
-
-    def sub(m: re.Match[str]) -> str:
-        tok = m.group(0)
-        if tok == "{{":
-            return "{"
-        if tok == "}}":
-            return "}"
-        var = m.group(1)
+    if vs is None:
+        vs = array_vars(fqn)
+    parts: list[str] = []
+    for t in _tokens(pattern):
+        if isinstance(t, str):
+            parts.append(t)
+            continue
+        tok, var, delta = t
         if var is None or var not in vs:
             raise ValueError(f"tensor pattern {pattern!r} needs {tok} but the array name has no "
                              f"'{'layers' if var == 'layer' else 'experts'}.N' part")
-        v = vs[var] + (int(m.group(3)) if m.group(2) == "+" else -int(m.group(3)) if m.group(2) else 0)
+        v = vs[var] + delta
         if v < 0:
             raise ValueError(f"tensor pattern {pattern!r} gives a negative {var} ({v})")
-        return str(v)
+        parts.append(str(v))
+    return "".join(parts)
 
-    return _TOKEN_RE.sub(sub, pattern)
+
+@lru_cache(maxsize=65536)
+def _tokens(pattern: str) -> tuple[str | tuple[str, str | None, int], ...]:
+    """``pattern`` parsed once: literal text, and ``(token, variable, shift)`` for each
+    ``{layer±k}`` / ``{expert±k}`` (variable None: a lone brace). Arrays of a layout share its
+    pattern, so validation parses each once, not once per array."""
+    out: list[str | tuple[str, str | None, int]] = []
+    last = 0
+    for m in _TOKEN_RE.finditer(pattern):
+        out.append(pattern[last:m.start()])
+        tok = m.group(0)
+        if tok in ("{{", "}}"):
+            out.append(tok[0])
+        else:
+            shift = int(m.group(3)) if m.group(2) else 0
+            out.append((tok, m.group(1), -shift if m.group(2) == "-" else shift))
+        last = m.end()
+    out.append(pattern[last:])
+    return tuple(out)
 
 
-def templatize(tensor: str, fqn: str) -> str:
+def templatize(tensor: str, fqn: str, vs: Mapping[str, int] | None = None) -> str:
     """The pattern of local tensor ``tensor`` of array ``fqn``: ``layers.N`` / ``experts.N`` parts
-    become ``{layer±k}`` / ``{expert±k}`` relative to the array's own numbers."""
-    vs = array_vars(fqn)
+    become ``{layer±k}`` / ``{expert±k}`` relative to the array's own numbers (``vs``: its
+    :func:`array_vars`, when the caller has them)."""
+    if vs is None:
+        vs = array_vars(fqn)
     parts: list[str] = []
     last = 0
     for m in _VARS_RE.finditer(tensor):
@@ -611,9 +632,9 @@ class Fitter:
         key = (tensor, vs.get("layer"), vs.get("expert"))
         got = self._patterns.get(key)
         if got is None:
-            got = templatize(tensor, fqn)
+            got = templatize(tensor, fqn, vs)
             try:
-                if fill_pattern(got, fqn) != tensor:
+                if fill_pattern(got, fqn, vs) != tensor:
                     got = ""
             except ValueError:
                 got = ""

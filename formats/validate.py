@@ -30,6 +30,7 @@ import numpy as np
 
 from .box import Box, contiguous_slabs
 from .checksum import new_hasher
+from .compact import fill_pattern
 from .dtypes import DTYPES, DType
 from .errors import FormatError, ShardNotFoundError, ShardstreamError, UsageError
 from .limits import INT64_MAX
@@ -560,6 +561,7 @@ class _Compact:
         self.m = m
         self.layouts: dict[int, bool] = {}  # id(layout) -> usable
         self.files: set[tuple[str, int]] = set()
+        self.holder_sets: dict[int, frozenset[int]] = {}  # id(layout) -> its holders
         self._declared: dict[str, list[tuple[int, TensorSpec]]] | None = None
 
     def declared(self, tensor: str) -> list[tuple[int, TensorSpec]]:
@@ -600,8 +602,6 @@ class _Compact:
         if lay.tensor is None:
             tensor = fqn
         else:
-            from .compact import fill_pattern
-
             try:
                 tensor = fill_pattern(lay.tensor, fqn)
             except ValueError as e:
@@ -627,10 +627,14 @@ class _Compact:
             return
         key = (tensor, lay.file, None)
         local.setdefault(key, []).append(_LocalEntry(fqn, 0, off, stop, lay.holders, dt.name))
-        holders = set(lay.holders)
-        for hr, ts in self.declared(tensor):
-            if hr in holders:
-                _check_declared(fqn, "", tensor, hr, ts, off, stop, rep)
+        declared = self.declared(tensor)
+        if declared:  # most local tensors are not declared: no holder set for them
+            holders = self.holder_sets.get(id(lay))
+            if holders is None:
+                holders = self.holder_sets[id(lay)] = frozenset(lay.holders)
+            for hr, ts in declared:
+                if hr in holders:
+                    _check_declared(fqn, "", tensor, hr, ts, off, stop, rep)
 
 
 def _check_array_type(fqn: str, shape: tuple[int, ...], data_type: str, rep: _Report) -> DType | None:

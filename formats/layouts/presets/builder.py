@@ -18,8 +18,8 @@ from typing import Any
 from ...box import Box
 from ...compact import ArrayRef, Fitter, Layout, MeshDecl
 from ...spec import ArraySpec, Chunk, Manifest, Source, TensorSpec
-from ..mesh import LayoutError, Mesh, Pin, Placement, Replicate, Shard
-from .geometry import PresetError, divide
+from ..mesh import LayoutError, Mesh, Pin, Placement, Replicate, Shard, chunk_regions
+from .geometry import PresetError, divide, piece
 
 __all__ = ["Arrays", "Builder", "scale_tensor"]
 
@@ -53,6 +53,7 @@ class Builder:
         self.refs: dict[str, ArrayRef] = {}
         #: (weight layout, scale layout) -> whether the scale's regions are the weight's in block units
         self._scale_ok: dict[tuple[int, int], bool] = {}
+        self._orders: dict[tuple[tuple[int, ...], tuple[Placement, ...]], tuple[int, ...]] = {}
 
     def size(self, axis: str) -> int:
         return self.sizes.get(axis, 1)
@@ -229,9 +230,45 @@ class Builder:
         return True
 
     def _ref(self, fqn: str, shape: tuple[int, ...], dt: str, decl: MeshDecl, pl: tuple[Placement, ...],
-             tensor: str, local: tuple[int, ...]) -> ArrayRef | None:
-        return self.fitter.ref(fqn, shape, dt, decl, pl, None, None if tensor == fqn else tensor,
+             tensor: str, local: tuple[int, ...], order: tuple[int, ...] | None = None) -> ArrayRef | None:
+        return self.fitter.ref(fqn, shape, dt, decl, pl, order, None if tensor == fqn else tensor,
                                local if any(local) else None, self.file)
+
+    def sharded(self, fqn: str, fixed: Mapping[str, int], splits: Sequence[tuple[str, int]]) -> bool:
+        """FSDP2's placement as one layout reference: the array (its own local tensor, at the
+        origin) on the ranks whose coordinates are ``fixed``, its dims split by torch.chunk over
+        the ``(axis, dim)`` of ``splits``, each split cutting the piece the previous ones left (TP
+        first, then FSDP: the ``_StridedShard`` order). True when recorded; False (compact off,
+        or a split that leaves an empty piece, which the chunk path lists as it always did) tells
+        the caller to put the chunks itself."""
+        shape, dt = self.arrays[fqn]
+        if not self.compact or not shape or 0 in shape or not _no_empty_piece(shape, splits, self.sizes):
+            return False
+        by_axis = dict(splits)
+        pl = tuple(Replicate() if n == 1 else Pin(fixed[a]) if a in fixed else
+                   Shard(by_axis[a]) if a in by_axis else Replicate() for a, n in zip(self.mesh.axes, self.mesh.shape))
+        ref = self._ref(fqn, shape, dt, self.fitter.decl, pl, fqn, (0,) * len(shape),
+                        self._shard_order(shape, pl, [a for a, _ in splits]))
+        if ref is None:
+            return False
+        self.refs[fqn] = ref
+        return True
+
+    def _shard_order(self, shape: tuple[int, ...], pl: tuple[Placement, ...],
+                     split_axes: Sequence[str]) -> tuple[int, ...] | None:
+        """The ``order`` :class:`~formats.compact.Fitter` writes for splits in ``split_axes`` order:
+        None when mesh order gives the same regions, else every mesh axis reversed (its only
+        other candidate, which puts the two split axes the other way round)."""
+        idx = [self.mesh.axes.index(a) for a in split_axes if self.size(a) > 1]
+        if idx == sorted(idx):
+            return None
+        key = (shape, pl)
+        got = self._orders.get(key)
+        if got is None:
+            rev = tuple(range(self.mesh.ndim - 1, -1, -1))
+            same = chunk_regions(shape, self.mesh, pl) == chunk_regions(shape, self.mesh, pl, order=rev)
+            got = self._orders[key] = () if same else rev
+        return got or None
 
     def _geometry(self, fixed: Mapping[str, int], split: tuple[str, int] | None,
                   replicas: int) -> tuple[MeshDecl, tuple[Placement, ...]] | None:
@@ -351,6 +388,24 @@ class Builder:
         return Manifest(world_size=self.mesh.size, arrays=out, name=name, mesh=self.mesh.to_dict(),
                         topology={"domain_size": domain_size} if domain_size is not None else None,
                         tensors={r: dict(sorted(ts.items())) for r, ts in sorted(self.tensors.items())})
+
+
+def _no_empty_piece(shape: Sequence[int], splits: Sequence[tuple[str, int]], sizes: Mapping[str, int]) -> bool:
+    """Whether nested torch.chunk splits of ``shape`` (``(axis, dim)`` in order, ``sizes[axis]``
+    pieces each) leave every piece non-empty (an empty piece makes the fitted layout a pin)."""
+    extents: dict[int, list[int]] = {}
+    for axis, dim in splits:
+        n = sizes.get(axis, 1)
+        cur = extents.get(dim, [shape[dim]])
+        nxt = []
+        for size in cur:
+            for i in range(n):
+                lo, hi = piece(size, n, i)
+                if hi <= lo:
+                    return False
+                nxt.append(hi - lo)
+        extents[dim] = sorted(set(nxt))
+    return True
 
 
 def scale_tensor(tensor: str) -> str:

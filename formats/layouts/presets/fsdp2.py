@@ -45,6 +45,8 @@ def place(b: Builder, info: ModelInfo, opts: Options) -> None:
             splits.append(("tp", pl.dim, T))
         if len(shape) >= 1:
             splits.append(("fsdp", 0, F))
+        if b.sharded(fqn, {"pp": stage}, [(axis, d) for axis, d, _ in splits]):
+            continue
         for coords in product(*(range(n) for _, _, n in splits)):
             offs = [0] * len(shape)
             sizes = list(shape)
