@@ -19,7 +19,7 @@ from ...box import Box
 from ...compact import ArrayRef, Fitter, Layout, MeshDecl
 from ...spec import ArraySpec, Chunk, Manifest, Source, TensorSpec
 from ..mesh import LayoutError, Mesh, Pin, Placement, Replicate, Shard, chunk_regions
-from .geometry import PresetError, divide, piece
+from .geometry import PresetError, divide
 
 __all__ = ["Arrays", "Builder", "scale_tensor"]
 
@@ -392,19 +392,21 @@ class Builder:
 
 def _no_empty_piece(shape: Sequence[int], splits: Sequence[tuple[str, int]], sizes: Mapping[str, int]) -> bool:
     """Whether nested torch.chunk splits of ``shape`` (``(axis, dim)`` in order, ``sizes[axis]``
-    pieces each) leave every piece non-empty (an empty piece makes the fitted layout a pin)."""
-    extents: dict[int, list[int]] = {}
+    pieces each) leave every piece non-empty (an empty piece makes the fitted layout a pin).
+
+    >>> _no_empty_piece((10, 4), [("tp", 0), ("fsdp", 0)], {"tp": 3, "fsdp": 2}), _no_empty_piece((5,), [("f", 0)], {"f": 4})
+    (True, False)
+    """
+    extents: dict[int, set[int]] = {}
     for axis, dim in splits:
         n = sizes.get(axis, 1)
-        cur = extents.get(dim, [shape[dim]])
-        nxt = []
-        for size in cur:
-            for i in range(n):
-                lo, hi = piece(size, n, i)
-                if hi <= lo:
-                    return False
-                nxt.append(hi - lo)
-        extents[dim] = sorted(set(nxt))
+        nxt: set[int] = set()
+        for size in extents.get(dim, {shape[dim]}):
+            c = -(-size // n)  # torch.chunk: n - 1 pieces of c, then the rest
+            if (n - 1) * c >= size:
+                return False
+            nxt.update((c, size - (n - 1) * c))
+        extents[dim] = nxt
     return True
 
 
