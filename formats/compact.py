@@ -576,7 +576,8 @@ class Fitter:
         self.decl = decl
         self.layouts: dict[tuple[Any, ...], Layout] = {}
         self._regions: dict[tuple[Any, ...], list[tuple[Box, tuple[int, ...]]] | None] = {}
-        self._patterns: dict[tuple[str, int | None, int | None], str] = {}
+        self._patterns: dict[tuple[str | int | None, ...], str] = {}
+        self._tensor_vars: dict[str, tuple[str, ...]] = {}
 
     def fit_chunks(self, fqn: str, spec: ArraySpec) -> ArrayRef | None:
         chunks = spec.chunks
@@ -626,10 +627,14 @@ class Fitter:
         return ArrayRef(lay, block)
 
     def _pattern(self, tensor: str, fqn: str) -> str:
-        """:func:`templatize` of ``tensor`` for ``fqn``, memoised on the variables it depends on
-        (every expert of a layer shares one); ``""`` when the pattern does not give ``tensor`` back."""
+        """:func:`templatize` of ``tensor`` for ``fqn``, memoised on the variables it depends on:
+        those whose ``layers.N`` / ``experts.N`` part ``tensor`` has (every expert of a layer
+        shares vLLM's ``w13_weight`` pattern); ``""`` when the pattern does not give ``tensor`` back."""
         vs = array_vars(fqn)
-        key = (tensor, vs.get("layer"), vs.get("expert"))
+        used = self._tensor_vars.get(tensor)
+        if used is None:
+            used = self._tensor_vars[tensor] = tuple(sorted(array_vars(tensor)))
+        key = (tensor, *(vs.get(v) for v in used))
         got = self._patterns.get(key)
         if got is None:
             got = templatize(tensor, fqn, vs)
