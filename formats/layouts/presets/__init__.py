@@ -205,8 +205,9 @@ def preset_manifest(cfg: Mapping[str, Any] | str | os.PathLike[str], preset: str
     61 layers on pp = 16 as 3 + 14 × 4 + 2). ``megatron_spec`` (megatron): ``te`` (default) or
     ``local``, Megatron-core's local module spec (separate ``input_layernorm`` / ``pre_mlp_layernorm``).
     ``compact``: arrays a mesh layout describes exactly are layout references whose chunks expand
-    on first use (:mod:`formats.compact`); False lists every chunk (the v1 writer; both give equal
-    chunks).
+    on first use (:mod:`formats.compact`), written directly for the regular placements (no chunk
+    is listed: :meth:`~.builder.Builder.spread`); False lists every chunk (the v1 writer; both
+    give equal chunks).
     """
     fw = FRAMEWORKS.get(preset)
     if fw is None:
