@@ -75,9 +75,9 @@ class LocalShapes:
                 if c.tensor(fqn) == tensor:
                     for h in c.holders:
                         _widen(out, h, c.local_box.stops)
-        for lay, off in by_layout.values():
+        for lay, top in by_layout.values():
             for rank, size in self._largest(lay).items():
-                _widen(out, rank, tuple([o + z for o, z in zip(off, size)]))
+                _widen(out, rank, tuple([o + z for o, z in zip(top, size)]))
         return {r: tuple(v) for r, v in out.items()}
 
     def _largest(self, lay: Any) -> dict[int, tuple[int, ...]]:

@@ -47,12 +47,13 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from formats.box import Box, slab, split_box, split_dim
-from formats.errors import PlanError
 from formats.compact import fill_pattern
+from formats.errors import PlanError
 from formats.manifest import ArraySpec, Chunk, Manifest
 
 __all__ = [
     "DEFAULT_SPLIT_BYTES",
+    "PLAN_ALGORITHM",
     "Plan",
     "PlanStats",
     "RankGrid",
@@ -66,6 +67,10 @@ __all__ = [
 
 #: parts at least this large are split across replicas / domain ranks; smaller ones move whole
 DEFAULT_SPLIT_BYTES = 64 << 10
+
+#: the planner's algorithm: bump it when a change makes the same inputs plan differently (the two
+#: jobs of a refit compare it, with the inputs, instead of comparing whole plans)
+PLAN_ALGORITHM = 1
 
 _I64 = np.int64
 
@@ -345,10 +350,10 @@ class _Block:
         """The items and the arrays whose chunks one of ``ranks`` (global) holds, on either side:
         a superset of the (item, array) pairs that such a rank sends or receives, found from the
         holder tables alone (O(items + arrays + holder table), not O(items x arrays))."""
-        hs = np.isin(self.src_holders, ranks).any(axis=2)  # [source tables, chunks]
-        hd = np.isin(self.dst_holders, ranks).any(axis=2)
+        hs = np.asarray(np.isin(self.src_holders, ranks).any(axis=2))  # [source tables, chunks]
+        hd = np.asarray(np.isin(self.dst_holders, ranks).any(axis=2))
         items = np.nonzero(hs[:, self.src_chunk].any(axis=0) | hd[:, self.dst_chunk].any(axis=0))[0]
-        arrays = np.nonzero(hs.any(axis=1)[self.src_row] | hd.any(axis=1)[self.dst_row])[0]
+        arrays = np.nonzero(np.asarray(hs.any(axis=1))[self.src_row] | np.asarray(hd.any(axis=1))[self.dst_row])[0]
         return items, arrays
 
     def item_bytes(self) -> np.ndarray:
@@ -1028,8 +1033,8 @@ def _classify(src: Manifest, dst: Manifest, lays: Layouts, pairs: Mapping[str, _
         classes[key].append(fqn)
 
     def class_order(fqns: list[str]) -> tuple[int, int, str]:
-        a = src.arrays[fqns[0]]
-        return (min((len(c.holders) for c in a.chunks), default=0), -a.nbytes, fqns[0])
+        holders = lays[fqns[0]][0].holders  # the source chunks' (a compact array stays unexpanded)
+        return (min((len(h) for h in holders), default=0), -src.arrays[fqns[0]].nbytes, fqns[0])
 
     return sorted(classes.values(), key=class_order)
 
