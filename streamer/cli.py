@@ -441,6 +441,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     import tempfile
 
     from . import bench
+    from .bench_rank import bench_scale, scale_case, scale_lines
 
     work = args.work or tempfile.mkdtemp(prefix="shardstream-bench-")
     if args.source == "megatron" and args.what != "convert":
@@ -467,6 +468,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
             lines.append(f"  {mm['config']}: {mm['train']} -> {mm['serve']}: {mm['src_chunks']} + {mm['dst_chunks']} "
                          f"chunks, manifests {mm['manifests_s']:.2f} s, plan {mm['plan_s']:.2f} s (target <= 2 s), "
                          f"{mm['transfers']} transfers, peak RSS +{mm['plan_peak_rss_growth_bytes'] / 2**20:.0f} MiB")
+        case = scale_case(args.model) if args.model else None
+        if case is not None:  # the preset layouts: one rank's refit start, the whole plan from the files
+            r["scale"] = bench_scale(work, str(Path(args.model).parent), names=(case,))
+            lines += scale_lines(r["scale"])
         text = "\n".join(lines)
     elif args.what == "validate":
         r = bench.bench_validate(args.chunks)
