@@ -180,3 +180,37 @@ def test_input_digests_name_what_differs() -> None:
     assert got[1].startswith("source manifest digest differs on ranks [1, 3]")
     d = dict(a, planner="shardstream 9.9, plan algorithm 1")
     assert input_problems([a, d])[0].startswith("planner differs on ranks [1]")
+
+
+@pytest.mark.parametrize("same_job", [False, True])
+def test_cli_rank_figures_sum_to_the_whole_plan(tmp_path: Any, capsys: Any, same_job: bool) -> None:
+    """``plan --rank R --json`` over every rank, through the CLI: bytes sent and received each sum
+    to the whole plan's ``moved_bytes``; a rank outside the plan is one line, exit 2."""
+    import json
+
+    from formats.manifest import save_manifest
+    from streamer.cli import main
+
+    src, dst = tmp_path / "src.json", tmp_path / "dst.json"
+    save_manifest(preset_manifest(MOE, "megatron", parse_mesh("ep=2,tp=2")), src, format_version=COMPACT_FORMAT_VERSION)
+    save_manifest(preset_manifest(MOE, "vllm", parse_mesh("dp=2,tp=2")), dst, format_version=COMPACT_FORMAT_VERSION)
+    flags = ["--src-domain-size", "2", "--dst-domain-size", "2", *(["--same-job"] if same_job else [])]
+    assert main(["plan", str(src), str(dst), "--json", *flags]) == 0
+    whole = json.loads(capsys.readouterr().out)
+    ranks = 4 if same_job else 8
+    got = []
+    for r in range(ranks):
+        assert main(["plan", str(src), str(dst), "--rank", str(r), "--json", *flags]) == 0
+        out = capsys.readouterr()
+        got.append(json.loads(out.out))
+        assert f"rank {r} (" in out.err  # the human lines go to stderr with --json
+    assert {"rank", "role", "bytes_sent", "bytes_received", "transfers", "messages"} <= set(got[0])
+    assert [g["rank"] for g in got] == list(range(ranks))
+    assert sum(g["bytes_sent"] for g in got) == sum(g["bytes_received"] for g in got) == whole["moved_bytes"] > 0
+    assert sum(g["sends"] for g in got) == whole["transfers"]
+    assert max(g["bytes_sent"] for g in got) == whole["max_send_bytes"]
+    assert {g["role"] for g in got} == ({"send+recv"} if same_job else {"send", "recv"})
+    assert all(g["messages"] > 0 for g in got if g["transfers"])
+    assert main(["plan", str(src), str(dst), "--rank", str(ranks), *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"--rank {ranks} is outside the plan's ranks 0..{ranks - 1}" in err[0], err
