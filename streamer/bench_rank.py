@@ -8,6 +8,7 @@ schedule with its peers' local tensor shapes, and its own local tensors. The who
 written once by the presets (compact form, no files) and reused.
 
     python -m streamer.bench_rank start SRC DST RANK [DOMAIN]   # one JSON line
+    python -m streamer.bench_rank plan SRC DST DOMAIN
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SCALE_CASES", "bench_scale", "rank_start", "scale_case", "scale_lines"]
+__all__ = ["SCALE_CASES", "bench_scale", "rank_start", "scale_case", "scale_lines", "whole_plan"]
 
 #: (name, HF config in workloads/models, trainer mesh, Megatron first/last stage layers, server mesh)
 SCALE_CASES = {
@@ -35,6 +36,18 @@ def scale_case(config: str) -> str | None:
 
 
 def _rss() -> int:
+    """This process's peak RSS: ``VmHWM`` on Linux (the peak of this program's own memory), else
+    ru_maxrss, which on Linux also counts the parent's memory at fork when the parent was larger."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return _maxrss()
+
+
+def _maxrss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
@@ -60,26 +73,46 @@ def rank_start(src_path: str, dst_path: str, rank: int, domain: int | None = Non
     t2 = time.perf_counter()
     mine = [m for m in schedule if rank in (m.src, m.dst)]
     return {"rank": rank, "seconds": t2 - t0, "parse_seconds": t1 - t0, "plan_seconds": t2 - t1,
-            "peak_rss_bytes": _rss(), "rss_before_bytes": rss0, "messages": len(mine),
+            "peak_rss_bytes": _rss(), "ru_maxrss_bytes": _maxrss(), "rss_before_bytes": rss0, "messages": len(mine),
             "bytes": sum(m.nbytes for m in mine), "local_tensors": len(own)}
 
 
 def _manifests(work: Path, name: str, models: Path) -> tuple[Path, Path, float]:
-    """The case's compact manifests (written by the presets once); seconds spent writing them."""
-    from formats.layouts import parse_mesh
-    from formats.layouts.presets import preset_manifest
-    from formats.manifest import COMPACT_FORMAT_VERSION, save_manifest
+    """The case's compact manifests, written once by ``shardstream layout`` in a child process (a
+    parent grown by a preset would count in its later children's ru_maxrss); seconds spent."""
+    import subprocess
 
     cfg, train, (first, last), serve = SCALE_CASES[name]
     src, dst = work / f"{name}-train.json", work / f"{name}-serve.json"
     t0 = time.perf_counter()
-    if not src.exists():
-        save_manifest(preset_manifest(models / cfg, "megatron", parse_mesh(train), first_stage_layers=first,
-                                      last_stage_layers=last), src, format_version=COMPACT_FORMAT_VERSION)
-    if not dst.exists():
-        save_manifest(preset_manifest(models / cfg, "vllm", parse_mesh(serve)), dst,
-                      format_version=COMPACT_FORMAT_VERSION)
+    for out, args in ((src, ["--preset", "megatron", "--mesh", train, "--first-stage-layers", str(first),
+                             "--last-stage-layers", str(last)]),
+                      (dst, ["--preset", "vllm", "--mesh", serve])):
+        if not out.exists():
+            subprocess.run([sys.executable, "-m", "streamer", "layout", "--model", str(models / cfg), *args,
+                            "--no-files", "-o", str(out)], check=True, capture_output=True, timeout=900)
     return src, dst, time.perf_counter() - t0
+
+
+def whole_plan(src_path: str, dst_path: str, domain: int) -> dict[str, Any]:
+    """``shardstream plan SRC DST --json`` (validation, plan, figures) in this process; its
+    figures, time and peak RSS."""
+    import contextlib
+    import io
+
+    from .cli import main as cli_main
+
+    buf = io.StringIO()
+    t0 = time.perf_counter()
+    with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(io.StringIO()):
+        rc = cli_main(["plan", src_path, dst_path, "--json", "--src-domain-size", str(domain),
+                       "--dst-domain-size", str(domain)])
+    dt = time.perf_counter() - t0
+    if rc != 0:
+        raise RuntimeError(f"plan {src_path} {dst_path} failed ({rc})")
+    st = json.loads(buf.getvalue())
+    return {"seconds": dt, "peak_rss_bytes": _rss(), "ru_maxrss_bytes": _maxrss(), "plan_seconds": st["plan_seconds"],
+            "transfers": st["transfers"], "moved_bytes": st["moved_bytes"], "max_send_bytes": st["max_send_bytes"]}
 
 
 def bench_scale(work: str, models: str, *, names: tuple[str, ...] = tuple(SCALE_CASES),
@@ -97,14 +130,11 @@ def bench_scale(work: str, models: str, *, names: tuple[str, ...] = tuple(SCALE_
                                "layout_seconds": layout_s, "manifest_bytes": [src.stat().st_size, dst.stat().st_size]}
         S = json.loads(src.read_text())["world_size"]
         for role, rank in (("sender", 0), ("receiver", S)):
-            wall, rss, text = _sh([sys.executable, "-m", "streamer.bench_rank", "start", str(src), str(dst),
-                                   str(rank), str(domain)])
-            row[f"{role}_start"] = dict(json.loads(text), wall_seconds=wall, child_peak_rss_bytes=rss)
-        wall, rss, text = _sh([sys.executable, "-m", "streamer", "plan", str(src), str(dst), "--json",
-                               "--src-domain-size", str(domain), "--dst-domain-size", str(domain)])
-        st = json.loads(text)
-        row["whole_plan"] = {"wall_seconds": wall, "peak_rss_bytes": rss, "plan_seconds": st["plan_seconds"],
-                             "transfers": st["transfers"], "moved_bytes": st["moved_bytes"]}
+            wall, _, text = _sh([sys.executable, "-m", "streamer.bench_rank", "start", str(src), str(dst),
+                                 str(rank), str(domain)])
+            row[f"{role}_start"] = dict(json.loads(text), wall_seconds=wall)
+        wall, _, text = _sh([sys.executable, "-m", "streamer.bench_rank", "plan", str(src), str(dst), str(domain)])
+        row["whole_plan"] = dict(json.loads(text), wall_seconds=wall)
         out[name] = row
     return out
 
@@ -121,7 +151,7 @@ def scale_lines(r: dict[str, Any]) -> list[str]:
                          f" + plan and schedule {s['plan_seconds']:.2f}), peak RSS {s['peak_rss_bytes'] / 2**20:.0f} MiB, "
                          f"{s['messages']} messages (target <= 5 s, <= 1 GB)")
         p = row["whole_plan"]
-        lines.append(f"    whole plan stats (`plan --json` from the files): {p['wall_seconds']:.2f} s wall, "
+        lines.append(f"    whole plan stats (`plan --json` from the files): {p['seconds']:.2f} s, "
                      f"peak RSS {p['peak_rss_bytes'] / 2**20:.0f} MiB, {p['transfers']} transfers "
                      f"(target <= 10 s, <= 2 GB)")
     return lines
@@ -131,6 +161,9 @@ def main(argv: list[str]) -> int:
     if len(argv) >= 4 and argv[0] == "start":
         domain = int(argv[4]) if len(argv) > 4 else None
         print(json.dumps(rank_start(argv[1], argv[2], int(argv[3]), domain)))
+        return 0
+    if len(argv) == 4 and argv[0] == "plan":
+        print(json.dumps(whole_plan(argv[1], argv[2], int(argv[3]))))
         return 0
     print(__doc__, file=sys.stderr)
     return 2

@@ -7,7 +7,14 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from helpers import check_dest_tensors, empty_dest_tensors, lay_out, make_source_tensors, oracle_arrays, run_sessions
+from helpers import (
+    check_dest_tensors,
+    empty_dest_tensors,
+    lay_out,
+    make_source_tensors,
+    oracle_arrays,
+    run_sessions,
+)
 
 from formats.errors import PlanError
 from formats.layouts import Mesh, Replicate, Shard
