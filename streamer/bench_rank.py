@@ -3,8 +3,8 @@ figures, each timed in a fresh process with its own peak RSS.
 
 One rank's start is what ``RefitSession.start`` computes after the two compact manifests have
 arrived: parse both, digest the inputs, plan (compressed, no whole-plan figures), this rank's
-schedule with its peers' local tensor shapes, and its own local tensors. The whole plan is
-``shardstream plan SRC DST --json`` from the files (validation included). The manifests are
+schedule with its peers' local tensor shapes, and its own local tensors. The whole plan is what
+``shardstream plan SRC DST --json`` does from the files (load, validate, plan, figures, digest). The manifests are
 written once by the presets (compact form, no files) and reused.
 
     python -m streamer.bench_rank start SRC DST RANK [DOMAIN]   # one JSON line
@@ -95,24 +95,26 @@ def _manifests(work: Path, name: str, models: Path) -> tuple[Path, Path, float]:
 
 
 def whole_plan(src_path: str, dst_path: str, domain: int) -> dict[str, Any]:
-    """``shardstream plan SRC DST --json`` (validation, plan, figures) in this process; its
-    figures, time and peak RSS."""
-    import contextlib
-    import io
+    """What ``shardstream plan SRC DST --json`` does (load, validate both, plan with the figures,
+    digest), in this process; its figures, time and peak RSS."""
+    from formats.manifest import load_manifest
+    from formats.validate import validate_manifest
 
-    from .cli import main as cli_main
+    from .plan import plan_transfers
 
-    buf = io.StringIO()
     t0 = time.perf_counter()
-    with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(io.StringIO()):
-        rc = cli_main(["plan", src_path, dst_path, "--json", "--src-domain-size", str(domain),
-                       "--dst-domain-size", str(domain)])
-    dt = time.perf_counter() - t0
-    if rc != 0:
-        raise RuntimeError(f"plan {src_path} {dst_path} failed ({rc})")
-    st = json.loads(buf.getvalue())
-    return {"seconds": dt, "peak_rss_bytes": _rss(), "ru_maxrss_bytes": _maxrss(), "plan_seconds": st["plan_seconds"],
-            "transfers": st["transfers"], "moved_bytes": st["moved_bytes"], "max_send_bytes": st["max_send_bytes"]}
+    src, dst = load_manifest(src_path), load_manifest(dst_path)
+    problems = validate_manifest(src, check_paths=False) + validate_manifest(dst, check_paths=False)
+    if problems:
+        raise RuntimeError(f"{src_path} / {dst_path}: {problems[:3]}")
+    t1 = time.perf_counter()
+    plan = plan_transfers(src, dst, src_domain_size=domain, dst_domain_size=domain)
+    st = plan.stats()
+    t2 = time.perf_counter()
+    digest = plan.digest()
+    return {"seconds": time.perf_counter() - t0, "load_validate_seconds": t1 - t0, "plan_seconds": t2 - t1,
+            "peak_rss_bytes": _rss(), "ru_maxrss_bytes": _maxrss(), "transfers": st.transfers,
+            "moved_bytes": st.moved_bytes, "max_send_bytes": st.max_send_bytes, "digest": digest}
 
 
 def bench_scale(work: str, models: str, *, names: tuple[str, ...] = tuple(SCALE_CASES),
