@@ -371,13 +371,21 @@ class _Block:
         for lay in self.src_layouts + self.dst_layouts:  # sources: tensors and offsets are part of the plan
             h.update(lay.content)
 
+    @functools.cached_property
+    def _items(self) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]], list[int], list[int], list[int]]:
+        """The items as Python values (regions, chunks, phases), converted once per block rather
+        than element by element for every transfer materialised."""
+        nd = self.ndim
+        return ([tuple(r[:nd]) for r in self.offsets.tolist()], [tuple(r[:nd]) for r in self.sizes.tolist()],
+                self.src_chunk.tolist(), self.dst_chunk.tolist(), self.phase.tolist())
+
     def materialise(self, a: int, t: int, src_rank: int, dst_rank: int) -> Transfer:
         fqn = self.fqns[a]
-        nd = self.ndim
-        offs = tuple(int(v) for v in self.offsets[t, :nd])
-        region = Box(offs, tuple(int(v) for v in self.sizes[t, :nd]))
+        offsets, sizes, src_chunk, dst_chunk, phases = self._items
+        offs = offsets[t]
+        region = Box(offs, sizes[t])
         sl, dl = self.src_layouts[a], self.dst_layouts[a]
-        si, di, phase = int(self.src_chunk[t]), int(self.dst_chunk[t]), int(self.phase[t])
+        si, di, phase = src_chunk[t], dst_chunk[t], phases[t]
         dlo, dbase = dl.regions[di].offsets, dl.local_offsets[di]
         do = tuple(b + o - lo for b, o, lo in zip(dbase, offs, dlo))
         dtensor = dl.tensors[di] or fqn
