@@ -214,3 +214,25 @@ def test_cli_rank_figures_sum_to_the_whole_plan(tmp_path: Any, capsys: Any, same
     assert main(["plan", str(src), str(dst), "--rank", str(ranks), *flags]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"--rank {ranks} is outside the plan's ranks 0..{ranks - 1}" in err[0], err
+
+
+def test_bench_rank_start_and_whole_plan_on_a_small_model(tmp_path: Any) -> None:
+    """The scale benchmark's two workers on small compact manifests: a rank's start schedules
+    exactly its share of the bytes, and the whole plan's figures are the plan's."""
+    from formats.manifest import save_manifest
+    from streamer.bench_rank import rank_start, scale_case, whole_plan
+
+    src, dst = tmp_path / "src.json", tmp_path / "dst.json"
+    save_manifest(preset_manifest(MOE, "megatron", parse_mesh("ep=2,tp=2")), src, format_version=COMPACT_FORMAT_VERSION)
+    save_manifest(preset_manifest(MOE, "vllm", parse_mesh("dp=2,tp=2")), dst, format_version=COMPACT_FORMAT_VERSION)
+    plan = plan_transfers(loads_manifest(src.read_text()), loads_manifest(dst.read_text()),
+                          src_domain_size=2, dst_domain_size=2)
+    for r in range(plan.world_size):
+        got = rank_start(str(src), str(dst), r, 2)
+        f = rank_figures(plan, r)
+        assert got["bytes"] == f.bytes_sent + f.bytes_received > 0, r
+        assert 0 < got["peak_rss_bytes"] and got["local_tensors"] > 0  # type: ignore[operator]
+    whole = whole_plan(str(src), str(dst), 2)
+    assert (whole["transfers"], whole["moved_bytes"]) == (plan.stats().transfers, plan.stats().moved_bytes)
+    assert whole["digest"] == plan.digest()
+    assert scale_case("/x/deepseek-v3.config.json") == "deepseek-v3" and scale_case("qwen3-32b.config.json") is None
