@@ -135,7 +135,6 @@ class RefitSession:
         self._started = False
         self._executor: Executor | None = None
         self._tensor_key: tuple[Any, ...] = ()
-        self._shapes: dict[tuple[int, bool], Any] = {}
         # delta sessions: the last version pushed here, and the one this rank's tensors (and,
         # when it sends, its bases) are known to hold -- None when unknown (never pushed, new
         # buffers handed in, or a push that failed half-way)
