@@ -34,6 +34,8 @@ run_tier doctest --doctest-modules formats streamer -q
 run_tier unit tests/unit -q
 run_tier sim tests/sim -q
 run_tier mpi tests/mpi -q
+# one refit rank's start at DeepSeek-V3 scale (marked slow, ~30 s: two layouts, two starts)
+run_tier scale tests/scale -q
 # GPU tests are collected everywhere and skip themselves without CUDA.
 run_tier gpu tests/gpu -q -rs
 exit $status

@@ -262,11 +262,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     try:
         # FP8 destinations fed from float sources are planned as convert plans them
         targets = quant_targets(src, dst, block=args.fp8_block, ue8m0=args.ue8m0)
-        plan = plan_transfers(src, planned_destination(dst, targets, {}), src_domain_size=args.src_domain_size,
+        planned = planned_destination(dst, targets, {})
+        plan = plan_transfers(src, planned, src_domain_size=args.src_domain_size,
                               dst_domain_size=args.dst_domain_size, same_job=args.same_job,
-                              allow_extra=args.allow_extra)
+                              allow_extra=args.allow_extra, stats=args.rank is None)
     except PlanError as e:  # its lines name the array; say which manifests were being matched
         raise PlanError(problems=[f"{args.dst}: {ln}; source manifest {args.src}" for ln in e.problems]) from e
+    if args.rank is not None:
+        return _plan_rank(args, plan, src, planned, t0)
     dt = time.perf_counter() - t0
     st = plan.stats().to_dict()
     st["plan_seconds"] = round(dt, 4)
@@ -274,6 +277,34 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if targets:
         st["quantized"] = quant_report(dst, targets, "by convert; live refit does not quantize yet")
     _out(args, st, f"plan {args.src} -> {args.dst} ({dt:.3f} s)\n{_fmt_stats(st)}")
+    return 0
+
+
+def _plan_rank(args: argparse.Namespace, plan: Any, src: Any, dst: Any, t0: float) -> int:
+    """``plan --rank R``: that merged rank's figures, and the messages its schedule has."""
+    import time
+
+    from .execute import build_schedule
+    from .local_shapes import plan_shapes
+    from .rankplan import rank_figures
+
+    fig = rank_figures(plan, args.rank)
+    sched = build_schedule(plan, args.bucket_size, plan_shapes(plan, src, dst), rank=args.rank)
+    msgs = [m for m in sched if args.rank in (m.src, m.dst)]
+    dt = time.perf_counter() - t0
+    out = fig.to_dict()
+    out.update(messages=len(msgs), bucket_size=args.bucket_size, plan_seconds=round(dt, 4))
+    job = "both jobs" if plan.same_job else ("the source job" if fig.role == "send" else "the destination job")
+    rows = [("sent", f"{fig.bytes_sent / 1e9:.4f} GB in {fig.sends} transfers to {len(fig.send_peers)} ranks "
+                     f"({fig.forwards} phase-2 forwards, {fig.forward_bytes / 1e9:.4f} GB)"),
+            ("received", f"{fig.bytes_received / 1e9:.4f} GB in {fig.receives} transfers from "
+                         f"{len(fig.recv_peers)} ranks"),
+            ("sent across domains", f"{fig.network_bytes_sent / 1e9:.4f} GB"),
+            ("local copies", f"{fig.local_copies} ({fig.local_copy_bytes / 1e9:.4f} GB)"),
+            ("messages", f"{len(msgs)} (buckets of {args.bucket_size} B)")]
+    text = "\n".join([f"plan {args.src} -> {args.dst}: rank {fig.rank} ({fig.role}, rank {fig.job_rank} of {job}) "
+                      f"({dt:.3f} s)", *(f"{k:32s} {v}" for k, v in rows)])
+    _out(args, out, text)
     return 0
 
 
@@ -410,6 +441,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     import tempfile
 
     from . import bench
+    from .bench_rank import bench_scale, scale_case, scale_lines
 
     work = args.work or tempfile.mkdtemp(prefix="shardstream-bench-")
     if args.source == "megatron" and args.what != "convert":
@@ -436,6 +468,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
             lines.append(f"  {mm['config']}: {mm['train']} -> {mm['serve']}: {mm['src_chunks']} + {mm['dst_chunks']} "
                          f"chunks, manifests {mm['manifests_s']:.2f} s, plan {mm['plan_s']:.2f} s (target <= 2 s), "
                          f"{mm['transfers']} transfers, peak RSS +{mm['plan_peak_rss_growth_bytes'] / 2**20:.0f} MiB")
+        case = scale_case(args.model) if args.model else None
+        if case is not None:  # the preset layouts: one rank's refit start, the whole plan from the files
+            r["scale"] = bench_scale(work, str(Path(args.model).parent), names=(case,))
+            lines += scale_lines(r["scale"])
         text = "\n".join(lines)
     elif args.what == "validate":
         r = bench.bench_validate(args.chunks)
@@ -554,6 +590,10 @@ def _add_plan(sub: Any) -> None:
     p.add_argument("--dst-domain-size", type=_positive_int)
     p.add_argument("--same-job", action="store_true", help="rank r of both manifests is one process")
     p.add_argument("--allow-extra", action="store_true", help="source arrays the destination lacks are dropped")
+    p.add_argument("--rank", type=int, metavar="R",
+                   help="only what merged rank R sends and receives (senders 0..S-1, then receivers S..S+D-1)")
+    p.add_argument("--bucket-size", type=parse_size, default=256 << 20, metavar="SIZE",
+                   help="with --rank: the bucket size its messages are counted with (refit's default)")
     _add_quant_flags(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_plan)

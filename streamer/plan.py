@@ -47,13 +47,16 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from formats.box import Box, slab, split_box, split_dim
+from formats.compact import fill_pattern
 from formats.errors import PlanError
 from formats.manifest import ArraySpec, Chunk, Manifest
 
 __all__ = [
     "DEFAULT_SPLIT_BYTES",
+    "PLAN_ALGORITHM",
     "Plan",
     "PlanStats",
+    "RankGrid",
     "Transfer",
     "match_arrays",
     "array_casts",
@@ -64,6 +67,10 @@ __all__ = [
 
 #: parts at least this large are split across replicas / domain ranks; smaller ones move whole
 DEFAULT_SPLIT_BYTES = 64 << 10
+
+#: the planner's algorithm: bump it when a change makes the same inputs plan differently (the two
+#: jobs of a refit compare it, with the inputs, instead of comparing whole plans)
+PLAN_ALGORITHM = 1
 
 _I64 = np.int64
 
@@ -206,23 +213,63 @@ class _Layout:
         geometry = tuple((b.offsets, b.sizes, len(h)) for b, h in zip(regions, holders))
         return _Layout(perm, regions, holders, tensors, local, geometry)
 
+    def placed(self, tensor: str | None, block: tuple[int, ...] | None) -> _Layout:
+        """This layout (of chunks without a source) with every chunk in local tensor ``tensor``
+        at ``block``: the regions, holders and geometry tuples are shared, not copied."""
+        n = len(self.regions)
+        local = block if block is not None else (0,) * (self.regions[0].ndim if n else 0)
+        return _Layout(self.chunk_index, self.regions, self.holders, (tensor,) * n, (local,) * n, self.geometry)
+
 
 #: each array's (source, destination) layouts
 Layouts = Mapping[str, tuple[_Layout, _Layout]]
 
 
 class _Memo:
-    """Layouts by chunks-tuple identity (the tuples stay referenced, so ids stay unique)."""
+    """Layouts by chunks-tuple identity (the tuples stay referenced, so ids stay unique); compact
+    arrays by (layout, local tensor, block), without expanding their chunks."""
 
     def __init__(self) -> None:
         self._by_id: dict[int, tuple[Sequence[Chunk], _Layout]] = {}
+        self._bases: dict[int, tuple[Any, _Layout | None]] = {}  # compact layout id -> (it, geometry)
+        self._placed: dict[tuple[int, str | None, tuple[int, ...] | None], _Layout] = {}
 
-    def layout(self, spec: ArraySpec) -> _Layout:
+    def layout(self, spec: ArraySpec, fqn: str) -> _Layout:
+        ref = spec.ref
+        if ref is not None and not spec.expanded:
+            try:
+                got = self._compact(ref, fqn)
+            except ValueError:  # a bad layout or pattern: expanding names the array
+                got = None
+            if got is not None:
+                return got
         hit = self._by_id.get(id(spec.chunks))
         if hit is None:
             hit = (spec.chunks, _Layout.of(spec.chunks))
             self._by_id[id(spec.chunks)] = hit
         return hit[1]
+
+    def _compact(self, ref: Any, fqn: str) -> _Layout | None:
+        """What ``_Layout.of(ref.expand(fqn))`` gives, from the layout's regions (None: a layout
+        with repeated regions, which the generic tie-break must order)."""
+        lay = ref.layout
+        base = self._bases.get(id(lay))
+        if base is None:
+            regions = lay.regions
+            keys = sorted((b.offsets, b.sizes) for b, _ in regions)
+            ok = all(a != b for a, b in zip(keys, keys[1:]))
+            base = self._bases[id(lay)] = (lay, _Layout.of([Chunk(b, hs) for b, hs in regions]) if ok else None)
+        if base[1] is None:
+            return None
+        # as Layout.chunks names it: no pattern, or the array's own name, is the default (None)
+        tensor = None if lay.tensor is None else fill_pattern(lay.tensor, fqn)
+        if tensor == fqn:
+            tensor = None
+        key = (id(lay), tensor, ref.block)
+        got = self._placed.get(key)
+        if got is None:
+            got = self._placed[key] = base[1].placed(tensor, ref.block)
+        return got
 
 
 # --------------------------------------------------------------------------- compressed plan
@@ -272,26 +319,42 @@ class _Block:
         src, dst = self.ranks_ta()
         return src.T, dst.T
 
-    def ranks_ta(self) -> tuple[np.ndarray, np.ndarray]:
-        """Sender and receiver of every (item, array), shaped [T, A], C-contiguous."""
-        A, T = len(self.fqns), self.num_items
+    def ranks_ta(self, items: np.ndarray | None = None, arrays: np.ndarray | None = None
+                 ) -> tuple[np.ndarray, np.ndarray]:
+        """Sender and receiver of every (item, array), shaped [T, A], C-contiguous; with ``items`` /
+        ``arrays`` (increasing positions), of those only."""
+        it: Any = slice(None) if items is None else items
+        aidx = np.arange(len(self.fqns), dtype=_I64) if arrays is None else arrays
+        T, A = (self.num_items if items is None else len(items)), len(aidx)
         if T == 0 or A == 0:
             z = np.zeros((T, A), dtype=_I64)
             return z, z
-        dslot = _slots(self.receiver_slots, self.receiver_first, self.receiver_count, self.rotation, A)
-        dst = _gather(self.dst_holders, self.dst_row, self.dst_chunk, dslot)
-        sslot = _slots(self.sender_slots, self.sender_first, self.sender_count, self.rotation, A)
-        from_src = self.sender_side == 0
+        rot = self.rotation[it]
+        dslot = _slots(self.receiver_slots[it], self.receiver_first[it], self.receiver_count[it], rot, aidx)
+        dst_chunk, src_chunk = self.dst_chunk[it], self.src_chunk[it]
+        dst = _gather(self.dst_holders, self.dst_row[aidx], dst_chunk, dslot)
+        sslot = _slots(self.sender_slots[it], self.sender_first[it], self.sender_count[it], rot, aidx)
+        from_src = self.sender_side[it] == 0
         if from_src.all():
-            src = _gather(self.src_holders, self.src_row, self.src_chunk, sslot)
+            src = _gather(self.src_holders, self.src_row[aidx], src_chunk, sslot)
         else:
             src = np.empty_like(dst)
             m = np.nonzero(from_src)[0]
             if len(m):
-                src[m] = _gather(self.src_holders, self.src_row, self.src_chunk[m], sslot[m])
+                src[m] = _gather(self.src_holders, self.src_row[aidx], src_chunk[m], sslot[m])
             m = np.nonzero(~from_src)[0]
-            src[m] = _gather(self.dst_holders, self.dst_row, self.dst_chunk[m], sslot[m])
+            src[m] = _gather(self.dst_holders, self.dst_row[aidx], dst_chunk[m], sslot[m])
         return src, dst
+
+    def touching(self, ranks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The items and the arrays whose chunks one of ``ranks`` (global) holds, on either side:
+        a superset of the (item, array) pairs that such a rank sends or receives, found from the
+        holder tables alone (O(items + arrays + holder table), not O(items x arrays))."""
+        hs = np.asarray(np.isin(self.src_holders, ranks).any(axis=2))  # [source tables, chunks]
+        hd = np.asarray(np.isin(self.dst_holders, ranks).any(axis=2))
+        items = np.nonzero(hs[:, self.src_chunk].any(axis=0) | hd[:, self.dst_chunk].any(axis=0))[0]
+        arrays = np.nonzero(np.asarray(hs.any(axis=1))[self.src_row] | np.asarray(hd.any(axis=1))[self.dst_row])[0]
+        return items, arrays
 
     def item_bytes(self) -> np.ndarray:
         out: np.ndarray = np.prod(self.sizes, axis=1, dtype=_I64) * self.itemsize
@@ -308,13 +371,21 @@ class _Block:
         for lay in self.src_layouts + self.dst_layouts:  # sources: tensors and offsets are part of the plan
             h.update(lay.content)
 
+    @functools.cached_property
+    def _items(self) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]], list[int], list[int], list[int]]:
+        """The items as Python values (regions, chunks, phases), converted once per block rather
+        than element by element for every transfer materialised."""
+        nd = self.ndim
+        return ([tuple(r[:nd]) for r in self.offsets.tolist()], [tuple(r[:nd]) for r in self.sizes.tolist()],
+                self.src_chunk.tolist(), self.dst_chunk.tolist(), self.phase.tolist())
+
     def materialise(self, a: int, t: int, src_rank: int, dst_rank: int) -> Transfer:
         fqn = self.fqns[a]
-        nd = self.ndim
-        offs = tuple(int(v) for v in self.offsets[t, :nd])
-        region = Box(offs, tuple(int(v) for v in self.sizes[t, :nd]))
+        offsets, sizes, src_chunk, dst_chunk, phases = self._items
+        offs = offsets[t]
+        region = Box(offs, sizes[t])
         sl, dl = self.src_layouts[a], self.dst_layouts[a]
-        si, di, phase = int(self.src_chunk[t]), int(self.dst_chunk[t]), int(self.phase[t])
+        si, di, phase = src_chunk[t], dst_chunk[t], phases[t]
         dlo, dbase = dl.regions[di].offsets, dl.local_offsets[di]
         do = tuple(b + o - lo for b, o, lo in zip(dbase, offs, dlo))
         dtensor = dl.tensors[di] or fqn
@@ -328,16 +399,16 @@ class _Block:
                         sl.chunk_index[si], dl.chunk_index[di])
 
 
-def _slots(cand: np.ndarray, k: np.ndarray, n: np.ndarray, rot: np.ndarray, A: int) -> np.ndarray:
-    """Holder slot of every (item, array): ``cand[(k + rot + a) % n]``; [T, A]."""
-    T = len(n)
+def _slots(cand: np.ndarray, k: np.ndarray, n: np.ndarray, rot: np.ndarray, arrays: np.ndarray) -> np.ndarray:
+    """Holder slot of every (item, array a of ``arrays``): ``cand[(k + rot + a) % n]``; [T, A]."""
+    T, A = len(n), len(arrays)
     out = np.empty((T, A), dtype=_I64)
     fixed = n == 1  # most items: one candidate, no rotation to compute
     if fixed.any():
         out[fixed] = cand[fixed, 0][:, None]
     m = np.nonzero(~fixed)[0]
     if len(m):
-        r = (k[m] + rot[m])[:, None] + np.arange(A, dtype=_I64)[None, :]
+        r = (k[m] + rot[m])[:, None] + arrays[None, :]
         out[m] = cand[m[:, None], r % n[m][:, None]]
     return out
 
@@ -353,6 +424,16 @@ def _gather(table: np.ndarray, row: np.ndarray, chunk: np.ndarray, slot: np.ndar
     return out
 
 
+class RankGrid(NamedTuple):
+    """A block's (item, array) grid, or the part of it some ranks touch (see ``Plan.grids``)."""
+
+    block: _Block
+    items: np.ndarray  # [T] item positions in the block
+    arrays: np.ndarray  # [A] array positions in the block
+    src: np.ndarray  # [T, A] sender (global rank)
+    dst: np.ndarray  # [T, A] receiver (global rank)
+
+
 class Plan:
     """Every transfer that makes the destination's chunks out of the source's.
 
@@ -360,13 +441,14 @@ class Plan:
     """
 
     def __init__(self, blocks: Sequence[_Block], src_world: int, dst_world: int, same_job: bool,
-                 src_domain_size: int, dst_domain_size: int, stats: PlanStats) -> None:
+                 src_domain_size: int, dst_domain_size: int, stats: PlanStats | Callable[[], PlanStats]) -> None:
         self._blocks = tuple(blocks)
         self.src_world = src_world
         self.dst_world = dst_world
         self.same_job = same_job
         self.src_domain_size = src_domain_size
         self.dst_domain_size = dst_domain_size
+        #: the figures, or how to compute them on first use (a refit rank never needs them)
         self._stats = stats
         self._all: tuple[Transfer, ...] | None = None
         #: arrays the sender casts while packing: fqn -> (source, destination data_type)
@@ -383,15 +465,37 @@ class Plan:
     def world_size(self) -> int:
         return max(self.src_world, self.dst_world) if self.same_job else self.src_world + self.dst_world
 
+    def domains(self, ranks: np.ndarray) -> np.ndarray:
+        """Domain of each global rank (the two jobs of a refit never share one)."""
+        return _domains(ranks, S=self.src_world, same_job=self.same_job, sds=self.src_domain_size,
+                        dds=self.dst_domain_size)
+
     # -- transfers
-    def _select(self, keep: Any, ranks: Sequence[tuple[np.ndarray, np.ndarray]] | None = None) -> Iterator[Transfer]:
-        """Transfers whose (src ranks, dst ranks, phases) arrays pass ``keep`` (a mask maker);
-        ``ranks``: each block's ``ranks()``, when the caller already has them."""
-        for i, b in enumerate(self._blocks):
-            src, dst = b.ranks() if ranks is None else ranks[i]
-            mask = keep(src, dst, np.broadcast_to(b.phase[None, :], src.shape))
-            for a, t in zip(*np.nonzero(mask)):
-                yield b.materialise(int(a), int(t), int(src[a, t]), int(dst[a, t]))
+    def grids(self, ranks: Iterable[int] | None = None) -> Iterator[RankGrid]:
+        """Per block, the (item, array) grid with its senders and receivers; with ``ranks``
+        (global), only the items and arrays whose chunks one of them holds (a superset of what
+        they send and receive: the caller masks), so that no other rank's part is expanded."""
+        want = None if ranks is None else np.array(sorted(set(ranks)), dtype=_I64)
+        for b in self._blocks:
+            if want is None:
+                items, arrays = np.arange(b.num_items, dtype=_I64), np.arange(len(b.fqns), dtype=_I64)
+                src, dst = b.ranks_ta()
+            else:
+                items, arrays = b.touching(want)
+                if not len(items) or not len(arrays):
+                    continue
+                src, dst = b.ranks_ta(items, arrays)
+            yield RankGrid(b, items, arrays, src, dst)
+
+    def _select(self, keep: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray],
+                ranks: Iterable[int] | None = None) -> Iterator[Transfer]:
+        """Transfers, in plan order, whose (src ranks, dst ranks, phases) pass ``keep`` (a mask
+        maker over [T, A] grids); ``ranks``: only those that can involve these ranks are looked at."""
+        for g in self.grids(ranks):
+            b = g.block
+            mask = keep(g.src, g.dst, np.broadcast_to(b.phase[g.items][:, None], g.src.shape))
+            for a, t in zip(*np.nonzero(mask.T)):  # array-major, as the plan's order
+                yield b.materialise(int(g.arrays[a]), int(g.items[t]), int(g.src[t, a]), int(g.dst[t, a]))
 
     @property
     def transfers(self) -> tuple[Transfer, ...]:
@@ -401,26 +505,35 @@ class Plan:
 
     def transfers_of(self, rank: int) -> list[Transfer]:
         """Every transfer ``rank`` (global) sends, receives or copies locally, in plan order."""
-        return list(self._select(lambda s, d, p: (s == rank) | (d == rank)))
+        return list(self._select(lambda s, d, p: (s == rank) | (d == rank), (rank,)))
 
     def schedule_transfers(self, rank: int) -> list[Transfer]:
         """What ordering ``rank``'s messages needs, in plan order: its own transfers plus the
         phase-1 transfers into the ranks that forward bytes to it (a phase-2 message is ordered
         after the phase-1 messages that bring its bytes to the forwarder)."""
         fwd_set: set[int] = set()
-        ranks = [b.ranks() for b in self._blocks]  # [A, T]; computed once for both passes
-        for b, (src, dst) in zip(self._blocks, ranks):
-            p2 = b.phase == 2
+        for g in self.grids((rank,)):
+            p2 = g.block.phase[g.items] == 2
             if p2.any():
-                fwd_set.update(np.unique(src[:, p2][dst[:, p2] == rank]).tolist())
+                fwd_set.update(np.unique(g.src[p2][g.dst[p2] == rank]).tolist())
         fwd = np.array(sorted(fwd_set), dtype=_I64)
-        return list(self._select(lambda s, d, p: (s == rank) | (d == rank) | ((p == 1) & np.isin(d, fwd)), ranks))
+        return list(self._select(lambda s, d, p: (s == rank) | (d == rank) | ((p == 1) & np.isin(d, fwd)),
+                                 {rank, *fwd_set}))
 
     def sends(self, rank: int) -> list[Transfer]:
-        return list(self._select(lambda s, d, p: (s == rank) & (p != 0)))
+        return list(self._select(lambda s, d, p: (s == rank) & (p != 0), (rank,)))
 
     def recvs(self, rank: int) -> list[Transfer]:
-        return list(self._select(lambda s, d, p: (d == rank) & (p != 0)))
+        return list(self._select(lambda s, d, p: (d == rank) & (p != 0), (rank,)))
+
+    def tensor_names(self, on_dst: bool) -> dict[str, set[str]]:
+        """fqn -> the local tensor names its source (``on_dst``: destination) chunks use, for
+        every array the plan moves (the planner's layouts already have them)."""
+        out: dict[str, set[str]] = {}
+        for b in self._blocks:
+            for fqn, lay in zip(b.fqns, b.dst_layouts if on_dst else b.src_layouts):
+                out[fqn] = {t or fqn for t in set(lay.tensors)}
+        return out
 
     def pair_bytes(self) -> dict[tuple[int, int, int], int]:
         """Bytes per ``(phase, src global rank, dst global rank)`` (phase-0 local copies left out)."""
@@ -439,12 +552,15 @@ class Plan:
         return dict(out)
 
     def stats(self) -> PlanStats:
+        if not isinstance(self._stats, PlanStats):
+            self._stats = self._stats()
         return self._stats
 
     @property
     def num_transfers(self) -> int:
         """Transfers of every phase (local copies included), without materialising them."""
-        return self._stats.transfers + self._stats.local_copies
+        st = self.stats()
+        return st.transfers + st.local_copies
 
     def digest(self) -> str:
         h = hashlib.sha256()
@@ -860,8 +976,8 @@ class _ClassKeys:
     def __init__(self, topo: _Topology) -> None:
         self._topo = topo
         self._ids: dict[Any, int] = {}
-        self._geometry: dict[int, int] = {}  # layout id -> geometry id
-        self._runs: dict[int, tuple[int, Runs]] = {}  # layout id -> (runs id, runs)
+        self._geometry: dict[int, int] = {}  # geometry tuple id -> geometry id
+        self._runs: dict[int, tuple[int, Runs]] = {}  # holders tuple id -> (runs id, runs)
         self._runs_by_holders: dict[tuple[tuple[int, ...], ...], tuple[int, Runs]] = {}
         self._chunk_runs: dict[tuple[int, ...], tuple[tuple[int, int], ...]] = {}
 
@@ -869,9 +985,10 @@ class _ClassKeys:
         return self._ids.setdefault(key, len(self._ids))
 
     def geometry(self, lay: _Layout) -> int:
-        g = self._geometry.get(id(lay))
+        # by the tuple's identity first: compact arrays' layouts share one geometry tuple
+        g = self._geometry.get(id(lay.geometry))
         if g is None:
-            g = self._geometry[id(lay)] = self._intern(lay.geometry)
+            g = self._geometry[id(lay.geometry)] = self._intern(lay.geometry)
         return g
 
     def _runs_of_chunk(self, holders: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
@@ -895,13 +1012,13 @@ class _ClassKeys:
         return self._runs_entry(lay)[1]
 
     def _runs_entry(self, lay: _Layout) -> tuple[int, Runs]:
-        hit = self._runs.get(id(lay))
+        hit = self._runs.get(id(lay.holders))
         if hit is None:
             hit = self._runs_by_holders.get(lay.holders)
             if hit is None:
                 rt = tuple(self._runs_of_chunk(h) for h in lay.holders)
                 hit = self._runs_by_holders[lay.holders] = (self._intern(("runs", rt)), rt)
-            self._runs[id(lay)] = hit
+            self._runs[id(lay.holders)] = hit
         return hit
 
 
@@ -924,8 +1041,8 @@ def _classify(src: Manifest, dst: Manifest, lays: Layouts, pairs: Mapping[str, _
         classes[key].append(fqn)
 
     def class_order(fqns: list[str]) -> tuple[int, int, str]:
-        a = src.arrays[fqns[0]]
-        return (min((len(c.holders) for c in a.chunks), default=0), -a.nbytes, fqns[0])
+        holders = lays[fqns[0]][0].holders  # the source chunks' (a compact array stays unexpanded)
+        return (min((len(h) for h in holders), default=0), -src.arrays[fqns[0]].nbytes, fqns[0])
 
     return sorted(classes.values(), key=class_order)
 
@@ -1015,12 +1132,13 @@ def _plan_classes(classes: Sequence[Sequence[str]], dst: Manifest, lays: Layouts
 
 
 def _rebalance(built: Sequence[_Planned], fig: _Figures, dst: Manifest, lays: Layouts,
-               pairs: Mapping[str, _Fp8Pair], keys: _ClassKeys, topo: _Topology
+               pairs: Mapping[str, _Fp8Pair], keys: _ClassKeys, topo: _Topology, *, with_ranks: bool = True
                ) -> tuple[list[_Block], list[tuple[np.ndarray, np.ndarray]]]:
     """Re-plan the arrays whose replicas carry unequal fixed loads with their replica shares, and
-    add the FP8 scales' blocks; each final block with its (sender, receiver) ranks [T, A]."""
-    rk = {id(p.block): p.block.ranks_ta() for p in built}
-    shares = _replica_shares([(p.block, rk[id(p.block)]) for p in built], fig.needed_by_set, topo.world_size)
+    add the FP8 scales' blocks; with ``with_ranks``, each final block's (sender, receiver) ranks
+    [T, A] too (the figures need them; a refit rank does not)."""
+    rk = {id(p.block): p.block.ranks_ta() for p in built} if with_ranks else {}
+    shares = _replica_shares([(p.block, rk.get(id(p.block))) for p in built], fig.needed_by_set, topo.world_size)
     blocks: list[_Block] = []
     for p in built:
         for b in _reweight(p.block, p.template, p.rotation, shares, keys, topo):
@@ -1028,42 +1146,50 @@ def _rebalance(built: Sequence[_Planned], fig: _Figures, dst: Manifest, lays: La
             if b.grid is not None:
                 scale = pairs[b.fqns[0]].scale
                 blocks.append(_derive_scales(b, pairs, lays, dst.arrays[scale].dtype.itemsize))
+    if not with_ranks:
+        return blocks, []
     return blocks, [rk[id(b)] if id(b) in rk else b.ranks_ta() for b in blocks]
 
 
 def plan_transfers(src: Manifest, dst: Manifest, *, src_domain_size: int | None = None,
                    dst_domain_size: int | None = None, same_job: bool = False,
-                   allow_extra: bool = False, split_bytes: int = DEFAULT_SPLIT_BYTES) -> Plan:
+                   allow_extra: bool = False, split_bytes: int = DEFAULT_SPLIT_BYTES,
+                   stats: bool = True) -> Plan:
     """Plan every transfer that makes ``dst``'s chunks out of ``src``'s.
 
     Raises ``PlanError`` listing every array that is missing, extra, or mismatched, and every
-    destination region that no source chunk covers.
+    destination region that no source chunk covers. ``stats=False`` leaves the whole-plan figures
+    (``Plan.stats()``) to be computed on first use: a refit rank plans for its own transfers only.
     """
     problems = match_arrays(src, dst, allow_extra=allow_extra)
     if problems:
         raise PlanError(problems=problems)
     topo = _Topology.of(src, dst, src_domain_size, dst_domain_size, same_job, split_bytes)
     memo = _Memo()
-    lays = {fqn: (memo.layout(src.arrays[fqn]), memo.layout(dst.arrays[fqn])) for fqn in sorted(dst.arrays)}
+    lays = {fqn: (memo.layout(src.arrays[fqn], fqn), memo.layout(dst.arrays[fqn], fqn)) for fqn in sorted(dst.arrays)}
     pairs, unpaired = _fp8_pairs(src, dst, lays)
     keys = _ClassKeys(topo)
     built, fig = _plan_classes(_classify(src, dst, lays, pairs, keys, same_job), dst, lays, pairs, keys, topo)
-    blocks, ranks = _rebalance(built, fig, dst, lays, pairs, keys, topo)
+    blocks, ranks = _rebalance(built, fig, dst, lays, pairs, keys, topo, with_ranks=stats)
     del built
-    moves = _transfer_stats(blocks, ranks, topo)
+
+    def figures(ranks: Sequence[tuple[np.ndarray, np.ndarray]]) -> PlanStats:
+        return PlanStats(
+            arrays=len(dst.arrays), total_bytes=fig.total, **_transfer_stats(blocks, ranks, topo),
+            lower_bound_bytes=fig.lower, min_network_bytes=fig.min_net, ideal_max_send_bytes=fig.ideal_max_send,
+            src_world=topo.src_world, dst_world=topo.dst_world, src_domain_size=topo.src_domain_size,
+            dst_domain_size=topo.dst_domain_size, same_job=same_job, fp8_pairs=len(pairs),
+            unpaired_scales=tuple(unpaired), **_broadcast_baseline(src, dst, lays, topo))
+
+    got: PlanStats | Callable[[], PlanStats]
+    got = figures(ranks) if stats else (lambda: figures([b.ranks_ta() for b in blocks]))
     del ranks
-    stats = PlanStats(
-        arrays=len(dst.arrays), total_bytes=fig.total, **moves, lower_bound_bytes=fig.lower,
-        min_network_bytes=fig.min_net, ideal_max_send_bytes=fig.ideal_max_send, src_world=topo.src_world,
-        dst_world=topo.dst_world, src_domain_size=topo.src_domain_size, dst_domain_size=topo.dst_domain_size,
-        same_job=same_job, fp8_pairs=len(pairs), unpaired_scales=tuple(unpaired),
-        **_broadcast_baseline(src, dst, lays, topo))
-    plan = Plan(blocks, topo.src_world, topo.dst_world, same_job, topo.src_domain_size, topo.dst_domain_size, stats)
+    plan = Plan(blocks, topo.src_world, topo.dst_world, same_job, topo.src_domain_size, topo.dst_domain_size, got)
     plan.casts = array_casts(src, dst)
     return plan
 
 
-def _replica_shares(blocks: Sequence[tuple[_Block, tuple[np.ndarray, np.ndarray]]],
+def _replica_shares(blocks: Sequence[tuple[_Block, tuple[np.ndarray, np.ndarray] | None]],
                     needed: Mapping[tuple[int, ...], int], W: int) -> dict[tuple[int, ...], np.ndarray]:
     """Each replica's share of the bytes needed from each holder set of two or more ranks.
 
@@ -1076,12 +1202,12 @@ def _replica_shares(blocks: Sequence[tuple[_Block, tuple[np.ndarray, np.ndarray]
     if not sets:
         return {}
     load = np.zeros(max(W, 1), dtype=np.float64)
-    for b, (src, _) in blocks:  # ranks shaped [T, A]
+    for b, rk in blocks:  # ranks shaped [T, A], or None: the fixed items' senders are computed here
         fixed = ~((b.phase == 1) & (b.sender_count > 1))
         if fixed.any():
-            A = src.shape[1]
-            w = np.repeat(b.item_bytes()[fixed].astype(np.float64), A)
-            load += np.bincount(src[fixed].ravel(), weights=w, minlength=len(load))
+            src = rk[0][fixed] if rk is not None else b.ranks_ta(np.nonzero(fixed)[0])[0]
+            w = np.repeat(b.item_bytes()[fixed].astype(np.float64), src.shape[1])
+            load += np.bincount(src.ravel(), weights=w, minlength=len(load))
     alloc = {k: np.full(len(k), needed[k] / len(k)) for k in sets}
     for k in sets:
         load[list(k)] += alloc[k]
@@ -1234,31 +1360,32 @@ def _broadcast_baseline(src: Manifest, dst: Manifest, lays: Layouts, topo: _Topo
         return (S + sds - 1) // sds + 1 + (g - S) // dds
 
     root_dom = dom(root)
-    src_memo: dict[int, tuple[int, int]] = {}  # layout id -> (volume held by root, volume gathered across domains)
-    dst_memo: dict[int, tuple[np.ndarray, int]] = {}  # layout id -> (receiving ranks, how many off-domain)
+    # by holders tuple id (compact arrays' layouts share it; the regions go with it)
+    src_memo: dict[int, tuple[int, int]] = {}  # -> (volume held by root, volume gathered across domains)
+    dst_memo: dict[int, tuple[np.ndarray, int]] = {}  # -> (receiving ranks, how many off-domain)
     weight: dict[int, int] = defaultdict(int)
     for fqn, d in dst.arrays.items():
         isz = d.dtype.itemsize  # a cast happens before the gather: destination-sized bytes
         nbytes = d.nbytes
         sl, dl = lays[fqn]
-        hit = src_memo.get(id(sl))
+        hit = src_memo.get(id(sl.holders))
         if hit is None:
             held = sum(b.volume for b, h in zip(sl.regions, sl.holders) if root in h)
             far = sum(b.volume for b, h in zip(sl.regions, sl.holders) if root not in h and dom(h[0]) != root_dom)
-            hit = src_memo[id(sl)] = (held, far)
+            hit = src_memo[id(sl.holders)] = (held, far)
         gather += nbytes - hit[0] * isz
         net += hit[1] * isz
-        got = dst_memo.get(id(dl))
+        got = dst_memo.get(id(dl.holders))
         if got is None:
             ranks = np.array(sorted(set().union(*dl.holders)), dtype=_I64) + shift
             if same_job:
                 ranks = ranks[ranks != root]
             off = int((_domains(ranks, S=S, same_job=same_job, sds=sds, dds=dds) != root_dom).sum()) if len(ranks) else 0
-            got = dst_memo[id(dl)] = (ranks, off)
+            got = dst_memo[id(dl.holders)] = (ranks, off)
         ranks, off = got
         bcast += nbytes * len(ranks)
         net += nbytes * off
-        weight[id(dl)] += nbytes
+        weight[id(dl.holders)] += nbytes
         if dl.holders:
             root_send += nbytes
     for lid, w in weight.items():

@@ -8,10 +8,11 @@
             s.push(model)  # DTensors: local shards         s.pull(local_tensors)  # in place
 
 ``open`` is the one collective entry point: it joins the two jobs (``jobs.connect``), builds the
-transport, exchanges manifests (sender rank 0 and receiver rank 0 broadcast theirs), plans, and
-compares plan digests on every rank before any byte moves: a trainer and a server that disagree
-about the model are refused with the list of mismatches. Constructing the object does no
-communication.
+transport, exchanges manifests (sender rank 0 and receiver rank 0 broadcast their compact form),
+agrees on options, and compares the digests of the inputs (both manifests, the plan-affecting
+options, the planner's version) on every rank before any byte moves: ranks that disagree are
+refused, naming what differs. Each rank then plans on its own, with no communication, and expands
+only its own transfers (``streamer.rankstart``). Constructing the object does no communication.
 
 Every push starts with one small agreement round: each rank checks what it was handed (names,
 dtypes, shapes; with ``verify``, the checksums of replicated regions) and all ranks exchange
@@ -26,6 +27,7 @@ moves full bytes, which the sender keeps as its next base.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -37,10 +39,10 @@ from formats.manifest import COMPACT_FORMAT_VERSION, Manifest, dumps_manifest, l
 
 from .baseline import gather_broadcast
 from .delta import DeltaPush, DeltaState
-from .execute import DEFAULT_BUCKET, ExecStats, Executor, build_schedule
+from .execute import DEFAULT_BUCKET, ExecStats, Executor
 from .jobs import Group, connect
 from .local import check_local, collect_local
-from .plan import Plan, plan_transfers
+from .rankstart import input_digests, input_problems, plan_own
 from .replicas import replica_digests, replica_problems
 from .transport.base import Transport
 
@@ -133,7 +135,6 @@ class RefitSession:
         self._started = False
         self._executor: Executor | None = None
         self._tensor_key: tuple[Any, ...] = ()
-        self._shapes: dict[tuple[int, bool], Any] = {}
         # delta sessions: the last version pushed here, and the one this rank's tensors (and,
         # when it sends, its bases) are known to hold -- None when unknown (never pushed, new
         # buffers handed in, or a push that failed half-way)
@@ -168,26 +169,34 @@ class RefitSession:
         self.close()
 
     def start(self) -> None:
-        """Exchange manifests and options, plan, and check that every rank planned the same."""
+        """Exchange manifests and options, agree on the inputs, and plan this rank's part."""
         if self._started:
             return
         if self.transport is None:
             self.transport = make_transport(None, self.group, self.timeout)
         self.src, self.dst = self._exchange_manifests()
         self._agree_options()
-        self.plan: Plan = plan_transfers(self.src, self.dst, src_domain_size=self.src_domain_size,
-                                         dst_domain_size=self.dst_domain_size, allow_extra=self.allow_extra)
-        digest = self.plan.digest() + f"|bucket={self.bucket_size}"
-        digests = self.transport.allgather_bytes(digest.encode(), self.timeout)
-        bad = [i for i, d in enumerate(digests) if d.decode() != digest]
-        if bad:
-            raise PlanError(f"ranks {bad} computed a different plan (digest mismatch): the two jobs run "
-                            "different shardstream versions or read different manifests")
-        # each rank orders only its own messages: a full-size plan has millions of transfers
-        self.schedule = build_schedule(self.plan, self.bucket_size, self._shape_of, rank=self.transport.rank)
+        self._agree_inputs()
+        # every rank plans from the same inputs with the same planner: no plan is compared, and each
+        # rank expands only its own transfers and orders only its own messages
+        self.plan, self.schedule = plan_own(self.src, self.dst, self._t.rank, bucket_size=self.bucket_size,
+                                            src_domain_size=self.src_domain_size,
+                                            dst_domain_size=self.dst_domain_size, allow_extra=self.allow_extra)
         # what every push is checked against: computed once (a full-size manifest has many chunks)
         self._specs = self.manifest.local_tensors(self.local_rank)
         self._started = True
+
+    def _agree_inputs(self) -> None:
+        """One allgather of the input digests (both manifests, the plan-affecting options, the
+        planner's version): a difference is refused on every rank, by name, before any plan."""
+        mine = input_digests(self._texts[0], self._texts[1], {
+            "bucket_size": self.bucket_size, "strategy": self.strategy, "src_domain_size": self.src_domain_size,
+            "dst_domain_size": self.dst_domain_size, "allow_extra": self.allow_extra})
+        got = [json.loads(g) for g in self._t.allgather_bytes(json.dumps(mine).encode(), self.timeout)]
+        problems = input_problems(got, lambda r: f"rank {r}")
+        if problems:
+            raise PlanError(problems=problems)
+        self.inputs_digest = hashlib.sha256(json.dumps(mine, sort_keys=True).encode()).hexdigest()
 
     def _exchange_manifests(self) -> tuple[Manifest, Manifest]:
         t = self._t
@@ -198,6 +207,7 @@ class RefitSession:
             if t.rank in (0, S) else None
         src_txt = t.bcast_bytes(mine if t.rank == 0 else None, 0, self.timeout)
         dst_txt = t.bcast_bytes(mine if t.rank == S else None, S, self.timeout)
+        self._texts = (src_txt, dst_txt)  # their digests are what the two jobs agree on
         src = loads_manifest(src_txt, where="sender manifest")
         dst = loads_manifest(dst_txt, where="receiver manifest")
         problems = []
@@ -240,14 +250,6 @@ class RefitSession:
         if self.transport is None:
             raise UsageError("the session has no transport: use RefitSession.open(...)")
         return self.transport
-
-    def _shape_of(self, g: int, tensor: str, on_dst: bool) -> tuple[int, ...]:
-        """Shape of local tensor ``tensor`` on global rank ``g`` (source or destination side)."""
-        key = (g, on_dst)
-        if key not in self._shapes:
-            self._shapes[key] = (self.dst.local_tensors(self.plan.dst_local(g)) if on_dst
-                                 else self.src.local_tensors(g))
-        return tuple(self._shapes[key][tensor].shape)
 
     # ------------------------------------------------------------------ pushing
     @property

@@ -25,7 +25,8 @@ __all__ = ["RefitJob", "RefitReport"]
 
 @dataclass
 class RefitReport:
-    """What one job did (filled on every rank; ``reporter`` is the job's rank 0)."""
+    """What one job did (filled on every rank, the whole-plan byte figures only on ``reporter``,
+    the job's rank 0)."""
 
     role: str
     strategy: str
@@ -104,8 +105,9 @@ class RefitJob:
             if save is not None:
                 session.save(save, tensors)
             delta = _delta_totals(session) if session.delta else None
-            stats = session.plan.stats()
-            reshard, broadcast = stats.moved_bytes, stats.broadcast_moved_bytes
+            # the whole-plan figures are whole-plan work: only the job's reporter computes them
+            stats = session.plan.stats() if rank == 0 else None
+            reshard, broadcast = (stats.moved_bytes, stats.broadcast_moved_bytes) if stats else (0, 0)
             return RefitReport(self.role, session.strategy, getattr(session.transport, "name", "?"), seconds,
                                list(session.steps), reshard if session.strategy == "reshard" else broadcast,
                                reshard, broadcast, session.verify, str(save) if save else None, rank == 0, delta)

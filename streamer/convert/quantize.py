@@ -131,6 +131,8 @@ def quant_targets(src: Manifest, dst: Manifest, *, block: tuple[int, int] = FP8_
 def _mixed_tensors(dst: Manifest, targets: Mapping[str, QuantTarget]) -> list[str]:
     """A local tensor holding quantized weights or their scales may hold nothing else: it is
     filled by the quantizer alone."""
+    if not targets:  # nothing quantized: no chunk to look at (a compact manifest stays unexpanded)
+        return []
     quantized = set(targets) | {t.scale for t in targets.values()}
     held = {(h, c.tensor(f)) for f in quantized for c in dst.arrays[f].chunks for h in c.holders}
     return sorted({f"{fqn}: stored in local tensor {c.tensor(fqn)!r} beside quantized weights or their scales; "
