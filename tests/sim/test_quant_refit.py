@@ -76,7 +76,6 @@ def _refit(src: Manifest, dst: Manifest, full: Mapping[str, Any], pushes: int = 
            **options: Any) -> tuple[dict[int, dict[str, Any]], dict[int, list[StepStats]], dict[int, Any]]:
     """Push ``full`` (or, with several pushes, ``full`` scaled by the push number) and return the
     receivers' tensors, every rank's step stats and each rank's quantization report."""
-    S = src.world_size
     dsts = {r: _local(dst, r, None) for r in range(dst.world_size)}
     ptrs = {r: {n: t.data_ptr() for n, t in ts.items()} for r, ts in dsts.items()}
 

@@ -1,0 +1,64 @@
+"""Quantize on refit through the ``shardstream refit`` CLI under ``mpiexec``: a DeepSeek-V3-shaped
+bf16 Megatron TP4 trainer pushes into a vLLM TP2 block-FP8 server (``layout --preset vllm
+--fp8``). TP4 cuts some 128x128 blocks (o_proj, the experts: quantized by the receivers) and not
+others (quantized by the senders). What the server saves equals, byte for byte, what ``convert``
+writes from the same checkpoint (itself checked against the torch reference in
+tests/unit/test_quant_convert.py), and the report says where each array was quantized."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from mpi_helpers import ok, run, same_files, safetensors_files
+
+pytestmark = pytest.mark.mpi
+
+#: DeepSeek-V3 in miniature (MLA, shared and routed experts), dims that TP2 cuts into whole blocks
+DSV3_SMALL = {
+    "model_type": "deepseek_v3", "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 256,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 512,
+    "q_lora_rank": 128, "kv_lora_rank": 128, "qk_nope_head_dim": 64, "qk_rope_head_dim": 64, "v_head_dim": 64,
+    "n_routed_experts": 2, "n_shared_experts": 1, "num_experts_per_tok": 1, "first_k_dense_replace": 1,
+    "moe_layer_freq": 1, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+}
+
+
+def test_refit_quantizes_like_convert(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    from formats.layouts.models import arrays_from_config
+
+    (tmp_path / "cfg.json").write_text(json.dumps(DSV3_SMALL))
+    g = torch.Generator().manual_seed(0)
+    weights = {n: (torch.randn(s, generator=g) * 0.05).to(getattr(torch, dt))
+               for n, (s, dt) in arrays_from_config(DSV3_SMALL).items()}
+    weights["model.layers.1.mlp.experts.0.up_proj.weight"][:128, :128] = 0  # an all-zero block
+    (tmp_path / "hf").mkdir()
+    safetensors_torch.save_file(weights, str(tmp_path / "hf" / "model.safetensors"))
+    cfg, train, serve = tmp_path / "cfg.json", tmp_path / "train.json", tmp_path / "serve.json"
+    ok(["shardstream", "layout", "--model", cfg, "--preset", "megatron", "--mesh", "tp=4", "-o", train])
+    ok(["shardstream", "layout", "--model", cfg, "--preset", "vllm", "--fp8", "--mesh", "tp=2", "-o", serve])
+    ok(["shardstream", "convert", tmp_path / "hf", train, "--out", tmp_path / "train"], timeout=120)
+
+    saved = tmp_path / "saved"
+    rc, out, err = run(["mpiexec", "-n", "4", "shardstream", "refit", "send", "--manifest",
+                        tmp_path / "train" / "manifest.json", "--timeout", "60", "--steps", "2", "--json", ":",
+                        "-n", "2", "shardstream", "refit", "recv", "--manifest", serve, "--save", saved,
+                        "--verify", "--timeout", "60", "--steps", "2", "--json"], timeout=180)
+    assert rc == 0, f"refit exited {rc}\nstdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}"
+    reports = {r["role"]: r for r in map(json.loads, out.strip().splitlines())}
+    q = reports["recv"]["quantized"]
+    where = {f: a["where"] for f, a in q["arrays"].items()}
+    assert where["model.layers.0.mlp.gate_proj.weight"] == "sender"  # 512 rows / 4: whole blocks
+    assert where["model.layers.0.self_attn.o_proj.weight"] == "receiver"  # 256 columns / 4 cut blocks
+    assert q["on_sender"] > 0 and q["on_receiver"] > 0 and q["wire_bytes_saved"] > 0
+    assert reports["send"]["quantized"]["wire_bytes_saved"] == q["wire_bytes_saved"]
+    assert len(q["quantize_seconds"]) == 2 and reports["recv"]["verified"]
+
+    off = tmp_path / "offline"
+    ok(["shardstream", "convert", tmp_path / "hf", serve, "--out", off], timeout=120)
+    assert safetensors_files(saved) == ["rank-00000.safetensors", "rank-00001.safetensors"]
+    assert same_files(saved, off) == []
+    ok(["shardstream", "validate", "--data", saved])
