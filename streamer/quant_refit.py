@@ -170,8 +170,10 @@ class SenderQuant:
         self.src = src
         self.weights = {f: q.targets[f] for f in q.sender}
         self.scales = {q.targets[f].scale: q.targets[f] for f in q.sender}
-        #: seconds spent quantizing (reset by the caller per push)
+        #: seconds spent quantizing in this push
         self.seconds = 0.0
+        #: (scale array, scale region) -> the scales computed with their weight rows in this push
+        self._known: dict[tuple[str, Box], np.ndarray[Any, Any]] = {}
 
     def handles(self, tr: Transfer) -> bool:
         """Phase-1 (and local) transfers of these arrays; forwards copy the receiver's FP8 bytes."""
@@ -195,18 +197,40 @@ class SenderQuant:
         t, c, rows = self._rows(tr)
         return c.tensor(t.weight), rows.shift(_delta(c)), by_name(t.src_dtype).itemsize
 
+    def new_push(self) -> None:
+        """Forget the last push's scales and time."""
+        self.seconds = 0.0
+        self._known.clear()
+
     def pack(self, tr: Transfer, out: Any, views: Mapping[str, Any]) -> None:
         """Write ``tr``'s wire bytes (FP8 bits, or scales) into the byte view ``out``."""
         t0 = time.perf_counter()
         t, c, rows = self._rows(tr)
         scale = tr.fqn in self.scales
+        known = self._known.get((tr.fqn, tr.region)) if scale else None
+        if known is not None:  # computed with the weight rows they scale, earlier in this push
+            _put(out, known)
+        else:
+            self._quantize(tr, out, views, t, c, rows)
+        self.seconds += time.perf_counter() - t0
+
+    def _quantize(self, tr: Transfer, out: Any, views: Mapping[str, Any], t: QuantTarget, c: Chunk,
+                  rows: Box) -> None:
+        scale = tr.fqn in self.scales
+        img = block_image(rows, t.scheme.block)
+        # the scales of a weight region of whole blocks are kept for its scale transfer(s)
+        keep = None if scale or rows != tr.region else np.empty(img.sizes, np.uint8 if t.scheme.kind == "mx"
+                                                                 else np.float32)
         shape = self.src.arrays[t.weight].shape
         for step, q, s in _quantized_steps(t, shape, rows, views[c.tensor(t.weight)], _delta(c)):
             have, at = (s, block_image(step, t.scheme.block)) if scale else (q, step)
             piece = at.intersect(tr.region)
             if piece is not None and not piece.empty:
                 _put(out[piece.relative_to(tr.region.offsets).slices], have[piece.relative_to(at.offsets).slices])
-        self.seconds += time.perf_counter() - t0
+            if keep is not None:
+                keep[block_image(step, t.scheme.block).relative_to(img.offsets).slices] = s
+        if keep is not None:
+            self._known[(t.scale, img)] = keep
 
     def wire(self, tr: Transfer, views: Mapping[str, Any]) -> np.ndarray[Any, Any]:
         """``tr``'s wire bytes in a new host array (verify checksums them)."""

@@ -328,7 +328,7 @@ class RefitSession:
         if self.verify and self.role == "send" and not problems:
             digests = replica_digests(self.src, self.local_rank, local)
         if self._send_quant is not None:
-            self._send_quant.seconds = 0.0
+            self._send_quant.new_push()
         if not self.delta:
             self._agree(problems, digests)
             es = gather_broadcast(self, local) if self.strategy == "broadcast" else self._exec(local).run()

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
-from mpi_helpers import ok, run, same_files, safetensors_files
+from mpi_helpers import ok, run, safetensors_files, same_files
 
 pytestmark = pytest.mark.mpi
 
