@@ -191,15 +191,20 @@ def test_replica_halves_cut_a_block() -> None:
     _check(dst, dsts, "w", *ref_block_fp8(W["w"]))
 
 
-def test_second_push_quantizes_the_new_weights() -> None:
+@pytest.mark.parametrize("options", [{}, {"delta": True, "verify": True}], ids=["full", "delta-verify"])
+def test_second_push_quantizes_the_new_weights(options: dict[str, Any]) -> None:
     """The staging buffers and the executor are reused: push 2 gives the reference of its own
-    weights (the test scales them by 2), on both sides."""
+    weights (the test scales them by 2), on both sides; also as a delta push (the senders' base
+    is the FP8 bytes they sent, the receivers' the staging buffer) with verified checksums."""
     shapes = {"a": ((32, 32), "float32"), "b": ((32, 32), "float32")}
     W = _weights(shapes, seed=5)
     src = _manifest(2, {"a": (*shapes["a"], _even(32, 2)), "b": (*shapes["b"], [(0, 10, (0,)), (10, 32, (1,))])})
     dst = _fp8_dst(1, {"a": ((32, 32), [(0, 32, (0,))]), "b": ((32, 32), [(0, 32, (0,))])}, (16, 16))
-    dsts, stats, _ = _refit(src, dst, W, pushes=2, fp8_block=(16, 16))
+    dsts, stats, _ = _refit(src, dst, W, pushes=2, fp8_block=(16, 16), **options)
     assert len(stats[2]) == 2
+    if options:
+        assert stats[2][1].version == 2 and stats[2][1].verified_regions > 0
+        assert stats[2][1].bytes_received < stats[2][1].full_bytes_received  # a delta went
     for f in ("a", "b"):
         _check(dst, dsts, f, *ref_block_fp8(W[f] * 2, (16, 16)))
 
@@ -245,3 +250,12 @@ def test_different_fp8_blocks_refused() -> None:
     _, errors = run_sessions(src, dst, lambda s, r: None,
                              options_of=lambda role: {"fp8_block": (16, 16) if role == "recv" else (32, 32)})
     assert sorted(errors) == [0, 1] and all("different --fp8-block" in str(e) for e in errors.values()), errors
+
+
+def test_broadcast_strategy_refused() -> None:
+    """The gather-broadcast baseline moves whole arrays in their source type: it does not quantize."""
+    src = _manifest(1, {"w": ((32, 32), "bfloat16", [(0, 32, (0,))])})
+    dst = _fp8_dst(1, {"w": ((32, 32), [(0, 32, (0,))])}, (16, 16))
+    _, errors = run_sessions(src, dst, lambda s, r: None, fp8_block=(16, 16), strategy="broadcast")
+    assert sorted(errors) == [0, 1]
+    assert all("quantize on refit works with --strategy reshard only" in str(e) for e in errors.values()), errors
