@@ -8,6 +8,7 @@ tests/unit/test_quant_convert.py), and the report says where each array was quan
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -25,28 +26,44 @@ DSV3_SMALL = {
 }
 
 
-def test_refit_quantizes_like_convert(tmp_path: Path) -> None:
+@dataclass(frozen=True)
+class Dsv3:
+    hf: Path
+    train: Path  # the trainer's bf16 rank files (Megatron TP4) + manifest.json
+    serve: Path  # the vLLM TP2 block-FP8 layout
+    offline: Path  # convert's output for serve
+
+
+@pytest.fixture(scope="module")
+def dsv3(tmp_path_factory: pytest.TempPathFactory) -> Dsv3:
     torch = pytest.importorskip("torch")
     safetensors_torch = pytest.importorskip("safetensors.torch")
     from formats.layouts.models import arrays_from_config
 
-    (tmp_path / "cfg.json").write_text(json.dumps(DSV3_SMALL))
+    tmp = tmp_path_factory.mktemp("dsv3")
+    (tmp / "cfg.json").write_text(json.dumps(DSV3_SMALL))
     g = torch.Generator().manual_seed(0)
     weights = {n: (torch.randn(s, generator=g) * 0.05).to(getattr(torch, dt))
                for n, (s, dt) in arrays_from_config(DSV3_SMALL).items()}
     weights["model.layers.1.mlp.experts.0.up_proj.weight"][:128, :128] = 0  # an all-zero block
-    (tmp_path / "hf").mkdir()
-    safetensors_torch.save_file(weights, str(tmp_path / "hf" / "model.safetensors"))
-    cfg, train, serve = tmp_path / "cfg.json", tmp_path / "train.json", tmp_path / "serve.json"
+    (tmp / "hf").mkdir()
+    safetensors_torch.save_file(weights, str(tmp / "hf" / "model.safetensors"))
+    cfg, train, serve = tmp / "cfg.json", tmp / "train.json", tmp / "serve.json"
     ok(["shardstream", "layout", "--model", cfg, "--preset", "megatron", "--mesh", "tp=4", "-o", train])
     ok(["shardstream", "layout", "--model", cfg, "--preset", "vllm", "--fp8", "--mesh", "tp=2", "-o", serve])
-    ok(["shardstream", "convert", tmp_path / "hf", train, "--out", tmp_path / "train"], timeout=120)
+    ok(["shardstream", "convert", tmp / "hf", train, "--out", tmp / "train"], timeout=120)
+    ok(["shardstream", "convert", tmp / "hf", serve, "--out", tmp / "offline"], timeout=120)
+    return Dsv3(tmp / "hf", tmp / "train", serve, tmp / "offline")
 
+
+@pytest.mark.parametrize("transport", ["mpi", "gloo"])
+def test_refit_quantizes_like_convert(dsv3: Dsv3, tmp_path: Path, transport: str) -> None:
     saved = tmp_path / "saved"
-    rc, out, err = run(["mpiexec", "-n", "4", "shardstream", "refit", "send", "--manifest",
-                        tmp_path / "train" / "manifest.json", "--timeout", "60", "--steps", "2", "--json", ":",
-                        "-n", "2", "shardstream", "refit", "recv", "--manifest", serve, "--save", saved,
-                        "--verify", "--timeout", "60", "--steps", "2", "--json"], timeout=180)
+    rc, out, err = run(["mpiexec", "-n", "4", "shardstream", "refit", "send", "--manifest", dsv3.train,
+                        "--transport", transport, "--timeout", "60", "--steps", "2", "--json", ":",
+                        "-n", "2", "shardstream", "refit", "recv", "--manifest", dsv3.serve, "--save", saved,
+                        "--transport", transport, "--verify", "--timeout", "60", "--steps", "2", "--json"],
+                       timeout=180)
     assert rc == 0, f"refit exited {rc}\nstdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}"
     reports = {r["role"]: r for r in map(json.loads, out.strip().splitlines())}
     q = reports["recv"]["quantized"]
@@ -56,9 +73,6 @@ def test_refit_quantizes_like_convert(tmp_path: Path) -> None:
     assert q["on_sender"] > 0 and q["on_receiver"] > 0 and q["wire_bytes_saved"] > 0
     assert reports["send"]["quantized"]["wire_bytes_saved"] == q["wire_bytes_saved"]
     assert len(q["quantize_seconds"]) == 2 and reports["recv"]["verified"]
-
-    off = tmp_path / "offline"
-    ok(["shardstream", "convert", tmp_path / "hf", serve, "--out", off], timeout=120)
     assert safetensors_files(saved) == ["rank-00000.safetensors", "rank-00001.safetensors"]
-    assert same_files(saved, off) == []
+    assert same_files(saved, dsv3.offline) == []
     ok(["shardstream", "validate", "--data", saved])
