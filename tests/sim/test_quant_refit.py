@@ -9,7 +9,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pytest
-from helpers import run_sessions
+from helpers import n_examples, run_sessions
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from quant_reference import ref_block_fp8, ref_mxfp8
 
 from formats.box import Box
@@ -259,3 +261,53 @@ def test_broadcast_strategy_refused() -> None:
     _, errors = run_sessions(src, dst, lambda s, r: None, fp8_block=(16, 16), strategy="broadcast")
     assert sorted(errors) == [0, 1]
     assert all("quantize on refit works with --strategy reshard only" in str(e) for e in errors.values()), errors
+
+
+# --------------------------------------------------------------------------- any layout
+
+def _cuts(draw: Any, n: int, step: int, world: int) -> list[tuple[int, int, tuple[int, ...]]]:
+    """``n`` elements cut at up to two points on multiples of ``step``, each piece on a nonempty
+    set of ``world`` ranks."""
+    points = sorted(set(draw(st.lists(st.integers(1, max(1, (n - 1) // step)), max_size=2))))
+    edges = [0] + [p * step for p in points if p * step < n] + [n]
+    holders = st.sets(st.integers(0, world - 1), min_size=1).map(lambda s: tuple(sorted(s)))
+    return [(lo, hi, draw(holders)) for lo, hi in zip(edges, edges[1:])]
+
+
+def _along(world: int, arrays: Mapping[str, tuple[tuple[int, int], str, int, Rows]]) -> Manifest:
+    """A live manifest cutting each array along one dim (0 or 1); a rank's chunks sit at their
+    global offsets in its local tensor (it may hold several)."""
+    out = {}
+    for fqn, (shape, dt, dim, cuts) in arrays.items():
+        boxes = [(Box((lo, 0), (hi - lo, shape[1])) if dim == 0 else Box((0, lo), (shape[0], hi - lo)), h)
+                 for lo, hi, h in cuts]
+        out[fqn] = ArraySpec(shape, dt, tuple(Chunk(b, h, Source(offsets=b.offsets)) for b, h in boxes))
+    return Manifest(world_size=world, arrays=out)
+
+
+@settings(max_examples=n_examples(20))
+@given(data=st.data())
+def test_any_layout_matches_the_reference(data: Any) -> None:
+    """Random trainer cuts (anywhere, with replicas) and server cuts (on the grid, replicated or
+    not), block FP8 (16x16) or MXFP8, bf16 or fp32: the reference's bytes on every holder, and
+    the senders quantize exactly when every trainer chunk is whole blocks."""
+    draw = data.draw
+    mx = draw(st.booleans())
+    block = (1, 32) if mx else (16, 16)
+    shape = (draw(st.integers(1, 40)), draw(st.integers(1, 80)))
+    dt = draw(st.sampled_from(["bfloat16", "float32"]))
+    sdim, ddim = draw(st.integers(0, 1)), draw(st.integers(0, 1))
+    src_cuts = _cuts(draw, shape[sdim], 1, 2)
+    dst_cuts = _cuts(draw, shape[ddim], block[ddim], 2)
+    sshape = (-(-shape[0] // block[0]), -(-shape[1] // block[1]))
+    src = _along(2, {"w": (shape, dt, sdim, src_cuts)})
+    dst = _along(2, {"w": (shape, "float8_e4m3fn", ddim, dst_cuts),
+                     "w_scale_inv": (sshape, "float8_e8m0fnu" if mx else "float32", ddim,
+                                     [(lo // block[ddim], -(-hi // block[ddim]), h) for lo, hi, h in dst_cuts])})
+    W = _weights({"w": (shape, dt)}, seed=draw(st.integers(0, 3)))
+    if draw(st.booleans()):
+        W["w"][:16, :32] = 0  # all-zero blocks
+    dsts, _, reports = _refit(src, dst, W, **({} if mx else {"fp8_block": block}))
+    aligned = all(lo % block[sdim] == 0 and (hi % block[sdim] == 0 or hi == shape[sdim]) for lo, hi, _ in src_cuts)
+    assert reports[0]["arrays"]["w"]["where"] == ("sender" if aligned else "receiver")
+    _check(dst, dsts, "w", *(ref_mxfp8(W["w"]) if mx else ref_block_fp8(W["w"], block)))

@@ -13,7 +13,7 @@ import pytest
 from formats.layouts import Mesh, Rule, Shard, apply_layout, manifest_from_arrays
 from formats.manifest import Manifest, save_manifest
 from streamer.cli import main
-from streamer.plan import plan_transfers
+from streamer.plan import plan_transfers, validate_plan
 from streamer.quant_refit import STAGE_PREFIX, refit_quant
 
 #: a: 64 rows, b: 48 rows; 16x16 blocks; scales ceil(rows/16) x ceil(40/16)
@@ -41,6 +41,7 @@ def test_where_and_planned_manifests() -> None:
     assert {c.tensor("b") for c in q.dst.arrays["b"].chunks} == {STAGE_PREFIX + "b"}
     assert q.dst.arrays["a"] is dst.arrays["a"] and q.dst.arrays["a_scale_inv"] is dst.arrays["a_scale_inv"]
     plan = plan_transfers(q.src, q.dst)
+    assert validate_plan(plan, q.src, q.dst) == []  # every planned byte has a holder and a place
     moved = plan.moved_bytes_by_array()
     assert moved == {"a": 64 * 40, "a_scale_inv": 4 * 3 * 4, "b": 48 * 40 * 4}
     assert sum(moved.values()) == plan.stats().moved_bytes
