@@ -92,8 +92,8 @@ def _layout_problems(fqn: str, w: ArraySpec, s: ArraySpec, sch: QuantScheme) -> 
         if not on_grid(c.region, sch.block, w.shape):
             return [f"{fqn}: destination chunk {c.region} is not aligned to the {blk} quantization blocks "
                     "(only the last block of a dim may be partial); pick a layout whose shards are whole blocks"]
-    images = sorted((c.holders, block_image(c.region, sch.block).offsets, block_image(c.region, sch.block).sizes)
-                    for c in w.chunks)
+    images = sorted((c.holders, img.offsets, img.sizes)
+                    for c in w.chunks for img in (block_image(c.region, sch.block),))
     scales = sorted((c.holders, c.region.offsets, c.region.sizes) for c in s.chunks)
     if images != scales:
         return [f"{fqn}: the chunks of its scale array are not the block images of its chunks on the same "
