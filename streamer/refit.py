@@ -220,6 +220,11 @@ class RefitSession:
         else:
             self._recv_quant = ReceiverQuant(self.quant, self.dst, self.local_rank)
 
+    @property
+    def staging_bytes(self) -> int:
+        """This receiver's staging buffers for weights it quantizes (0 elsewhere)."""
+        return self._recv_quant.staging_bytes if self._recv_quant is not None else 0
+
     def quant_report(self) -> dict[str, Any] | None:
         """Which arrays this refit quantizes, where, and the bytes saved (None: none)."""
         return refit_quant_report(self.quant, self.dst, self.plan) if self.quant is not None else None

@@ -162,20 +162,23 @@ def _delta_text(delta: list[dict[str, Any]]) -> str:
 
 
 def _quant_totals(session: RefitSession) -> dict[str, Any] | None:
-    """The session's quantization report, with this job's slowest rank's seconds per step."""
+    """The session's quantization report, with this job's slowest rank's seconds per step and its
+    ranks' staging buffers (receivers)."""
     rep = session.quant_report()
     if rep is None:
         return None
-    mine = json.dumps([st.quantize_seconds for st in session.steps]).encode()
-    ranks = [json.loads(x) for x in session.group.role_control.allgather_bytes(mine, session.timeout)]
-    return {**rep, "quantize_seconds": [max(r[i] for r in ranks) for i in range(len(session.steps))]}
+    mine = json.dumps({"s": [st.quantize_seconds for st in session.steps], "staging": session.staging_bytes})
+    ranks = [json.loads(x) for x in session.group.role_control.allgather_bytes(mine.encode(), session.timeout)]
+    return {**rep, "quantize_seconds": [max(r["s"][i] for r in ranks) for i in range(len(session.steps))],
+            "staging_bytes": sum(r["staging"] for r in ranks)}
 
 
 def _quant_text(q: dict[str, Any]) -> str:
     secs = q["quantize_seconds"]
     return (f"\nquantized: {len(q['arrays'])} arrays to FP8 ({q['on_sender']} by the senders, {q['on_receiver']} "
             f"by the receivers), {q['wire_bytes_saved'] / 1e6:.3f} MB fewer on the wire per push; "
-            f"slowest rank quantizing {max(secs):.3f} s a push")
+            f"slowest rank quantizing {max(secs):.3f} s a push"
+            + (f"; {q['staging_bytes'] / 1e6:.3f} MB of staging buffers" if q["staging_bytes"] else ""))
 
 
 def _mark_incomplete(save: Path) -> None:

@@ -73,6 +73,9 @@ def test_refit_quantizes_like_convert(dsv3: Dsv3, tmp_path: Path, transport: str
     assert q["on_sender"] > 0 and q["on_receiver"] > 0 and q["wire_bytes_saved"] > 0
     assert reports["send"]["quantized"]["wire_bytes_saved"] == q["wire_bytes_saved"]
     assert len(q["quantize_seconds"]) == 2 and reports["recv"]["verified"]
+    # receivers stage o_proj and the experts in bf16: each holds half of every one
+    staged = sum(a["bytes_unquantized"] for a in q["arrays"].values() if a["where"] == "receiver")
+    assert q["staging_bytes"] == staged and reports["send"]["quantized"]["staging_bytes"] == 0
     assert safetensors_files(saved) == ["rank-00000.safetensors", "rank-00001.safetensors"]
     assert same_files(saved, dsv3.offline) == []
     ok(["shardstream", "validate", "--data", saved])
