@@ -27,15 +27,16 @@ Rows = Sequence[tuple[int, int, tuple[int, ...]]]
 
 def _manifest(world: int, arrays: Mapping[str, tuple[tuple[int, ...], str, Rows]],
               tensors: Mapping[str, str] | None = None) -> Manifest:
-    """A live manifest cutting each array by rows; ``tensors`` puts arrays in a named local tensor
-    (its rows stacked in the order given, as a fused ``qkv_proj``)."""
+    """A live manifest cutting each array by rows, each chunk at its own rows of a local tensor
+    the array's size (a rank may hold several); ``tensors`` puts arrays in a named local tensor
+    instead (their chunks stacked in the order given, as a fused ``qkv_proj``)."""
     out: dict[str, ArraySpec] = {}
     at: dict[tuple[int, str], int] = {}  # next free row of a fused local tensor on a rank
     for fqn, (shape, dt, rows) in arrays.items():
         chunks = []
         name = (tensors or {}).get(fqn)
         for lo, hi, holders in rows:
-            src = None
+            src = Source(offsets=(lo,) + (0,) * (len(shape) - 1))
             if name is not None:
                 off = at.get((holders[0], name), 0)
                 for h in holders:
@@ -191,6 +192,29 @@ def test_replica_halves_cut_a_block() -> None:
     assert reports[0]["arrays"]["w"]["where"] == "sender"
     assert stats[0][0].bytes_sent > 0 and stats[1][0].bytes_sent > 0  # both replicas sent
     _check(dst, dsts, "w", *ref_block_fp8(W["w"]))
+
+
+def test_domain_forwards_quantized_and_staged_bytes() -> None:
+    """Both server ranks hold every chunk and share a domain: each piece lands once on one of
+    them and is forwarded to the other (phase 2), as FP8 bytes and scales (a) or from the
+    forwarder's staging buffer (b)."""
+    shapes = {"a": ((32, 48), "bfloat16"), "b": ((48, 32), "float32")}
+    W = _weights(shapes, seed=7)
+    src = _manifest(2, {"a": (*shapes["a"], _even(32, 2)), "b": (*shapes["b"], [(0, 20, (0,)), (20, 48, (1,))])})
+    dst = _fp8_dst(2, {"a": ((32, 48), [(0, 32, (0, 1))]), "b": ((48, 32), [(0, 16, (0, 1)), (16, 48, (0, 1))])},
+                   (16, 16))
+    forwards: list[int] = []
+
+    def act(s: RefitSession, r: int) -> Any:
+        forwards.append(s.plan.stats().phase2_transfers)
+        return s.push(_local(src, r, W)) if s.role == "send" else s.pull(dsts[r])
+
+    dsts = {r: _local(dst, r, None) for r in range(2)}
+    _, errors = run_sessions(src, dst, act, fp8_block=(16, 16), dst_domain_size=2, verify=True)
+    assert not errors, errors
+    assert forwards[0] > 0
+    for f in ("a", "b"):
+        _check(dst, dsts, f, *ref_block_fp8(W[f], (16, 16)))
 
 
 @pytest.mark.parametrize("options", [{}, {"delta": True, "verify": True}], ids=["full", "delta-verify"])
