@@ -27,6 +27,7 @@ Pure numpy: no torch, no MPI.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from math import ceil
 from typing import Any
@@ -80,6 +81,28 @@ def to_float32(raw: _Arr, dtype: str, shape: tuple[int, ...]) -> _Arr:
 def e4m3fn_from_f32(x: _Arr) -> _Arr:
     """float32 -> float8_e4m3fn bits, exactly as torch's ``.to(torch.float8_e4m3fn)``: round to
     nearest even, saturating (``|x| > 464`` and ±inf become ±448), NaN stays NaN (sign kept).
+
+    A table lookup: e4m3fn keeps at most 3 mantissa bits, so the result depends only on the
+    top 16 bits of the float32 (sign, exponent, 7 mantissa bits: the kept bits and the rounding
+    bit of normals and subnormals) and on whether the low 16 bits are nonzero (the sticky part of
+    round-to-nearest-even, and inf vs NaN). The table (128 KiB) is built once by ``_e4m3fn_arith``."""
+    halves = np.ascontiguousarray(x, dtype="<f4").view("<u2").reshape(-1, 2)  # [low, high] halves
+    idx = halves[:, 1].astype(np.uint32)
+    idx <<= np.uint32(1)
+    idx |= halves[:, 0] != 0
+    out: _Arr = _e4m3fn_table()[idx]
+    return out.reshape(np.shape(x))
+
+
+@functools.cache
+def _e4m3fn_table() -> _Arr:
+    """``e4m3fn bits [(high 16 bits << 1) | (low 16 bits != 0)]`` of every float32."""
+    high = np.arange(1 << 16, dtype=np.uint32) << np.uint32(16)
+    return _e4m3fn_arith(np.stack([high, high | np.uint32(1)], axis=1).reshape(-1).view(np.float32))
+
+
+def _e4m3fn_arith(x: _Arr) -> _Arr:
+    """``e4m3fn_from_f32`` by integer arithmetic on the float32 bits (builds its table).
 
     In place on a few uint32 arrays: the normal path runs on every element, the rare ones
     (subnormal, saturated, NaN) only where they occur."""

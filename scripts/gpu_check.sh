@@ -14,7 +14,8 @@ ngpu="$(python -c 'import torch; print(torch.cuda.device_count() if torch.cuda.i
 if [ "$ngpu" -eq 0 ]; then
     echo "gpu_check: no CUDA GPU visible (torch $(python -c 'import torch; print(torch.__version__)')):" \
          "running the CPU-side quantization tests only" >&2
-    timeout 300 python -m pytest -q tests/unit/test_quant.py tests/unit/test_quant_convert.py
+    timeout 300 python -m pytest -q tests/unit/test_quant.py tests/unit/test_quant_convert.py \
+        tests/unit/test_quant_refit_plan.py tests/sim/test_quant_refit.py
     echo "gpu_check: CPU-side quantization tests passed; GPU tests and benchmark not run (no GPU)" >&2
     exit 0
 fi

@@ -231,15 +231,23 @@ def _fmt_stats(st: dict[str, Any]) -> str:
 
 
 def _fmt_quantized(q: dict[str, Any] | None) -> list[str]:
-    """Lines naming the arrays quantized on write, their scheme and the bytes saved."""
+    """Lines naming the arrays quantized (by convert, or by a refit's senders or receivers), their
+    scheme and the bytes saved (stored; and, in a refit, on the wire)."""
     if not q or not q.get("arrays"):
         return []
     arrays = q["arrays"]
     schemes = sorted({a["scheme"] for a in arrays.values()})
-    where = next(iter(arrays.values()))["where"]
-    lines = [f"{'quantized on write':32s} {len(arrays):12d} arrays ({', '.join(schemes)}; {where}), "
-             f"{q['bytes_saved'] / 1e9:.4f} GB saved"]
-    lines += [f"  {f}: {a['from']} -> {a['scheme']}, {a['bytes_saved']} B saved" for f, a in list(arrays.items())[:8]]
+    if "wire_bytes_saved" in q:  # a refit plan (quant_refit.refit_quant_report)
+        where = f"refit: {q['on_sender']} by the senders, {q['on_receiver']} by the receivers"
+        lines = [f"{'quantized on refit':32s} {len(arrays):12d} arrays ({', '.join(schemes)}; {where}), "
+                 f"{q['wire_bytes_saved'] / 1e9:.4f} GB fewer on the wire, {q['bytes_saved'] / 1e9:.4f} GB stored"]
+        lines += [f"  {f}: {a['from']} -> {a['scheme']} on the {a['where']}, {a['wire_bytes_saved']} B fewer on the wire"
+                  for f, a in list(arrays.items())[:8]]
+    else:
+        where = next(iter(arrays.values()))["where"]
+        lines = [f"{'quantized on write':32s} {len(arrays):12d} arrays ({', '.join(schemes)}; {where}), "
+                 f"{q['bytes_saved'] / 1e9:.4f} GB saved"]
+        lines += [f"  {f}: {a['from']} -> {a['scheme']}, {a['bytes_saved']} B saved" for f, a in list(arrays.items())[:8]]
     if len(arrays) > 8:
         lines.append(f"  … and {len(arrays) - 8} more (--json lists every one)")
     return lines
@@ -250,8 +258,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     from formats.validate import validate_manifest
 
-    from .convert.quantize import planned_destination, quant_report, quant_targets
     from .plan import plan_transfers
+    from .quant_refit import refit_quant, refit_quant_report
 
     src, dst = _load(args.src), _load(args.dst)
     problems = validate_manifest(src, where=args.src, check_paths=False) + validate_manifest(
@@ -260,22 +268,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise ShardstreamError(problems=problems)
     t0 = time.perf_counter()
     try:
-        # FP8 destinations fed from float sources are planned as convert plans them
-        targets = quant_targets(src, dst, block=args.fp8_block, ue8m0=args.ue8m0)
-        planned = planned_destination(dst, targets, {})
-        plan = plan_transfers(src, planned, src_domain_size=args.src_domain_size,
+        # FP8 destinations fed from float sources are planned as a refit quantizes them
+        quant = refit_quant(src, dst, block=args.fp8_block, ue8m0=args.ue8m0)
+        psrc, planned = (quant.src, quant.dst) if quant else (src, dst)
+        plan = plan_transfers(psrc, planned, src_domain_size=args.src_domain_size,
                               dst_domain_size=args.dst_domain_size, same_job=args.same_job,
                               allow_extra=args.allow_extra, stats=args.rank is None)
     except PlanError as e:  # its lines name the array; say which manifests were being matched
         raise PlanError(problems=[f"{args.dst}: {ln}; source manifest {args.src}" for ln in e.problems]) from e
     if args.rank is not None:
-        return _plan_rank(args, plan, src, planned, t0)
+        return _plan_rank(args, plan, psrc, planned, t0)
     dt = time.perf_counter() - t0
     st = plan.stats().to_dict()
     st["plan_seconds"] = round(dt, 4)
     st["digest"] = plan.digest()
-    if targets:
-        st["quantized"] = quant_report(dst, targets, "by convert; live refit does not quantize yet")
+    if quant:
+        st["quantized"] = refit_quant_report(quant, dst, plan)
     _out(args, st, f"plan {args.src} -> {args.dst} ({dt:.3f} s)\n{_fmt_stats(st)}")
     return 0
 
@@ -412,7 +420,7 @@ def cmd_refit(args: argparse.Namespace) -> int:
     job = RefitJob(args.role, _load(args.manifest), rendezvous=args.rendezvous, transport=args.transport,
                    control=args.control, timeout=args.timeout, steps=args.steps, save=args.save,
                    options={"bucket_size": args.bucket_size, "verify": args.verify, "strategy": args.strategy,
-                            "delta": args.delta,
+                            "delta": args.delta, "fp8_block": args.fp8_block, "ue8m0": args.ue8m0,
                             "src_domain_size": args.src_domain_size, "dst_domain_size": args.dst_domain_size,
                             "allow_extra": args.allow_extra})
     try:
@@ -599,12 +607,13 @@ def _add_plan(sub: Any) -> None:
     p.set_defaults(func=cmd_plan)
 
 
-def _add_quant_flags(p: Any) -> None:
-    p.add_argument("--fp8-block", type=parse_block, default=(128, 128), metavar="R,C",
-                   help="quantize on write: elements per float32 scale of FP8 weights fed from bf16/fp32 "
-                        "(default 128,128, DeepSeek-V3)")
+def _add_quant_flags(p: Any, *, refit: bool = False) -> None:
+    p.add_argument("--fp8-block", type=parse_block, default=None if refit else (128, 128), metavar="R,C",
+                   help="quantize: elements per float32 scale of FP8 weights fed from bf16/fp32 "
+                        "(default 128,128, DeepSeek-V3" + ("; or what the other job asks)" if refit else ")"))
     p.add_argument("--ue8m0", action="store_true",
-                   help="quantize on write: round block-FP8 scales up to a power of two (DeepGEMM use_ue8m0)")
+                   help="quantize: round block-FP8 scales up to a power of two (DeepGEMM use_ue8m0)"
+                        + ("; on if either job asks" if refit else ""))
 
 
 def _add_convert(sub: Any) -> None:
@@ -653,6 +662,7 @@ def _add_refit(sub: Any) -> None:
     p.add_argument("--src-domain-size", type=_positive_int)
     p.add_argument("--dst-domain-size", type=_positive_int)
     p.add_argument("--allow-extra", action="store_true")
+    _add_quant_flags(p, refit=True)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_refit)
 

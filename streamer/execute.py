@@ -22,7 +22,7 @@ import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -47,6 +47,9 @@ from .delta import (
 )
 from .plan import Plan, Transfer
 from .transport.base import ABORT_POLL_INTERVAL, Request, Transport
+
+if TYPE_CHECKING:
+    from .quant_refit import SenderQuant
 
 __all__ = ["DEFAULT_BUCKET", "ExecStats", "Executor", "Message", "build_schedule", "byte_view", "host_bytes",
            "region_view", "torch_byte_view"]
@@ -240,14 +243,17 @@ class Executor:
     ``tensors`` maps local tensor names to buffers (numpy or CPU torch): the sources on sending
     ranks, the destinations (written in place) on receiving ranks. ``dst_tensors``, when given,
     holds the destination buffers separately (a same-job reshard, where one process is both a
-    source and a destination and the two layouts may use the same local names).
+    source and a destination and the two layouts may use the same local names). ``quant``, on a
+    sending rank, packs the FP8 bytes and scales of weights quantized on the sender
+    (``quant_refit``).
     """
 
     def __init__(self, transport: Transport, plan: Plan, schedule: Sequence[Message],
                  tensors: Mapping[str, Any], *, timeout: float = 300.0, window: int = 2,
                  verify: bool = False, peer_names: Any = None,
-                 dst_tensors: Mapping[str, Any] | None = None) -> None:
+                 dst_tensors: Mapping[str, Any] | None = None, quant: SenderQuant | None = None) -> None:
         self.t = transport
+        self.quant = quant
         self.plan = plan
         self.rank = transport.rank
         self.timeout = timeout
@@ -275,11 +281,15 @@ class Executor:
         need: dict[str, Box] = {}
         for m in self.mine:
             for tr in m.transfers:
-                if m.src == self.rank:
-                    name, box = tr.src_tensor, tr.src_box
+                if m.src == self.rank and self._quantizes(tr):
+                    assert self.quant is not None
+                    name, box, isz = self.quant.source(tr)
+                    views = self.src_views
+                elif m.src == self.rank:
+                    name, box, isz = tr.src_tensor, tr.src_box, self._src_itemsize(tr)
                     views = self.dst_views if tr.phase == 2 else self.src_views
                 else:
-                    name, box = tr.dst_tensor, tr.dst_box
+                    name, box, isz = tr.dst_tensor, tr.dst_box, tr.itemsize
                     views = self.dst_views
                 v = views.get(name)
                 if v is None:
@@ -287,7 +297,6 @@ class Executor:
                         problems.append(f"rank {self.rank}: local tensor {name!r} (for {tr.fqn}) was not provided")
                     need[name] = box
                     continue
-                isz = self._src_itemsize(tr) if m.src == self.rank else tr.itemsize
                 if v.shape[-1] != isz or not box.fits_in(v.shape[:-1]):
                     problems.append(f"rank {self.rank}: local tensor {name!r} has shape {list(v.shape[:-1])} "
                                     f"x {v.shape[-1]} B, too small for {tr.fqn} region at {list(box.offsets)} "
@@ -310,12 +319,20 @@ class Executor:
         """(source, destination) data_type when this transfer reads source-typed bytes to cast."""
         return self.casts.get(tr.fqn) if tr.phase != 2 else None
 
+    def _quantizes(self, tr: Transfer) -> bool:
+        """Whether this rank quantizes ``tr``'s bytes while packing them (``quant_refit``)."""
+        return self.quant is not None and self.quant.handles(tr)
+
     def _src_itemsize(self, tr: Transfer) -> int:
         cast = self._cast_of(tr)
         return DTYPES[cast[0]].itemsize if cast else tr.itemsize
 
     def _src_bytes(self, tr: Transfer) -> Any:
-        """What goes on the wire for ``tr``: the source region, cast to the destination's type."""
+        """What goes on the wire for ``tr``: the source region, cast to the destination's type
+        (or quantized)."""
+        if self._quantizes(tr):
+            assert self.quant is not None
+            return self.quant.wire(tr, self.src_views)
         cast = self._cast_of(tr)
         return self._src(tr) if cast is None else cast_view(self._src(tr), *cast)
 
@@ -329,7 +346,10 @@ class Executor:
             n = tr.nbytes
             dst = buf[off:off + n].reshape(tr.region.sizes + (tr.itemsize,))
             cast = self._cast_of(tr)
-            if cast is None:
+            if self._quantizes(tr):
+                assert self.quant is not None
+                self.quant.pack(tr, dst, self.src_views)
+            elif cast is None:
                 _copy(dst, self._src(tr))
             else:  # straight into the bucket, one pass
                 cast_into(dst, self._src(tr), *cast)
@@ -400,8 +420,8 @@ class Executor:
         if len(m.transfers) != 1:
             return None
         tr = m.transfers[0]
-        if send and self._cast_of(tr) is not None:
-            return None  # cast while packing: the wire carries other bytes than the tensor
+        if send and (self._cast_of(tr) is not None or self._quantizes(tr)):
+            return None  # cast or quantized while packing: the wire carries other bytes than the tensor
         name, box = (tr.src_tensor, tr.src_box) if send else (tr.dst_tensor, tr.dst_box)
         on_dst = (not send) or tr.phase == 2
         v = (self.dst_views if on_dst else self.src_views)[name]

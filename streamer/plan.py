@@ -556,6 +556,16 @@ class Plan:
             self._stats = self._stats()
         return self._stats
 
+    def moved_bytes_by_array(self) -> dict[str, int]:
+        """Bytes each array moves from rank to rank (phases 1 and 2), without materialising
+        transfers: every array of a block moves its template's items."""
+        out: dict[str, int] = defaultdict(int)
+        for b in self._blocks:
+            per = int(b.item_bytes()[b.phase != 0].sum())
+            for f in b.fqns:
+                out[f] += per
+        return dict(out)
+
     @property
     def num_transfers(self) -> int:
         """Transfers of every phase (local copies included), without materialising them."""

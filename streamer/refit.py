@@ -19,6 +19,10 @@ dtypes, shapes; with ``verify``, the checksums of replicated regions) and all ra
 their findings. A refusal anywhere is then raised on every rank of both jobs with the same
 message, before any byte moves, so receivers are never left half-updated by a refused push.
 
+Quantize on refit (``streamer.quant_refit``): an FP8 destination array with a scale sibling, fed
+from a bf16/fp32 trainer array, is quantized by the senders when their shards are whole blocks,
+else by the receivers after the push (``fp8_block``, ``ue8m0``: the scheme, agreed by both jobs).
+
 Delta sessions (``delta=True``) number their pushes. The agreement round also carries each rank's
 version (the last push it completed, or unknown), so every rank takes the same decision: a pair
 of ranks at the previous version exchanges encoded changes (``streamer.delta``); any other pair
@@ -38,10 +42,12 @@ from formats.errors import PlanError, TransportError, UsageError, ValidationErro
 from formats.manifest import COMPACT_FORMAT_VERSION, Manifest, dumps_manifest, load_manifest, loads_manifest
 
 from .baseline import gather_broadcast
+from .convert.quantize import FP8_BLOCK
 from .delta import DeltaPush, DeltaState
 from .execute import DEFAULT_BUCKET, ExecStats, Executor
 from .jobs import Group, connect
 from .local import check_local, collect_local
+from .quant_refit import ReceiverQuant, RefitQuant, SenderQuant, refit_quant, refit_quant_report
 from .rankstart import input_digests, input_problems, plan_own
 from .replicas import replica_digests, replica_problems
 from .transport.base import Transport
@@ -84,6 +90,8 @@ class StepStats:
     base_bytes: int = 0
     #: messages per encoding ("raw", "same", "sparse", "zstd"), delta pushes only
     encodings: dict[str, int] = field(default_factory=dict)
+    #: seconds this rank spent quantizing FP8 weights (senders while packing, receivers after)
+    quantize_seconds: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -125,6 +133,10 @@ class RefitSession:
     planned_steps: int = 1
     #: after the first push, send what changed since the last one (on if either job asks)
     delta: bool = False
+    #: quantize on refit: elements per float32 scale of block-FP8 weights (None: 128x128, or what
+    #: the other job asks), and UE8M0 power-of-two scales (on if either job asks)
+    fp8_block: tuple[int, int] | None = None
+    ue8m0: bool = False
     steps: list[StepStats] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -142,6 +154,9 @@ class RefitSession:
         self._synced: int | None = None
         self._synced_ptrs: tuple[Any, ...] = ()
         self._delta_state: DeltaState | None = None
+        self.quant: RefitQuant | None = None
+        self._send_quant: SenderQuant | None = None
+        self._recv_quant: ReceiverQuant | None = None
 
     # ------------------------------------------------------------------ opening
     @classmethod
@@ -153,7 +168,7 @@ class RefitSession:
         ``transport``: "mpi" (default under mpiexec), "gloo" (default otherwise), "nccl", or a
         ``Transport``. ``control``: "auto", "mpi" or "store" (see ``jobs.connect``). ``options``:
         ``bucket_size``, ``verify``, ``strategy``, ``src_domain_size``, ``dst_domain_size``,
-        ``allow_extra``, ``planned_steps``, ``delta``.
+        ``allow_extra``, ``planned_steps``, ``delta``, ``fp8_block``, ``ue8m0``.
         """
         m = manifest if isinstance(manifest, Manifest) else load_manifest(manifest)
         group = group or connect(role, rendezvous=rendezvous, timeout=timeout, control=control)
@@ -177,13 +192,17 @@ class RefitSession:
         self.src, self.dst = self._exchange_manifests()
         self._agree_options()
         self._agree_inputs()
+        # FP8 destinations fed from float sources: the plan moves between the quantizing manifests
+        self.quant = refit_quant(self.src, self.dst, block=self.fp8_block or FP8_BLOCK, ue8m0=self.ue8m0)
+        self._psrc, self._pdst = (self.quant.src, self.quant.dst) if self.quant else (self.src, self.dst)
         # every rank plans from the same inputs with the same planner: no plan is compared, and each
         # rank expands only its own transfers and orders only its own messages
-        self.plan, self.schedule = plan_own(self.src, self.dst, self._t.rank, bucket_size=self.bucket_size,
+        self.plan, self.schedule = plan_own(self._psrc, self._pdst, self._t.rank, bucket_size=self.bucket_size,
                                             src_domain_size=self.src_domain_size,
                                             dst_domain_size=self.dst_domain_size, allow_extra=self.allow_extra)
         # what every push is checked against: computed once (a full-size manifest has many chunks)
         self._specs = self.manifest.local_tensors(self.local_rank)
+        self._start_quant()
         self._started = True
 
     def _agree_inputs(self) -> None:
@@ -197,6 +216,27 @@ class RefitSession:
         if problems:
             raise PlanError(problems=problems)
         self.inputs_digest = hashlib.sha256(json.dumps(mine, sort_keys=True).encode()).hexdigest()
+
+    def _start_quant(self) -> None:
+        if self.quant is None:
+            return
+        if self.strategy != "reshard":
+            raise UsageError("quantize on refit works with --strategy reshard only")
+        if getattr(self.transport, "device", None) is not None:
+            raise UsageError("quantize on refit runs on the host: use --transport mpi or gloo (nccl: not yet)")
+        if self.role == "send":
+            self._send_quant = SenderQuant(self.quant, self.src)
+        else:
+            self._recv_quant = ReceiverQuant(self.quant, self.dst, self.local_rank)
+
+    @property
+    def staging_bytes(self) -> int:
+        """This receiver's staging buffers for weights it quantizes (0 elsewhere)."""
+        return self._recv_quant.staging_bytes if self._recv_quant is not None else 0
+
+    def quant_report(self) -> dict[str, Any] | None:
+        """Which arrays this refit quantizes, where, and the bytes saved (None: none)."""
+        return refit_quant_report(self.quant, self.dst, self.plan) if self.quant is not None else None
 
     def _exchange_manifests(self) -> tuple[Manifest, Manifest]:
         t = self._t
@@ -225,7 +265,8 @@ class RefitSession:
         cfgs = [json.loads(c) for c in self._t.allgather_bytes(json.dumps(
             {"verify": self.verify, "bucket": self.bucket_size, "strategy": self.strategy,
              "steps": self.planned_steps, "src_domain": self.src_domain_size,
-             "dst_domain": self.dst_domain_size, "delta": self.delta,
+             "dst_domain": self.dst_domain_size, "delta": self.delta, "ue8m0": self.ue8m0,
+             "fp8_block": list(self.fp8_block) if self.fp8_block else None,
              "host": getattr(self.transport, "device", None) is None}).encode(), self.timeout)]
         strategies = sorted({c["strategy"] for c in cfgs})
         if len(strategies) > 1:
@@ -235,6 +276,11 @@ class RefitSession:
         self.bucket_size = min(c["bucket"] for c in cfgs)
         self.planned_steps = max(c["steps"] for c in cfgs)
         self.delta = any(c["delta"] for c in cfgs)
+        self.ue8m0 = any(c["ue8m0"] for c in cfgs)
+        blocks = sorted({tuple(c["fp8_block"]) for c in cfgs if c["fp8_block"] is not None})
+        if len(blocks) > 1:
+            raise PlanError(f"the two jobs asked for different --fp8-block values {[list(b) for b in blocks]}")
+        self.fp8_block = (blocks[0][0], blocks[0][1]) if blocks else None
         if self.delta and strategies != ["reshard"]:
             raise UsageError("--delta works with --strategy reshard only")
         if self.delta and not all(c["host"] for c in cfgs):
@@ -288,17 +334,22 @@ class RefitSession:
         digests = {}
         if self.verify and self.role == "send" and not problems:
             digests = replica_digests(self.src, self.local_rank, local)
+        if self._send_quant is not None:
+            self._send_quant.new_push()
         if not self.delta:
             self._agree(problems, digests)
             es = gather_broadcast(self, local) if self.strategy == "broadcast" else self._exec(local).run()
         else:
             es = self._delta_step(local, problems, digests)
+        quantize_s = self._recv_quant.finish(local) if self._recv_quant is not None else 0.0
+        if self._send_quant is not None:
+            quantize_s = self._send_quant.seconds
         st = StepStats(len(self.steps), es.seconds, es.bytes_sent, es.bytes_received, es.messages,
                        es.peak_buffer_bytes, es.verified_regions, self.strategy, es.cast_bytes,
                        self._attempted if self.delta else 0, es.full_bytes_sent, es.full_bytes_received,
                        es.changed_elements / es.delta_elements if es.delta_elements else None,
                        es.encode_seconds, es.decode_seconds, es.verify_seconds,
-                       self._delta_state.base_bytes if self._delta_state else 0, es.encodings)
+                       self._delta_state.base_bytes if self._delta_state else 0, es.encodings, quantize_s)
         self.steps.append(st)
         return st
 
@@ -343,8 +394,9 @@ class RefitSession:
         # tensor objects every call over the same storage, and the views stay valid for those
         key = _memory_key(tensors)
         if self._executor is None or key != self._tensor_key:
-            self._executor = Executor(self._t, self.plan, self.schedule, tensors, timeout=self.timeout,
-                                      verify=self.verify, peer_names=self.group.name)
+            staging = self._recv_quant.staging if self._recv_quant is not None else {}
+            self._executor = Executor(self._t, self.plan, self.schedule, {**tensors, **staging}, timeout=self.timeout,
+                                      verify=self.verify, peer_names=self.group.name, quant=self._send_quant)
             self._tensor_key = key
         return self._executor
 

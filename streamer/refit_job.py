@@ -41,6 +41,9 @@ class RefitReport:
     reporter: bool
     #: delta sessions: per step, this job's totals (see ``_delta_totals``)
     delta: list[dict[str, Any]] | None = None
+    #: quantize on refit: the arrays, where each is quantized, the bytes saved
+    #: (``quant_refit.refit_quant_report``) and this job's slowest rank's seconds quantizing per step
+    quantized: dict[str, Any] | None = None
 
     @property
     def median_s(self) -> float:
@@ -53,7 +56,8 @@ class RefitReport:
                 "broadcast_moved_bytes": self.broadcast_moved_bytes,
                 "gb_per_s": self.moved_bytes / med / 1e9 if med else 0, "verified": self.verified,
                 "transport": self.transport, "saved": self.saved,
-                "peak_buffer_bytes": max(st.peak_buffer_bytes for st in self.steps), "delta": self.delta}
+                "peak_buffer_bytes": max(st.peak_buffer_bytes for st in self.steps), "delta": self.delta,
+                "quantized": self.quantized}
 
     def text(self) -> str:
         med = self.median_s
@@ -62,7 +66,7 @@ class RefitReport:
                 f"{min(self.seconds):.3f} s, {self.moved_bytes / 1e9:.3f} GB moved ({rate:.2f} GB/s); reshard moves "
                 f"{self.reshard_moved_bytes / 1e9:.3f} GB vs gather-broadcast {self.broadcast_moved_bytes / 1e9:.3f} GB"
                 + ("; checksums verified" if self.verified else "") + (f"; saved to {self.saved}" if self.saved else "")
-                + (_delta_text(self.delta) if self.delta else ""))
+                + (_delta_text(self.delta) if self.delta else "") + (_quant_text(self.quantized) if self.quantized else ""))
 
 
 @dataclass
@@ -105,12 +109,14 @@ class RefitJob:
             if save is not None:
                 session.save(save, tensors)
             delta = _delta_totals(session) if session.delta else None
+            quantized = _quant_totals(session)
             # the whole-plan figures are whole-plan work: only the job's reporter computes them
             stats = session.plan.stats() if rank == 0 else None
             reshard, broadcast = (stats.moved_bytes, stats.broadcast_moved_bytes) if stats else (0, 0)
             return RefitReport(self.role, session.strategy, getattr(session.transport, "name", "?"), seconds,
                                list(session.steps), reshard if session.strategy == "reshard" else broadcast,
-                               reshard, broadcast, session.verify, str(save) if save else None, rank == 0, delta)
+                               reshard, broadcast, session.verify, str(save) if save else None, rank == 0, delta,
+                               quantized)
 
     def _timed_step(self, session: RefitSession, tensors: dict[str, Any], problems: list[str]) -> float:
         """One push, timed from a barrier of this job to its slowest rank."""
@@ -155,6 +161,29 @@ def _delta_text(delta: list[dict[str, Any]]) -> str:
                      f"({ratio:.1%}){changed}, encode {d['encode_s']:.3f} s, decode {d['decode_s']:.3f} s")
     base = max(d["base_bytes"] for d in delta)
     return "\ndelta: " + "; ".join(parts) + (f"; senders keep {base / 1e6:.3f} MB of last-sent bytes" if base else "")
+
+
+def _quant_totals(session: RefitSession) -> dict[str, Any] | None:
+    """The session's quantization report, with this job's slowest rank's seconds per step and its
+    ranks' staging buffers (receivers)."""
+    if session.quant is None:
+        return None
+    mine = json.dumps({"s": [st.quantize_seconds for st in session.steps], "staging": session.staging_bytes})
+    ranks = [json.loads(x) for x in session.group.role_control.allgather_bytes(mine.encode(), session.timeout)]
+    # the report's byte figures are whole-plan work: only the job's reporter computes them
+    rep = session.quant_report() if session.group.role_control.rank == 0 else None
+    if rep is None:
+        return None
+    return {**rep, "quantize_seconds": [max(r["s"][i] for r in ranks) for i in range(len(session.steps))],
+            "staging_bytes": sum(r["staging"] for r in ranks)}
+
+
+def _quant_text(q: dict[str, Any]) -> str:
+    secs = q["quantize_seconds"]
+    return (f"\nquantized: {len(q['arrays'])} arrays to FP8 ({q['on_sender']} by the senders, {q['on_receiver']} "
+            f"by the receivers), {q['wire_bytes_saved'] / 1e6:.3f} MB fewer on the wire per push; "
+            f"slowest rank quantizing {max(secs):.3f} s a push"
+            + (f"; {q['staging_bytes'] / 1e6:.3f} MB of staging buffers" if q["staging_bytes"] else ""))
 
 
 def _mark_incomplete(save: Path) -> None:

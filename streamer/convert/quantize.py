@@ -30,7 +30,8 @@ from ..plan import Transfer
 from .cast import FLOATS, with_dtypes
 from .fill import U8, Buffer, Filler
 
-__all__ = ["FP8_BLOCK", "QuantTarget", "Quantizer", "planned_destination", "quant_report", "quant_targets"]
+__all__ = ["FP8_BLOCK", "QuantTarget", "Quantizer", "block_image", "blocks_of", "on_grid", "planned_destination",
+           "quant_report", "quant_targets", "steps"]
 
 #: DeepSeek-V3 / vLLM block of block-FP8 weights (one float32 scale per 128×128 elements)
 FP8_BLOCK = (128, 128)
@@ -71,12 +72,13 @@ def _scheme(fqn: str, w: ArraySpec, s: ArraySpec, block: tuple[int, int], ue8m0:
     return sch
 
 
-def _on_grid(r: Box, block: Sequence[int], shape: Sequence[int]) -> bool:
+def on_grid(r: Box, block: Sequence[int], shape: Sequence[int]) -> bool:
+    """Whether ``r`` is whole blocks (the last block of a dim may be partial)."""
     return all(o % b == 0 and ((o + n) % b == 0 or o + n == full)
                for o, n, b, full in zip(r.offsets, r.sizes, block, shape))
 
 
-def _image(r: Box, block: Sequence[int]) -> Box:
+def block_image(r: Box, block: Sequence[int]) -> Box:
     """The scale indices of the blocks of ``r`` (on the grid)."""
     return Box(tuple(o // b for o, b in zip(r.offsets, block)),
                tuple(-(-(o + n) // b) - o // b for o, n, b in zip(r.offsets, r.sizes, block)))
@@ -87,11 +89,11 @@ def _layout_problems(fqn: str, w: ArraySpec, s: ArraySpec, sch: QuantScheme) -> 
     chunks their block images on the same holders: a block is then quantized where it is stored."""
     blk = "x".join(map(str, sch.block))
     for c in w.chunks:
-        if not _on_grid(c.region, sch.block, w.shape):
+        if not on_grid(c.region, sch.block, w.shape):
             return [f"{fqn}: destination chunk {c.region} is not aligned to the {blk} quantization blocks "
                     "(only the last block of a dim may be partial); pick a layout whose shards are whole blocks"]
-    images = sorted((c.holders, _image(c.region, sch.block).offsets, _image(c.region, sch.block).sizes)
-                    for c in w.chunks)
+    images = sorted((c.holders, img.offsets, img.sizes)
+                    for c in w.chunks for img in (block_image(c.region, sch.block),))
     scales = sorted((c.holders, c.region.offsets, c.region.sizes) for c in s.chunks)
     if images != scales:
         return [f"{fqn}: the chunks of its scale array are not the block images of its chunks on the same "
@@ -202,7 +204,7 @@ def quantized_box(t: QuantTarget, shape: Sequence[int], g: Box, read: Read, buf:
     out: np.ndarray[Any, Any] | None = None
     for step in steps(rows, block, shape):
         q, s = quantize_step(t, step, read, buf)
-        have, at = (s, _image(step, block)) if scales else (q, step)
+        have, at = (s, block_image(step, block)) if scales else (q, step)
         if out is None:
             out = np.zeros(g.sizes, have.dtype)
         piece = at.intersect(g)
@@ -256,7 +258,7 @@ class Quantizer:
         self._known_bytes = 0
 
     def _remember(self, rank: int, t: QuantTarget, c: Chunk, step: Box, s: np.ndarray[Any, Any]) -> None:
-        img, st = _image(c.region, t.scheme.block), _image(step, t.scheme.block)
+        img, st = block_image(c.region, t.scheme.block), block_image(step, t.scheme.block)
         if st.sizes[1:] != img.sizes[1:]:
             return  # a step narrower than the chunk (a slab of part of a row): not worth tracking
         key = (rank, t.weight, c.region.offsets)
@@ -275,7 +277,7 @@ class Quantizer:
         known = self._known.get((rank, t.weight, c.region.offsets))
         if known is None:
             return None
-        rel = g.relative_to(_image(c.region, t.scheme.block).offsets)
+        rel = g.relative_to(block_image(c.region, t.scheme.block).offsets)
         return known[0][rel.slices] if known[1][rel.slices[0]].all() else None
 
     def fill(self, rank: int, name: str, slab: Box, out: U8, filler: Filler) -> None:

@@ -42,6 +42,15 @@ def test_e4m3fn_cast_matches_torch_on_every_exponent() -> None:
     assert np.array_equal(e4m3fn_from_f32(x), _bits(torch.from_numpy(x.copy()).to(torch.float8_e4m3fn)))
 
 
+def test_e4m3fn_cast_matches_torch_on_every_high_half() -> None:
+    """The cast is a table over the high 16 bits and whether the low 16 are nonzero: every high
+    half with low halves 0, 1, 0x8000 and 0xFFFF checks the whole table against torch."""
+    high = np.arange(1 << 16, dtype=np.uint32) << np.uint32(16)
+    x = np.concatenate([high | np.uint32(lo) for lo in (0, 1, 0x8000, 0xFFFF)]).view(np.float32)
+    assert np.array_equal(e4m3fn_from_f32(x), _bits(torch.from_numpy(x.copy()).to(torch.float8_e4m3fn)))
+    assert e4m3fn_from_f32(x.reshape(4, -1)).shape == (4, 1 << 16)
+
+
 @pytest.mark.parametrize("shape", [(256, 384), (300, 200), (1, 129), (128, 1), (5, 7)])
 @pytest.mark.parametrize("ue8m0", [False, True])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float16"])
