@@ -123,6 +123,9 @@ class RefitSession:
     planned_steps: int = 1
     #: after the first push, send what changed since the last one (on if either job asks)
     delta: bool = False
+    #: what stages device tensors over mpi/gloo (``streamer.staging``); None: CUDA tensors are
+    #: staged through pinned host buckets on their device (tests pass a ``FakeDeviceOps``)
+    device_ops: Any = None
     steps: list[StepStats] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -152,7 +155,7 @@ class RefitSession:
         ``transport``: "mpi" (default under mpiexec), "gloo" (default otherwise), "nccl", or a
         ``Transport``. ``control``: "auto", "mpi" or "store" (see ``jobs.connect``). ``options``:
         ``bucket_size``, ``verify``, ``strategy``, ``src_domain_size``, ``dst_domain_size``,
-        ``allow_extra``, ``planned_steps``, ``delta``.
+        ``allow_extra``, ``planned_steps``, ``delta``, ``device_ops``.
         """
         m = manifest if isinstance(manifest, Manifest) else load_manifest(manifest)
         group = group or connect(role, rendezvous=rendezvous, timeout=timeout, control=control)
@@ -283,6 +286,7 @@ class RefitSession:
         who = self.group.name(self._t.rank)
         problems = [f"{who}: {p}" for p in problems]
         problems += check_local(local, self._specs, who)
+        problems += self._device_problems(local, who)
         digests = {}
         if self.verify and self.role == "send" and not problems:
             digests = replica_digests(self.src, self.local_rank, local)
@@ -299,6 +303,19 @@ class RefitSession:
                        self._delta_state.base_bytes if self._delta_state else 0, es.encodings)
         self.steps.append(st)
         return st
+
+    def _device_problems(self, local: Mapping[str, Any], who: str) -> list[str]:
+        """Device tensors on a host transport are staged by the reshard executor only."""
+        on_device = sorted({str(v.device) for v in local.values()
+                            if getattr(getattr(v, "device", None), "type", "cpu") != "cpu"})
+        if self.device_ops is None and (not on_device or getattr(self._t, "device", None) is not None):
+            return []
+        what = f"device tensors ({', '.join(on_device) or self.device_ops.name})"
+        if self.delta:
+            return [f"{who}: {what} with --delta: deltas are encoded on the host (not yet for device tensors)"]
+        if self.strategy == "broadcast":
+            return [f"{who}: {what} with --strategy broadcast: the baseline moves host memory (use reshard)"]
+        return []
 
     def _delta_step(self, local: Mapping[str, Any], problems: list[str], digests: Mapping[str, int]) -> ExecStats:
         """A delta push: the agreement also exchanges each rank's version, so every rank takes the
@@ -342,7 +359,7 @@ class RefitSession:
         key = _memory_key(tensors)
         if self._executor is None or key != self._tensor_key:
             self._executor = Executor(self._t, self.plan, self.schedule, tensors, timeout=self.timeout,
-                                      verify=self.verify, peer_names=self.group.name)
+                                      verify=self.verify, peer_names=self.group.name, device_ops=self.device_ops)
             self._tensor_key = key
         return self._executor
 

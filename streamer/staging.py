@@ -133,6 +133,7 @@ class FakeDeviceOps:
         self.submitted = 0
         self._q: queue.Queue[tuple[Callable[[], None], _FakeEvent] | None] = queue.Queue()
         self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()  # ranks sharing one fake device (as they may share a GPU)
 
     def owns(self, tensor: Any) -> bool:
         return isinstance(tensor, self.torch.Tensor) and tensor.device.type == "cpu"
@@ -152,9 +153,10 @@ class FakeDeviceOps:
         return _FakeEvent()
 
     def begin(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._work, daemon=True, name="fake-device-stream")
-            self._thread.start()
+        with self._lock:  # one worker: the stream runs its ops in order
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._work, daemon=True, name="fake-device-stream")
+                self._thread.start()
 
     def submit(self, fn: Callable[[], None], event: _FakeEvent) -> None:
         event.flag.clear()
@@ -170,10 +172,11 @@ class FakeDeviceOps:
         dst.copy_(src)
 
     def close(self) -> None:
-        if self._thread is not None:
-            self._q.put(None)
-            self._thread.join(10)
-            self._thread = None
+        with self._lock:
+            if self._thread is not None:
+                self._q.put(None)
+                self._thread.join(10)
+                self._thread = None
 
     def _work(self) -> None:
         import time

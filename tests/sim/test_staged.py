@@ -28,6 +28,7 @@ from helpers import (
     oracle_arrays,
     random_layout_pair,
     rank_tensors,
+    run_sessions,
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -35,11 +36,11 @@ from hypothesis import strategies as st
 from formats.box import Box
 from formats.errors import UsageError, ValidationError
 from formats.layouts import Mesh, Replicate, Shard
+from streamer import staging
 from streamer.buffers import byte_view, torch_byte_view
 from streamer.convert.cast import cast_bytes
 from streamer.execute import ExecStats, Executor, build_schedule
 from streamer.plan import Plan, plan_transfers
-from streamer import staging
 from streamer.staging import FakeDeviceOps, Part, build_program
 from streamer.transport.loopback import LoopbackHub
 
@@ -340,3 +341,68 @@ def test_delta_with_device_tensors_is_refused() -> None:
     with pytest.raises(UsageError, match="device tensors are not supported"):
         ex.run(DeltaPush(DeltaState(), 1, frozenset()))
 
+
+
+# --------------------------------------------------------------------------- through RefitSession
+
+
+def test_session_pulls_in_place_on_the_fake_device() -> None:
+    """``RefitSession.push``/``pull`` of fake-device tensors, three pushes of changing weights:
+    each lands byte exact in the receivers' own storage (same data pointers, same tensor
+    objects), and no rank allocates after its first push."""
+    arrays = {"w": ((48, 64), "bfloat16"), "b": ((48,), "float32"), "s": ((), "float32")}
+    src = lay_out(arrays, Mesh(("dp", "tp"), (2, 2)),
+                  {"w": (Replicate(), Shard(0)), "b": (Replicate(), Shard(0)), "s": (Replicate(), Replicate())})
+    dst = lay_out(arrays, Mesh(("tp",), (3,)), {"w": (Shard(1),), "b": (Shard(0),), "s": (Replicate(),)})
+    full = oracle_arrays(arrays)
+    steps = {k: step_arrays(full, arrays, k) for k in (1, 2, 3)}
+    src_np = {k: make_source_tensors(src, steps[k]) for k in steps}
+    types = {f: t for f, (_, t) in arrays.items()}
+    mine = {r: {n: as_torch(a.copy(), types[n]) for n, a in ts.items()} for r, ts in src_np[1].items()}
+    dst_np = empty_dest_tensors(dst)
+    theirs = {r: {n: as_torch(a, types[n]) for n, a in ts.items()} for r, ts in dst_np.items()}
+    got: dict[int, dict[int, dict[str, np.ndarray]]] = {k: {} for k in steps}
+
+    def act(s: Any, r: int) -> Any:
+        seen = []
+        try:
+            for k in steps:
+                if s.role == "send":
+                    for n, t in mine[r].items():
+                        torch_byte_view(t).copy_(torch.from_numpy(byte_view(src_np[k][r][n])))
+                    s.push(mine[r])
+                else:
+                    s.pull(theirs[r])
+                    got[k][r] = {n: byte_view(a).copy() for n, a in dst_np[r].items()}
+                seen.append((s.device_ops.allocations, {n: t.data_ptr() for n, t in (mine if s.role == "send"
+                                                                                      else theirs)[r].items()}))
+        finally:
+            s.device_ops.close()
+        return seen
+
+    ptrs = {r: {n: t.data_ptr() for n, t in ts.items()} for r, ts in theirs.items()}
+    results, errors = run_sessions(src, dst, act, options_of=lambda role: {"device_ops": FakeDeviceOps(DELAY)})
+    assert not errors, errors
+    for k in steps:
+        assert check_dest_tensors(dst, {r: {n: a.reshape(-1).view(dst_np[r][n].dtype).reshape(dst_np[r][n].shape)
+                                            for n, a in ts.items()} for r, ts in got[k].items()}, steps[k]) == []
+    for g, seen in results.items():
+        assert seen[0][0] > 0 and seen[0][0] == seen[1][0] == seen[2][0], (g, seen)
+        assert seen[0][1] == seen[1][1] == seen[2][1]
+    assert {r: {n: t.data_ptr() for n, t in ts.items()} for r, ts in theirs.items()} == ptrs
+
+
+def test_session_refuses_delta_with_device_tensors_on_every_rank() -> None:
+    arrays = {"w": ((8, 4), "float32")}
+    src = lay_out(arrays, Mesh(("tp",), (2,)), {"w": (Shard(0),)})
+    dst = lay_out(arrays, Mesh(("tp",), (1,)), {"w": (Replicate(),)})
+    srcs = make_source_tensors(src, oracle_arrays(arrays))
+    dsts = empty_dest_tensors(dst)
+
+    def act(s: Any, r: int) -> Any:
+        return s.push(srcs[r]) if s.role == "send" else s.pull({n: torch.from_numpy(a) for n, a in dsts[r].items()})
+
+    _, errors = run_sessions(src, dst, act, delta=True,
+                             options_of=lambda role: {"device_ops": FakeDeviceOps()} if role == "recv" else {})
+    assert sorted(errors) == [0, 1, 2]
+    assert all("device tensors (fake) with --delta" in str(e) for e in errors.values()), errors
