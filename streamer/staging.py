@@ -466,6 +466,10 @@ def device_ops_for(transport: Any, tensors: Sequence[Mapping[str, Any]], device_
         if not on_device:
             return None
         devices = sorted({d for _, d in on_device})
+        other = [(n, d) for n, d in on_device if not d.startswith("cuda")]
+        if other:
+            raise ValidationError(problems=[f"rank {rank}: local tensor {n!r} is on {d}: host transports stage CUDA "
+                                            "tensors only (hand host memory or CUDA tensors)" for n, d in other[:20]])
         if len(devices) > 1:
             raise ValidationError(problems=[f"rank {rank}: local tensors on several devices ({', '.join(devices)}): "
                                             "one executor stages through one device"])

@@ -406,3 +406,13 @@ def test_session_refuses_delta_with_device_tensors_on_every_rank() -> None:
                              options_of=lambda role: {"device_ops": FakeDeviceOps()} if role == "recv" else {})
     assert sorted(errors) == [0, 1, 2]
     assert all("device tensors (fake) with --delta" in str(e) for e in errors.values()), errors
+
+
+def test_a_device_other_than_cuda_is_refused_by_name() -> None:
+    plan, pair = _tp2_to_dp2tp2()
+    hub = LoopbackHub(plan.world_size)
+    tensors = {n: torch.empty(a.shape, dtype=torch.uint8, device="meta")
+               for n, a in make_source_tensors(pair.src, oracle_arrays(pair.arrays))[0].items()}
+    with pytest.raises(ValidationError) as e:
+        Executor(hub.endpoints()[0], plan, build_schedule(plan, 96), tensors)
+    assert "local tensor 'w' is on meta: host transports stage CUDA tensors only" in str(e.value)
