@@ -392,7 +392,10 @@ def test_session_pulls_in_place_on_the_fake_device() -> None:
     assert {r: {n: t.data_ptr() for n, t in ts.items()} for r, ts in theirs.items()} == ptrs
 
 
-def test_session_refuses_delta_with_device_tensors_on_every_rank() -> None:
+@pytest.mark.parametrize(("option", "said"), [({"delta": True}, "with --delta"),
+                                              ({"strategy": "broadcast"}, "with --strategy broadcast")])
+def test_session_refuses_delta_and_broadcast_with_device_tensors_on_every_rank(option: dict[str, Any],
+                                                                               said: str) -> None:
     arrays = {"w": ((8, 4), "float32")}
     src = lay_out(arrays, Mesh(("tp",), (2,)), {"w": (Shard(0),)})
     dst = lay_out(arrays, Mesh(("tp",), (1,)), {"w": (Replicate(),)})
@@ -402,10 +405,11 @@ def test_session_refuses_delta_with_device_tensors_on_every_rank() -> None:
     def act(s: Any, r: int) -> Any:
         return s.push(srcs[r]) if s.role == "send" else s.pull({n: torch.from_numpy(a) for n, a in dsts[r].items()})
 
-    _, errors = run_sessions(src, dst, act, delta=True,
+    _, errors = run_sessions(src, dst, act, **option,
                              options_of=lambda role: {"device_ops": FakeDeviceOps()} if role == "recv" else {})
     assert sorted(errors) == [0, 1, 2]
-    assert all("device tensors (fake) with --delta" in str(e) for e in errors.values()), errors
+    assert all(f"device tensors (fake) {said}" in str(e) for e in errors.values()), errors
+    assert not any(a.any() for ts in dsts.values() for a in ts.values())  # refused before any byte moved
 
 
 def test_a_device_other_than_cuda_is_refused_by_name() -> None:
