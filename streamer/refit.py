@@ -42,6 +42,7 @@ from .jobs import Group, connect
 from .local import check_local, collect_local
 from .plan import Plan, plan_transfers
 from .replicas import replica_digests, replica_problems
+from .staging import staging_problems
 from .transport.base import Transport
 
 __all__ = ["RefitSession", "RefusedError", "StepStats", "make_transport"]
@@ -305,11 +306,15 @@ class RefitSession:
         return st
 
     def _device_problems(self, local: Mapping[str, Any], who: str) -> list[str]:
-        """Device tensors on a host transport are staged by the reshard executor only."""
+        """Device tensors on a host transport: what the stager cannot take (refused on every rank
+        before any byte moves); only the reshard executor stages."""
         on_device = sorted({str(v.device) for v in local.values()
                             if getattr(getattr(v, "device", None), "type", "cpu") != "cpu"})
         if self.device_ops is None and (not on_device or getattr(self._t, "device", None) is not None):
             return []
+        problems = staging_problems(self._t, [local], self.device_ops)
+        if problems:
+            return [f"{who}: {p}" for p in problems]
         what = f"device tensors ({', '.join(on_device) or self.device_ops.name})"
         if self.delta:
             return [f"{who}: {what} with --delta: deltas are encoded on the host (not yet for device tensors)"]

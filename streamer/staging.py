@@ -33,9 +33,10 @@ from typing import Any, Protocol
 import numpy as np
 
 from formats.box import Box, uniform_runs
-from formats.errors import UsageError, ValidationError
+from formats.errors import ValidationError
 
-__all__ = ["CudaOps", "DeviceOps", "FakeDeviceOps", "Part", "Program", "Stager", "build_program", "device_ops_for"]
+__all__ = ["CudaOps", "DeviceOps", "FakeDeviceOps", "Part", "Program", "Stager", "build_program", "device_ops_for",
+           "staging_problems"]
 
 #: consecutive transfers of one local tensor share one index op when their rows are at least this
 #: long: the index (8 bytes a row) then costs at most 8/256 = 3% of the bytes it moves
@@ -447,36 +448,45 @@ class Stager:
         self.staged_bytes += n
 
 
-def device_ops_for(transport: Any, tensors: Sequence[Mapping[str, Any]], device_ops: DeviceOps | None,
-                    rank: int) -> DeviceOps | None:
-    """The device ops that stage ``tensors`` over ``transport``, or None when they are host memory.
+def _where(v: Any) -> str:
+    """The device a local tensor is on, as torch names it ("cpu" for host memory and numpy)."""
+    dev = getattr(v, "device", None)
+    return "cpu" if getattr(dev, "type", "cpu") == "cpu" else str(dev)
 
-    ``device_ops`` given: every local tensor must be its kind. Otherwise torch tensors on a
-    device over a host transport are staged through ``CudaOps``. A transport with a device of its
-    own (NCCL) moves device buffers directly and never stages.
-    """
-    every = [(n, v) for ts in tensors for n, v in ts.items()]
-    on_device = [(n, str(v.device)) for n, v in every
-                 if getattr(getattr(v, "device", None), "type", "cpu") != "cpu"]
+
+def staging_problems(transport: Any, tensors: Sequence[Mapping[str, Any]], device_ops: DeviceOps | None) -> list[str]:
+    """Why ``tensors`` cannot be moved over ``transport``, one line each (none: host memory, or
+    tensors the transport or the stager can move)."""
     if getattr(transport, "device", None) is not None:
-        if device_ops is not None:
-            raise UsageError(f"the {transport.name} transport moves device buffers itself: it does not stage")
-        return None
-    if device_ops is None:
-        if not on_device:
-            return None
-        devices = sorted({d for _, d in on_device})
-        other = [(n, d) for n, d in on_device if not d.startswith("cuda")]
-        if other:
-            raise ValidationError(problems=[f"rank {rank}: local tensor {n!r} is on {d}: host transports stage CUDA "
-                                            "tensors only (hand host memory or CUDA tensors)" for n, d in other[:20]])
-        if len(devices) > 1:
-            raise ValidationError(problems=[f"rank {rank}: local tensors on several devices ({', '.join(devices)}): "
-                                            "one executor stages through one device"])
-        device_ops = CudaOps(devices[0])
-    strays = [n for n, v in every if not device_ops.owns(v)]
-    if strays:
-        raise ValidationError(problems=[
-            f"rank {rank}: local tensor {n!r} is not on the {device_ops.name} device the other local tensors are "
-            "on: hand every local tensor on one device, or all in host memory" for n in strays[:20]])
-    return device_ops
+        return [f"the {transport.name} transport moves device buffers itself: it does not stage"] \
+            if device_ops is not None else []
+    every = [(n, v) for ts in tensors for n, v in ts.items()]
+    if device_ops is not None:
+        return [f"local tensor {n!r} is not on the {device_ops.name} device the other local tensors are on: hand "
+                "every local tensor on one device, or all in host memory" for n, v in every if not device_ops.owns(v)]
+    devices = sorted({_where(v) for _, v in every} - {"cpu"})
+    other = [f"local tensor {n!r} is on {_where(v)}: host transports stage CUDA tensors only (hand host memory or "
+             "CUDA tensors)" for n, v in every if _where(v) != "cpu" and not _where(v).startswith("cuda")]
+    if other or not devices:
+        return other
+    if len(devices) > 1:
+        return [f"local tensors on several devices ({', '.join(devices)}): one rank stages through one device"]
+    return [f"local tensor {n!r} is in host memory, the others on {devices[0]}: hand every local tensor on one "
+            "device, or all in host memory" for n, v in every if _where(v) == "cpu"]
+
+
+def device_ops_for(transport: Any, tensors: Sequence[Mapping[str, Any]], device_ops: DeviceOps | None,
+                   rank: int) -> DeviceOps | None:
+    """The device ops that stage ``tensors`` over ``transport``, or None when they need none.
+
+    ``device_ops`` given: every local tensor must be its kind. Otherwise CUDA tensors over a host
+    transport are staged through ``CudaOps``. A transport with a device of its own (NCCL) moves
+    device buffers directly and never stages. Anything else is refused, one line per problem.
+    """
+    problems = staging_problems(transport, tensors, device_ops)
+    if problems:
+        raise ValidationError(problems=[f"rank {rank}: {p}" for p in problems[:50]])
+    if getattr(transport, "device", None) is not None or device_ops is not None:
+        return device_ops
+    devices = sorted({_where(v) for ts in tensors for v in ts.values()} - {"cpu"})
+    return CudaOps(devices[0]) if devices else None

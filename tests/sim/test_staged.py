@@ -420,3 +420,25 @@ def test_a_device_other_than_cuda_is_refused_by_name() -> None:
     with pytest.raises(ValidationError) as e:
         Executor(hub.endpoints()[0], plan, build_schedule(plan, 96), tensors)
     assert "local tensor 'w' is on meta: host transports stage CUDA tensors only" in str(e.value)
+
+
+def test_session_refuses_a_host_tensor_among_device_tensors_on_every_rank() -> None:
+    """One receiver hands a numpy array among its fake-device tensors: every rank of both jobs
+    is refused with that rank's line, before any byte moves (no rank waits for a failed one)."""
+    arrays = {"w": ((8, 4), "float32"), "b": ((4,), "float32")}
+    src = lay_out(arrays, Mesh(("tp",), (2,)), {"w": (Shard(0),), "b": (Replicate(),)})
+    dst = lay_out(arrays, Mesh(("tp",), (2,)), {"w": (Shard(1),), "b": (Replicate(),)})
+    srcs = make_source_tensors(src, oracle_arrays(arrays))
+    dsts = empty_dest_tensors(dst)
+
+    def act(s: Any, r: int) -> Any:
+        if s.role == "send":
+            return s.push(srcs[r])
+        return s.pull({"w": torch.from_numpy(dsts[r]["w"]), "b": dsts[r]["b"]} if r == 1 else
+                      {n: torch.from_numpy(a) for n, a in dsts[r].items()})
+
+    _, errors = run_sessions(src, dst, act,
+                             options_of=lambda role: {"device_ops": FakeDeviceOps()} if role == "recv" else {})
+    assert sorted(errors) == [0, 1, 2, 3]
+    assert all("receiver rank 1 (global 3): local tensor 'b' is not on the fake device" in str(e) for e in errors.values()), errors
+    assert not any(a.any() for ts in dsts.values() for a in ts.values())
