@@ -174,6 +174,9 @@ def _three_pushes(plan: Plan, ranks: Ranks) -> None:
             stats = ranks.push(step)
             assert {g: ops.allocations for g, ops in ranks.ops.items()} == after_first
             assert sum(s.staged_bytes for s in stats.values()) == 2 * plan.stats().moved_bytes
+            for g in range(ranks.pair.src.world_size):  # double buffering: two slots in use at once
+                mine = ranks.ex[g].mine
+                assert len(mine) < 2 or stats[g].peak_buffer_bytes >= mine[0].nbytes + mine[1].nbytes
         assert all(ops.submitted > submitted[g] for g, ops in ranks.ops.items())  # the device did the work
         assert {g: {n: t.data_ptr() for n, t in ts.items()} for g, ts in ranks.tensors.items()} == ptrs
         assert {g: [h.data_ptr() for h in ex._stager.host + ex._stager.device]  # type: ignore[union-attr]
