@@ -48,8 +48,9 @@ from .delta import (
     encode,
     host_array,
 )
+from .device_ops import DeviceOps
 from .plan import Plan, Transfer
-from .staging import DeviceOps, Part, Program, Stager, build_program, device_ops_for
+from .staging import Part, Program, Stager, build_program, device_ops_for
 from .transport.base import ABORT_POLL_INTERVAL, Request, Transport
 
 __all__ = ["DEFAULT_BUCKET", "ExecStats", "Executor", "Message", "build_schedule", "byte_view", "host_bytes",

@@ -125,7 +125,7 @@ class RefitSession:
     #: after the first push, send what changed since the last one (on if either job asks)
     delta: bool = False
     #: what stages device tensors over mpi/gloo (``streamer.staging``); None: CUDA tensors are
-    #: staged through pinned host buckets on their device (tests pass a ``FakeDeviceOps``)
+    #: staged through pinned host buckets on their device (tests pass a ``device_ops.FakeDeviceOps``)
     device_ops: Any = None
     steps: list[StepStats] = field(default_factory=list)
 

@@ -25,6 +25,7 @@ from formats.layouts import Replicate, Shard, build_manifest, parse_mesh
 from formats.manifest import Chunk, Source
 from streamer import staging
 from streamer.buffers import byte_view
+from streamer.device_ops import FakeDeviceOps
 from streamer.execute import Executor, build_schedule
 from streamer.plan import plan_transfers
 
@@ -124,7 +125,7 @@ def main(kind: str, device: str) -> int:
 
     tensors = {n: to_torch(a, n) for n, a in local_tensors(src, dst, r, S, 1).items()}
     ptrs = {n: v.data_ptr() for n, v in tensors.items()}
-    ops = staging.FakeDeviceOps(1e-4) if device == "fake" else None
+    ops = FakeDeviceOps(1e-4) if device == "fake" else None
     ex = Executor(t, plan, sched, tensors, timeout=60, device_ops=ops)
     try:
         fails = push_three_times(ex, tensors, src, dst, r, S, dev)

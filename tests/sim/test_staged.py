@@ -39,9 +39,10 @@ from formats.layouts import Mesh, Replicate, Shard
 from streamer import staging
 from streamer.buffers import byte_view, torch_byte_view
 from streamer.convert.cast import cast_bytes
+from streamer.device_ops import FakeDeviceOps
 from streamer.execute import ExecStats, Executor, build_schedule
 from streamer.plan import Plan, plan_transfers
-from streamer.staging import FakeDeviceOps, Part, build_program
+from streamer.staging import Part, build_program
 from streamer.transport.loopback import LoopbackHub
 
 DELAY = 2e-4  # each fake device op runs this late: a bucket used before its copy completed is stale
