@@ -283,6 +283,24 @@ def test_a_send_that_does_not_wait_for_its_copy_is_caught() -> None:
         ranks.close()
 
 
+def test_a_hung_device_copy_times_out_by_name() -> None:
+    """A device copy that does not complete ends the push after the timeout, saying so instead
+    of blaming a peer."""
+    plan, pair = _tp2_to_dp2tp2()
+    ranks = Ranks(plan, pair, bucket=96, verify=False)
+    slow = FakeDeviceOps(2.0)
+    ranks.ops[0] = slow
+    ranks.ex[0]._stager.ops = slow  # type: ignore[union-attr]
+    for ex in ranks.ex.values():
+        ex.timeout = 0.5
+    try:
+        with pytest.raises(AssertionError) as e:
+            ranks.push(1)
+        assert "rank 0: timed out after 0.5 s waiting for the device copies of" in str(e.value.__cause__)
+    finally:
+        ranks.close()
+
+
 # --------------------------------------------------------------------------- device programs
 
 
