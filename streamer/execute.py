@@ -442,8 +442,8 @@ class Executor:
         what senders send is kept as their next base."""
         run = _Run(ExecStats())
         t0 = time.perf_counter()
-        staged0 = self._begin_staging(delta)
         self._local_copies(run.st)
+        staged0 = self._begin_staging(delta)  # after the local copies: forwards may read their bytes
         i = 0
         last = time.monotonic()
         sleep = 0.0

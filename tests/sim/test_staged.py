@@ -36,6 +36,7 @@ from hypothesis import strategies as st
 from formats.box import Box
 from formats.errors import UsageError, ValidationError
 from formats.layouts import Mesh, Replicate, Shard
+from formats.manifest import ArraySpec, Chunk, Manifest, Source
 from streamer import staging
 from streamer.buffers import byte_view, torch_byte_view
 from streamer.convert.cast import cast_bytes
@@ -202,22 +203,33 @@ def min_row(n: int) -> Iterator[None]:
         staging.MIN_ROW_BYTES = old
 
 
+def _prefixed(m: Manifest, prefix: str) -> Manifest:
+    """``m`` with its local tensors renamed: a same-job rank holds both layouts' tensors."""
+    return m.with_arrays({fqn: ArraySpec(a.shape, a.data_type, tuple(
+        Chunk(c.region, c.holders, Source(tensor=prefix + c.tensor(fqn), offsets=(c.source or Source()).offsets))
+        for c in a.chunks)) for fqn, a in m.arrays.items()})
+
+
 @settings(max_examples=n_examples(16))
 @given(pair=random_layout_pair(max_ranks=5, max_dim=6), bucket=st.sampled_from([64, 1 << 20]),
        mix=st.sampled_from(["all", "senders", "receivers", "odd"]), zero_copy=st.booleans(),
-       row=st.sampled_from([1, 256]))
+       row=st.sampled_from([1, 256]), same_job=st.booleans())
 def test_random_layouts_staged_and_host_ranks_interoperate(pair: LayoutPair, bucket: int, mix: str,
-                                                           zero_copy: bool, row: int) -> None:
+                                                           zero_copy: bool, row: int, same_job: bool) -> None:
     """Random meshes, placements, dtypes (bf16, fp32, int64, uint8, bool; 0-d..4-d), phase-2
-    forwards; all ranks staged, or only senders, only receivers, or every other rank: the bucket
-    layout is the same on both paths, so a staged rank talks to a host rank."""
+    forwards, same-job reshards (local copies); all ranks staged, or only senders, only
+    receivers, or every other rank: the bucket layout is the same on both paths, so a staged rank
+    talks to a host rank."""
+    if same_job:
+        pair = LayoutPair(pair.arrays, pair.src, _prefixed(pair.dst, "dst:"), pair.src_domain_size,
+                          pair.dst_domain_size)
     with min_row(row):
-        _random_layouts(pair, bucket, mix, zero_copy)
+        _random_layouts(pair, bucket, mix, zero_copy, same_job)
 
 
-def _random_layouts(pair: LayoutPair, bucket: int, mix: str, zero_copy: bool) -> None:
+def _random_layouts(pair: LayoutPair, bucket: int, mix: str, zero_copy: bool, same_job: bool) -> None:
     plan = plan_transfers(pair.src, pair.dst, src_domain_size=pair.src_domain_size,
-                          dst_domain_size=pair.dst_domain_size, split_bytes=64)
+                          dst_domain_size=pair.dst_domain_size, split_bytes=64, same_job=same_job)
     S = pair.src.world_size
     staged = {"all": lambda g: True, "senders": lambda g: g < S, "receivers": lambda g: g >= S,
               "odd": lambda g: g % 2 == 1}[mix]
