@@ -114,6 +114,11 @@ def _poll_sleep() -> float:
     return v
 
 
+#: the bucket layout's version: refit sessions compare it with the plan digest, so that jobs
+#: that would lay out buckets differently (2: transfers grouped by local tensor) are refused
+SCHEDULE_VERSION = 2
+
+
 def _by_tensor(ts: Sequence[Transfer]) -> tuple[Transfer, ...]:
     """A bucket's transfers grouped by local tensor (destination, then source; stable): a device
     packs each group of one tensor with one index op (``streamer.staging``)."""

@@ -37,7 +37,7 @@ from formats.manifest import COMPACT_FORMAT_VERSION, Manifest, dumps_manifest, l
 
 from .baseline import gather_broadcast
 from .delta import DeltaPush, DeltaState
-from .execute import DEFAULT_BUCKET, ExecStats, Executor, build_schedule
+from .execute import DEFAULT_BUCKET, SCHEDULE_VERSION, ExecStats, Executor, build_schedule
 from .jobs import Group, connect
 from .local import check_local, collect_local
 from .plan import Plan, plan_transfers
@@ -181,7 +181,7 @@ class RefitSession:
         self._agree_options()
         self.plan: Plan = plan_transfers(self.src, self.dst, src_domain_size=self.src_domain_size,
                                          dst_domain_size=self.dst_domain_size, allow_extra=self.allow_extra)
-        digest = self.plan.digest() + f"|bucket={self.bucket_size}"
+        digest = self.plan.digest() + f"|bucket={self.bucket_size}|schedule={SCHEDULE_VERSION}"
         digests = self.transport.allgather_bytes(digest.encode(), self.timeout)
         bad = [i for i, d in enumerate(digests) if d.decode() != digest]
         if bad:
