@@ -13,6 +13,9 @@ messages (which come earlier in the order).
 
 In place. A message that is one contiguous region is sent from, or received into, the local
 tensor itself; others are packed once into a bucket buffer.
+
+Device tensors on a host transport (MPI, gloo) travel through ``streamer.staging``: every
+message goes through a slot (device bucket + pinned host bucket), packed on the device.
 """
 
 from __future__ import annotations
@@ -45,7 +48,9 @@ from .delta import (
     encode,
     host_array,
 )
+from .device_ops import DeviceOps
 from .plan import Plan, Transfer
+from .staging import Part, Program, Stager, build_program, device_ops_for
 from .transport.base import ABORT_POLL_INTERVAL, Request, Transport
 
 if TYPE_CHECKING:
@@ -112,6 +117,17 @@ def _poll_sleep() -> float:
     return v
 
 
+#: the bucket layout's version: refit sessions compare it with the plan digest, so that jobs
+#: that would lay out buckets differently (2: transfers grouped by local tensor) are refused
+SCHEDULE_VERSION = 2
+
+
+def _by_tensor(ts: Sequence[Transfer]) -> tuple[Transfer, ...]:
+    """A bucket's transfers grouped by local tensor (destination, then source; stable): a device
+    packs each group of one tensor with one index op (``streamer.staging``)."""
+    return tuple(sorted(ts, key=lambda t: (t.dst_tensor, t.src_tensor)))
+
+
 def _bucket(ts: Sequence[Transfer], phase: int, s: int, d: int, bucket_size: int,
             shape_of: Any) -> list[Message]:
     msgs: list[Message] = []
@@ -124,12 +140,12 @@ def _bucket(ts: Sequence[Transfer], phase: int, s: int, d: int, bucket_size: int
             msgs.append(Message(phase, s, d, len(msgs), (t,), t.nbytes))
             continue
         if cur and size + t.nbytes > bucket_size:
-            msgs.append(Message(phase, s, d, len(msgs), tuple(cur), size))
+            msgs.append(Message(phase, s, d, len(msgs), _by_tensor(cur), size))
             cur, size = [], 0
         cur.append(t)
         size += t.nbytes
     if cur:
-        msgs.append(Message(phase, s, d, len(msgs), tuple(cur), size))
+        msgs.append(Message(phase, s, d, len(msgs), _by_tensor(cur), size))
     return msgs
 
 
@@ -212,6 +228,8 @@ class ExecStats:
     verify_seconds: float = 0.0
     #: delta messages per encoding ("same", "sparse", "zstd", "raw")
     encodings: dict[str, int] = field(default_factory=dict)
+    #: device tensors on a host transport: bytes copied between the device and the pinned buckets
+    staged_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -246,12 +264,16 @@ class Executor:
     source and a destination and the two layouts may use the same local names). ``quant``, on a
     sending rank, packs the FP8 bytes and scales of weights quantized on the sender
     (``quant_refit``).
+
+    Device tensors (CUDA, or any kind ``device_ops`` stands for) over a host transport are staged
+    through pinned host buckets (``streamer.staging``); NCCL moves them directly.
     """
 
     def __init__(self, transport: Transport, plan: Plan, schedule: Sequence[Message],
                  tensors: Mapping[str, Any], *, timeout: float = 300.0, window: int = 2,
                  verify: bool = False, peer_names: Any = None,
-                 dst_tensors: Mapping[str, Any] | None = None, quant: SenderQuant | None = None) -> None:
+                 dst_tensors: Mapping[str, Any] | None = None, quant: SenderQuant | None = None,
+                 device_ops: DeviceOps | None = None) -> None:
         self.t = transport
         self.quant = quant
         self.plan = plan
@@ -261,8 +283,10 @@ class Executor:
         self.verify = verify
         self.peer_names = peer_names
         self.casts: Mapping[str, tuple[str, str]] = plan.casts
-        # buffers of the transport's own kind: numpy for MPI, torch (maybe on a GPU) for gloo/NCCL
-        view = transport.byte_view
+        ops = device_ops_for(transport, [tensors, dst_tensors or {}], device_ops, self.rank)
+        # buffers of the transport's own kind: numpy for MPI, torch (maybe on a GPU) for gloo/NCCL;
+        # staged device tensors are viewed on their device
+        view = transport.byte_view if ops is None else torch_byte_view
         self.src_views = {name: view(x) for name, x in tensors.items()}
         self.dst_views = self.src_views if dst_tensors is None else {n: view(x) for n, x in dst_tensors.items()}
         self.mine = [m for m in schedule if m.src == self.rank or m.dst == self.rank]
@@ -272,8 +296,11 @@ class Executor:
                       if plan.same_job else [])
         bucket = max((m.nbytes for m in self.mine), default=0)
         # at most `window` bucket buffers, allocated once and reused every push
-        self._slots = [transport.alloc(bucket) for _ in range(min(self.window, len(self.mine)))]
-        self._free = list(range(len(self._slots)))
+        nslots = min(self.window, len(self.mine))
+        self._stager = None if ops is None else Stager(ops, transport, nslots, bucket)
+        self._programs: dict[tuple[int, bool], Program] = {}
+        self._slots = [transport.alloc(bucket) for _ in range(nslots)] if ops is None else []
+        self._free = list(range(nslots))
         self._check_tensors()
 
     def _check_tensors(self) -> None:
@@ -443,6 +470,7 @@ class Executor:
         run = _Run(ExecStats())
         t0 = time.perf_counter()
         self._local_copies(run.st)
+        staged0 = self._begin_staging(delta)  # after the local copies: forwards may read their bytes
         i = 0
         last = time.monotonic()
         sleep = 0.0
@@ -476,6 +504,8 @@ class Executor:
                 time.sleep(sleep)
             sleep = min(nap, sleep + 2e-5)
         st = run.st
+        if self._stager is not None:
+            st.staged_bytes = self._stager.staged_bytes - staged0
         if self.verify:
             t1 = time.perf_counter()
             st.verified_regions, bad = self._verify()
@@ -486,6 +516,17 @@ class Executor:
             # after a delta push a wrong region is wrong data (exit 1), else a transport failure
             raise (TransportError if delta is None else DeltaChecksumError)(problems=run.problems)
         return st
+
+    def _begin_staging(self, delta: DeltaPush | None) -> int:
+        """Device tensors: the staging stream waits for the caller's work on them; returns the
+        bytes staged so far."""
+        if self._stager is None:
+            return 0
+        if delta is not None:
+            raise UsageError(f"rank {self.rank}: delta pushes encode on the host: device tensors are not supported "
+                             "with them yet")
+        self._stager.ops.begin()
+        return self._stager.staged_bytes
 
     def _local_copies(self, st: ExecStats) -> None:
         """A same-job reshard: the bytes already on this rank move without the transport."""
@@ -502,6 +543,8 @@ class Executor:
         send = m.src == self.rank
         if send and m.phase == 2 and not all(d in run.done for d in m.deps):
             return False  # its bytes are still arriving (earlier in the global order)
+        if self._stager is not None:
+            return self._post_staged(m, send, run)
         is_delta = delta is not None and delta.is_delta(m.src, m.dst)
         buf = None if is_delta else self._inplace(m, send)
         slot = -1
@@ -525,6 +568,37 @@ class Executor:
         run.active.append(_Active(m, req, buf, not send, slot))
         return True
 
+    def _post_staged(self, m: Message, send: bool, run: _Run) -> bool:
+        """A message of device tensors: through a free slot, packed or unpacked on the device."""
+        if not self._free or self._stager is None:
+            return False  # every slot is in use: wait for one
+        slot = self._free.pop()
+        run.in_use += m.nbytes
+        run.st.peak_buffer_bytes = max(run.st.peak_buffer_bytes, run.in_use)
+        prog = self._program(m, send)
+        if send:
+            run.st.cast_bytes += sum(tr.nbytes for tr in m.transfers if self._cast_of(tr) is not None)
+        req = self._stager.send(m, slot, prog) if send else self._stager.recv(m, slot, prog)
+        run.active.append(_Active(m, req, None, not send, slot))
+        return True
+
+    def _program(self, m: Message, send: bool) -> Program:
+        """``m``'s copy program on this side, built at its first push (index tensors included)."""
+        key = (m.uid, send)
+        prog = self._programs.get(key)
+        if prog is None:
+            assert self._stager is not None
+            parts, off = [], 0
+            for tr in m.transfers:
+                if send:
+                    view = (self.dst_views if tr.phase == 2 else self.src_views)[tr.src_tensor]
+                    parts.append(Part(view, tr.src_box, off, tr.nbytes, self._cast_of(tr)))
+                else:
+                    parts.append(Part(self.dst_views[tr.dst_tensor], tr.dst_box, off, tr.nbytes))
+                off += tr.nbytes
+            prog = self._programs[key] = build_program(parts, self._stager.ops)
+        return prog
+
     def _complete(self, a: _Active, run: _Run, delta: DeltaPush | None) -> None:
         """A finished message: unpack (or apply its delta), count it, free its slot."""
         st = run.st
@@ -533,7 +607,7 @@ class Executor:
             if isinstance(a.req, DeltaRecv):
                 assert delta is not None
                 run.problems += self._delta_apply(a.msg, a.req, delta, st)
-            elif a.slot >= 0:
+            elif a.slot >= 0 and self._stager is None:  # staged receives unpacked on the device
                 self._unpack(a.msg, a.buf)  # type: ignore[arg-type]
             st.bytes_received += wire
             st.full_bytes_received += a.msg.nbytes
@@ -549,6 +623,12 @@ class Executor:
 
     def _stalled(self, active: Sequence[_Active]) -> PeerTimeoutError:
         """The timeout, naming the silent peers (and, for a late forwarder, whom it waits for)."""
+        stuck = [a for a in active if getattr(a.req, "on_device", False)]
+        if stuck:
+            for a in active:
+                a.req.cancel()
+            return PeerTimeoutError(f"rank {self.rank}: timed out after {self.timeout:g} s waiting for the device "
+                                    f"copies of {len(stuck)} message(s) (the device is hung or too busy)")
         peers = sorted({a.msg.src if a.is_recv else a.msg.dst for a in active})
         name0 = self.peer_names or (lambda p: f"rank {p}")
         upstream: dict[int, set[int]] = defaultdict(set)

@@ -44,12 +44,13 @@ from formats.manifest import COMPACT_FORMAT_VERSION, Manifest, dumps_manifest, l
 from .baseline import gather_broadcast
 from .convert.quantize import FP8_BLOCK
 from .delta import DeltaPush, DeltaState
-from .execute import DEFAULT_BUCKET, ExecStats, Executor
+from .execute import DEFAULT_BUCKET, SCHEDULE_VERSION, ExecStats, Executor
 from .jobs import Group, connect
 from .local import check_local, collect_local
 from .quant_refit import ReceiverQuant, RefitQuant, SenderQuant, refit_quant, refit_quant_report
 from .rankstart import input_digests, input_problems, plan_own
 from .replicas import replica_digests, replica_problems
+from .staging import staging_problems
 from .transport.base import Transport
 
 __all__ = ["RefitSession", "RefusedError", "StepStats", "make_transport"]
@@ -137,6 +138,9 @@ class RefitSession:
     #: the other job asks), and UE8M0 power-of-two scales (on if either job asks)
     fp8_block: tuple[int, int] | None = None
     ue8m0: bool = False
+    #: what stages device tensors over mpi/gloo (``streamer.staging``); None: CUDA tensors are
+    #: staged through pinned host buckets on their device (tests pass a ``device_ops.FakeDeviceOps``)
+    device_ops: Any = None
     steps: list[StepStats] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -168,7 +172,7 @@ class RefitSession:
         ``transport``: "mpi" (default under mpiexec), "gloo" (default otherwise), "nccl", or a
         ``Transport``. ``control``: "auto", "mpi" or "store" (see ``jobs.connect``). ``options``:
         ``bucket_size``, ``verify``, ``strategy``, ``src_domain_size``, ``dst_domain_size``,
-        ``allow_extra``, ``planned_steps``, ``delta``, ``fp8_block``, ``ue8m0``.
+        ``allow_extra``, ``planned_steps``, ``delta``, ``fp8_block``, ``ue8m0``, ``device_ops``.
         """
         m = manifest if isinstance(manifest, Manifest) else load_manifest(manifest)
         group = group or connect(role, rendezvous=rendezvous, timeout=timeout, control=control)
@@ -210,7 +214,8 @@ class RefitSession:
         planner's version): a difference is refused on every rank, by name, before any plan."""
         mine = input_digests(self._texts[0], self._texts[1], {
             "bucket_size": self.bucket_size, "strategy": self.strategy, "src_domain_size": self.src_domain_size,
-            "dst_domain_size": self.dst_domain_size, "allow_extra": self.allow_extra})
+            "dst_domain_size": self.dst_domain_size, "allow_extra": self.allow_extra,
+            "schedule": SCHEDULE_VERSION})
         got = [json.loads(g) for g in self._t.allgather_bytes(json.dumps(mine).encode(), self.timeout)]
         problems = input_problems(got, lambda r: f"rank {r}")
         if problems:
@@ -331,6 +336,7 @@ class RefitSession:
         who = self.group.name(self._t.rank)
         problems = [f"{who}: {p}" for p in problems]
         problems += check_local(local, self._specs, who)
+        problems += self._device_problems(local, who)
         digests = {}
         if self.verify and self.role == "send" and not problems:
             digests = replica_digests(self.src, self.local_rank, local)
@@ -352,6 +358,23 @@ class RefitSession:
                        self._delta_state.base_bytes if self._delta_state else 0, es.encodings, quantize_s)
         self.steps.append(st)
         return st
+
+    def _device_problems(self, local: Mapping[str, Any], who: str) -> list[str]:
+        """Device tensors on a host transport: what the stager cannot take (refused on every rank
+        before any byte moves); only the reshard executor stages."""
+        on_device = sorted({str(v.device) for v in local.values()
+                            if getattr(getattr(v, "device", None), "type", "cpu") != "cpu"})
+        if self.device_ops is None and (not on_device or getattr(self._t, "device", None) is not None):
+            return []
+        problems = staging_problems(self._t, [local], self.device_ops)
+        if problems:
+            return [f"{who}: {p}" for p in problems]
+        what = f"device tensors ({', '.join(on_device) or self.device_ops.name})"
+        if self.delta:
+            return [f"{who}: {what} with --delta: deltas are encoded on the host (not yet for device tensors)"]
+        if self.strategy == "broadcast":
+            return [f"{who}: {what} with --strategy broadcast: the baseline moves host memory (use reshard)"]
+        return []
 
     def _delta_step(self, local: Mapping[str, Any], problems: list[str], digests: Mapping[str, int]) -> ExecStats:
         """A delta push: the agreement also exchanges each rank's version, so every rank takes the
@@ -396,7 +419,8 @@ class RefitSession:
         if self._executor is None or key != self._tensor_key:
             staging = self._recv_quant.staging if self._recv_quant is not None else {}
             self._executor = Executor(self._t, self.plan, self.schedule, {**tensors, **staging}, timeout=self.timeout,
-                                      verify=self.verify, peer_names=self.group.name, quant=self._send_quant)
+                                      verify=self.verify, peer_names=self.group.name, quant=self._send_quant,
+                                      device_ops=self.device_ops)
             self._tensor_key = key
         return self._executor
 
