@@ -98,7 +98,7 @@ class CudaIpcBackend:
             seg = len(self._kept)
             self._seg_of[key] = seg
             self._kept[seg] = (st, self._describe(st, flat.device))
-        ev = torch.cuda.Event()
+        ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
         ev.record(torch.cuda.current_stream(flat.device))
         return Exposure(seg, flat.storage_offset() * flat.element_size(), flat.numel(), self._kept[seg][1], pending=ev)
 
@@ -131,7 +131,7 @@ class CudaIpcBackend:
         d = json.loads(descriptor)
         dev = self._device_index(d["uuid"], d["device"])
         try:
-            st = torch.UntypedStorage._new_shared_cuda(  # type: ignore[attr-defined]
+            st = torch.UntypedStorage._new_shared_cuda(
                 dev, _unb64(d["handle"]), d["size"], d["offset"], _unb64(d["rc_handle"]), d["rc_offset"],
                 _unb64(d["event"]), d["event_sync"])
         except RuntimeError as e:
@@ -152,7 +152,7 @@ class CudaIpcBackend:
             raise TransportError(f"bytes [{offset}, {offset + nbytes}) lie outside its {src.numel()}-byte storage")
         out = _flat(dst)[:nbytes]
         out.copy_(src[offset:offset + nbytes], non_blocking=True)
-        ev = torch.cuda.Event()
+        ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
         ev.record(torch.cuda.current_stream(out.device))
         return ev
 

@@ -132,9 +132,12 @@ class _Send:
             t._out.advance(self.key)
         if not self.ack_req.test():
             return False
-        if int(self.ack[0]) != self.seq or int(self.ack[1]) != _OK:
+        if int(self.ack[0]) != self.seq:
+            raise TransportError(f"rank {t.rank}: {t.names(self.peer)} acked message {int(self.ack[0])} of tag "
+                                 f"{self.tag} where {self.seq} was due (a bug: please report)")
+        if int(self.ack[1]) != _OK:
             raise TransportError(f"rank {t.rank}: {t.names(self.peer)} refused message {self.seq} of tag {self.tag} "
-                                 f"(ack {self.ack.tolist()}; see its error)")
+                                 "(see its error)")
         if self.exp is not None:
             t.backend.release(self.exp)
         t._linger(self.hdr_req)
@@ -288,10 +291,10 @@ _BCAST_TAG = 13
 
 
 def _colocation_problems(kind: str, control: Transport, timeout: float, names: Any,
-                         local_problem: str) -> list[str]:
+                         local_problem: str, host: str | None = None) -> list[str]:
     """Every rank's host name and local problem (e.g. no CUDA), gathered: the same verdict everywhere."""
     got = [json.loads(x) for x in control.allgather_bytes(json.dumps(
-        {"host": socket.gethostname(), "problem": local_problem}).encode(), timeout)]
+        {"host": host or socket.gethostname(), "problem": local_problem}).encode(), timeout)]
     problems = [f"{names(r)}: --transport {kind}: {g['problem']}" for r, g in enumerate(got) if g["problem"]]
     hosts: dict[str, list[int]] = {}
     for r, g in enumerate(got):
