@@ -290,12 +290,22 @@ class HandleTransport:
 _BCAST_TAG = 13
 
 
+def _who(ranks: list[int], size: int, names: Any) -> str:
+    if len(ranks) == size:
+        return "every rank"
+    return ", ".join(names(r) for r in ranks[:4]) + (f" and {len(ranks) - 4} more" if len(ranks) > 4 else "")
+
+
 def _colocation_problems(kind: str, control: Transport, timeout: float, names: Any,
                          local_problem: str, host: str | None = None) -> list[str]:
     """Every rank's host name and local problem (e.g. no CUDA), gathered: the same verdict everywhere."""
     got = [json.loads(x) for x in control.allgather_bytes(json.dumps(
         {"host": host or socket.gethostname(), "problem": local_problem}).encode(), timeout)]
-    problems = [f"{names(r)}: --transport {kind}: {g['problem']}" for r, g in enumerate(got) if g["problem"]]
+    by_problem: dict[str, list[int]] = {}
+    for r, g in enumerate(got):
+        if g["problem"]:
+            by_problem.setdefault(g["problem"], []).append(r)
+    problems = [f"{_who(rs, len(got), names)}: --transport {kind}: {p}" for p, rs in by_problem.items()]
     hosts: dict[str, list[int]] = {}
     for r, g in enumerate(got):
         hosts.setdefault(g["host"], []).append(r)

@@ -9,8 +9,8 @@ container's small ``/dev/shm``.
 
 ``alloc`` buckets live in segments, so a packed message is exposed where it was packed. Any
 other buffer (a large region sent in place from a local tensor, a delta header) is first copied
-into a staging segment, taken from a pool that the acks refill: after the first push the same
-segments serve every push.
+into one of at most ``STAGING_SLOTS`` staging segments, as large as the largest bucket, which
+the acks free: after the first push the same segments serve every push.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import json
 import mmap
 import os
 import weakref
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,9 @@ from .handles import Exposure
 __all__ = ["ShmBackend", "Segment"]
 
 _PREFIX = "shardstream"
+#: staging segments in use at once: with the executor's two bucket slots, a sender's extra
+#: memory stays at four buckets whatever the number of in-place messages in flight
+STAGING_SLOTS = 2
 
 
 @dataclass
@@ -106,6 +110,9 @@ class ShmBackend:
         #: staging segments: all of them, and the free ones
         self.staging: list[Segment] = []
         self._free: list[Segment] = []
+        #: foreign buffers waiting for a staging segment, in isend order
+        self._waiting: deque[Exposure] = deque()
+        self._largest = 0
         #: peers' segments mapped here: (peer, segment id) -> (mapping, bytes)
         self._mapped: dict[tuple[int, int], tuple[mmap.mmap, np.ndarray]] = {}
         self._closed = False
@@ -119,6 +126,7 @@ class ShmBackend:
     def alloc(self, nbytes: int) -> np.ndarray:
         seg = _new_segment(next(self._ids), nbytes)
         self.buckets[seg.id] = seg
+        self._largest = max(self._largest, nbytes)
         array = seg.view()
         weakref.finalize(array, self._drop_bucket, seg.id)
         return array
@@ -147,26 +155,51 @@ class ShmBackend:
         if seg is not None:
             off = _address(flat) - seg.address
             return Exposure(seg.id, off, flat.nbytes, seg.descriptor())
-        stage = self._take_staging(flat.nbytes)
-        np.copyto(stage.view()[:flat.nbytes], flat)
-        return Exposure(stage.id, 0, flat.nbytes, stage.descriptor(), staged=stage)
+        # staged in isend order (FIFO), when a staging segment is free: the earliest message
+        # always gets one, so waiting cannot deadlock (the executor's order argument)
+        exp = Exposure(-1, 0, flat.nbytes, b"", pending=flat)
+        self._waiting.append(exp)
+        self._stage_waiting()
+        return exp
 
-    def _take_staging(self, nbytes: int) -> Segment:
+    def _stage_waiting(self) -> None:
+        while self._waiting:
+            exp = self._waiting[0]
+            stage = self._take_staging(exp.nbytes)
+            if stage is None:
+                return
+            np.copyto(stage.view()[:exp.nbytes], exp.pending)
+            exp.segment, exp.descriptor, exp.staged, exp.pending = stage.id, stage.descriptor(), stage, None
+            self._waiting.popleft()
+
+    def _take_staging(self, nbytes: int) -> Segment | None:
+        """A free staging segment of at least ``nbytes`` (at most ``STAGING_SLOTS`` exist, each as
+        large as the largest bucket, so they are made once), or None while all are in use."""
         fits = [s for s in self._free if s.nbytes >= nbytes]
         if fits:
             seg = min(fits, key=lambda s: s.nbytes)
             self._free.remove(seg)
             return seg
-        seg = _new_segment(next(self._ids), nbytes)
+        if len(self.staging) >= STAGING_SLOTS:
+            if not self._free:
+                return None
+            small = self._free.pop()  # too small for this message: make a larger one instead
+            self.staging.remove(small)
+            small.close()
+        seg = _new_segment(next(self._ids), max(nbytes, self._largest))
+        self._largest = max(self._largest, seg.nbytes)
         self.staging.append(seg)
         return seg
 
     def ready(self, exp: Exposure) -> bool:
-        return True  # numpy copies are done when they return
+        if exp.pending is not None:
+            self._stage_waiting()
+        return exp.pending is None  # numpy copies are complete when they return
 
     def release(self, exp: Exposure) -> None:
         if exp.staged is not None:
             self._free.append(exp.staged)
+            self._stage_waiting()
 
     # -- receiving: map a peer's segment once, copy out of it
     def attach(self, peer: int, segment: int, descriptor: bytes) -> None:
@@ -214,3 +247,4 @@ class ShmBackend:
         self.buckets.clear()
         self.staging.clear()
         self._free.clear()
+        self._waiting.clear()

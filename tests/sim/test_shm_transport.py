@@ -166,6 +166,19 @@ def test_stream_order_holds_when_tested_out_of_order() -> None:
     r.close()
 
 
+def test_staging_stays_bounded_with_many_sends_in_flight() -> None:
+    """Eight in-place sends in flight share the two staging segments, in isend order."""
+    s, r = _pair()
+    srcs = [np.full(3000 + i, i, dtype=np.uint8) for i in range(8)]
+    outs = [np.zeros(3000 + i, np.uint8) for i in range(8)]
+    reqs = [s.isend(x, 1, 2) for x in srcs] + [r.irecv(o, 0, 2) for o in outs]
+    wait_all(reqs, 5)
+    assert all((o == i).all() for i, o in enumerate(outs))
+    assert len(s.backend.staging) <= 2  # type: ignore[attr-defined]
+    s.close()
+    r.close()
+
+
 def test_too_small_receive_buffer_fails_both_ends() -> None:
     s, r = _pair()
     send = s.isend(s.alloc(64), 1, 1)
