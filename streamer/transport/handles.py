@@ -225,9 +225,11 @@ class _Recv:
 class HandleTransport:
     """``Transport`` over ``backend`` memory, with headers and acks over ``control`` (p2p-capable)."""
 
-    def __init__(self, backend: Backend, control: Transport, names: Any = None) -> None:
+    def __init__(self, backend: Backend, control: Transport, names: Any = None, *, own_control: bool = False) -> None:
         self.backend = backend
         self.ctrl = control
+        #: a control channel made for this transport (gloo on the store plane) closes with it
+        self._own_control = own_control
         self.rank, self.size = control.rank, control.size
         self.name = backend.name
         self.device = backend.device
@@ -284,6 +286,8 @@ class HandleTransport:
 
     def close(self) -> None:
         self.backend.close()
+        if self._own_control:
+            self.ctrl.close()
 
 
 #: the broadcast's data tag (the baseline's bucket broadcasts)
@@ -340,8 +344,11 @@ def open_handle_transport(kind: str, group: Any, timeout: float) -> HandleTransp
     except TransportError as e:
         problem = str(e)
     problems = _colocation_problems(kind, control, timeout, group.name, problem)
+    own = control is not group.control
     if problems or backend is None:
         if backend is not None:
             backend.close()
+        if own:
+            control.close()
         raise PlanError(problems=problems)
-    return HandleTransport(backend, control, group.name)
+    return HandleTransport(backend, control, group.name, own_control=own)

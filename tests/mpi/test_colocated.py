@@ -100,7 +100,7 @@ def test_bench_ipc_shm_tiny() -> None:
                PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
     import subprocess
 
-    p = subprocess.run([PY, "-m", "streamer.bench_ipc", "--transport", "shm", "--size", "8MiB", "--repeats", "2",
+    p = subprocess.run([PY, "-m", "streamer", "bench", "ipc", "--transport", "shm", "--size", "8MiB", "--repeats", "2",
                         "--json"], capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(p.stdout)
