@@ -100,7 +100,7 @@ def make_transport(kind: str | Transport | None, group: Group, timeout: float) -
                              "use --transport gloo (CPU) or nccl (GPU)")
         return group.control
     if kind in ("shm", "cuda-ipc"):  # colocated ranks: one-sided copies (transport/handles.py)
-        from .transport.handles import open_handle_transport
+        from .transport.colocated import open_handle_transport
 
         return open_handle_transport(kind, group, timeout)
     from .transport.torch_dist import TorchDistTransport

@@ -31,7 +31,8 @@ from formats.layouts import Mesh, Replicate, Shard
 from formats.manifest import Manifest
 from streamer.refit import RefitSession
 from streamer.transport.base import wait_all
-from streamer.transport.handles import HandleTransport, _colocation_problems
+from streamer.transport.colocated import _colocation_problems
+from streamer.transport.handles import HandleTransport
 from streamer.transport.loopback import LoopbackHub
 from streamer.transport.shm import ShmBackend
 
