@@ -65,7 +65,7 @@ def open_handle_transport(kind: str, group: Any, timeout: float) -> HandleTransp
         else:
             from .cuda_ipc import CudaIpcBackend
 
-            backend = CudaIpcBackend.for_rank(control.rank)
+            backend = CudaIpcBackend.for_rank(group.role_rank)
     except TransportError as e:
         problem = str(e)
     problems = _colocation_problems(kind, control, timeout, group.name, problem)

@@ -59,15 +59,16 @@ class CudaIpcBackend:
 
     @classmethod
     def for_rank(cls, rank: int) -> CudaIpcBackend:
-        """The device of this process: its local rank (launcher's variable) modulo the GPUs."""
+        """The device of this process: ``LOCAL_RANK`` when a launcher set it, else ``rank`` (its
+        rank in its own job: on one node, trainer rank i and server rank i share GPU i, as
+        colocated RL places them), modulo the visible GPUs."""
         try:
             import torch
         except ImportError as e:
             raise TransportError("torch is not installed") from e
         if not torch.cuda.is_available():
             raise TransportError("no CUDA device is visible (torch.cuda.is_available() is False)")
-        local = int(os.environ.get("LOCAL_RANK", os.environ.get(
-            "MPI_LOCALRANKID", os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", rank))))
+        local = int(os.environ.get("LOCAL_RANK", rank))
         device = torch.device("cuda", local % torch.cuda.device_count())
         torch.cuda.set_device(device)
         return cls(device)

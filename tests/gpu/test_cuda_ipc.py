@@ -3,6 +3,7 @@
 
 - ``RefitSession`` pushes of changing GPU tensors land byte for byte, written in place: the
   receivers' data pointers never change (captured CUDA graphs stay valid);
+- the generic transport suite (phase-2 forwards, verify, broadcast) on four processes;
 - ``shardstream refit --transport cuda-ipc`` (MPMD, 1 trainer rank + 2 server ranks on one GPU)
   saves exactly what the offline converter writes for the same layout;
 - the benchmark's cuda-ipc path runs and reports identical bytes.
@@ -46,6 +47,15 @@ def _run(cmd: list[str], timeout: float = 240) -> subprocess.CompletedProcess[st
 def test_session_on_one_gpu_in_place(n: int) -> None:
     env_one = dict(ENV, CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0])
     p = subprocess.run([MPIEXEC, "-n", str(n), sys.executable, str(ROOT / "tests/mpi/ipc_worker.py"), "cuda-ipc"],
+                       capture_output=True, text=True, timeout=240, env=env_one, cwd=ROOT)
+    assert p.returncode == 0 and p.stdout.strip().endswith("OK"), p.stdout[-3000:] + p.stderr[-3000:]
+
+
+def test_transport_suite_on_one_gpu() -> None:
+    """The generic transport suite (a plan with phase-2 forwards, verify, the broadcast) over
+    cuda-ipc, four processes on one GPU."""
+    env_one = dict(ENV, CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0])
+    p = subprocess.run([MPIEXEC, "-n", "4", sys.executable, str(ROOT / "tests/mpi/transport_worker.py"), "cuda-ipc"],
                        capture_output=True, text=True, timeout=240, env=env_one, cwd=ROOT)
     assert p.returncode == 0 and p.stdout.strip().endswith("OK"), p.stdout[-3000:] + p.stderr[-3000:]
 

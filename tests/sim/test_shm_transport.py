@@ -191,6 +191,9 @@ def test_too_small_receive_buffer_fails_both_ends() -> None:
         wait_all([send], 5)
     s.close()
     r.close()
+    del s, r, send, recv
+    gc.collect()
+    assert _memfds() == [], "segments still open or mapped after a failed transfer and close"
 
 
 def test_ranks_on_two_hosts_are_refused() -> None:
