@@ -26,7 +26,7 @@ from formats.errors import TransportError
 
 from .handles import Exposure
 
-__all__ = ["CudaIpcBackend"]
+__all__ = ["CudaIpcBackend", "TorchCudaIpc"]
 
 
 def _b64(x: bytes | None) -> str | None:
@@ -37,10 +37,50 @@ def _unb64(x: str | None) -> bytes | None:
     return None if x is None else base64.b64decode(x)
 
 
-def _uuid(index: int) -> str:
-    import torch
+class TorchCudaIpc:
+    """The device primitives: share a storage, open a peer's, record an event (torch's CUDA IPC).
+    Tests stand in a CPU version (the same backend code, CPU tensors standing in)."""
 
-    return str(getattr(torch.cuda.get_device_properties(index), "uuid", index))
+    device_type = "cuda"
+
+    def __init__(self) -> None:
+        self._uuids: dict[str, int] = {}
+
+    @staticmethod
+    def _uuid(index: int) -> str:
+        import torch
+
+        return str(getattr(torch.cuda.get_device_properties(index), "uuid", index))
+
+    def share(self, st: Any) -> dict[str, Any]:
+        """How a peer opens storage ``st``: its allocation's IPC handle, offset and size."""
+        dev, handle, size, offset, rc_handle, rc_offset, ev_handle, ev_sync = st._share_cuda_()
+        return {"uuid": self._uuid(int(dev)), "device": int(dev), "handle": _b64(handle), "size": int(size),
+                "offset": int(offset), "rc_handle": _b64(rc_handle), "rc_offset": int(rc_offset),
+                "event": _b64(ev_handle), "event_sync": bool(ev_sync)}
+
+    def open(self, d: dict[str, Any]) -> Any:
+        """A peer's storage, opened in this process (on the GPU with the same UUID)."""
+        import torch
+
+        if not self._uuids:
+            self._uuids = {self._uuid(i): i for i in range(torch.cuda.device_count())}
+        dev = self._uuids.get(d["uuid"], d["device"])
+        try:
+            return torch.UntypedStorage._new_shared_cuda(
+                dev, _unb64(d["handle"]), d["size"], d["offset"], _unb64(d["rc_handle"]), d["rc_offset"],
+                _unb64(d["event"]), d["event_sync"])
+        except RuntimeError as e:
+            raise TransportError(f"cannot open its CUDA IPC handle on cuda:{dev} ({str(e).splitlines()[0][:200]}): "
+                                 "both processes must run on one node and see the same GPUs") from e
+
+    def event(self, device: Any) -> Any:
+        """An event recorded now on ``device``'s current stream (``query()`` once the work before it is done)."""
+        import torch
+
+        ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        ev.record(torch.cuda.current_stream(device))
+        return ev
 
 
 class CudaIpcBackend:
@@ -48,14 +88,14 @@ class CudaIpcBackend:
 
     name = "cuda-ipc"
 
-    def __init__(self, device: Any) -> None:
+    def __init__(self, device: Any, ipc: Any = None) -> None:
         self.device = device
+        self.ipc = ipc or TorchCudaIpc()
         #: exposed storages: (data pointer, bytes) -> segment id, and the storages kept alive
         self._seg_of: dict[tuple[int, int], int] = {}
         self._kept: dict[int, tuple[Any, bytes]] = {}
         #: peers' storages opened here: (peer, segment) -> uint8 tensor over the whole storage
         self._mapped: dict[tuple[int, int], Any] = {}
-        self._uuids: dict[str, int] = {}
 
     @classmethod
     def for_rank(cls, rank: int) -> CudaIpcBackend:
@@ -78,7 +118,7 @@ class CudaIpcBackend:
         from ..buffers import torch_byte_view
 
         v = torch_byte_view(tensor)
-        if v.device.type != "cuda":
+        if v.device.type != self.ipc.device_type:
             raise ValueError("the cuda-ipc transport moves GPU tensors: move the local tensors to a CUDA device")
         return v
 
@@ -89,26 +129,16 @@ class CudaIpcBackend:
 
     # -- sending
     def expose(self, buf: Any) -> Exposure:
-        import torch
-
-        flat = _flat(buf)
+        flat = _flat(buf, self.ipc.device_type)
         st = flat.untyped_storage()
         key = (st.data_ptr(), st.nbytes())
         seg = self._seg_of.get(key)
         if seg is None:
             seg = len(self._kept)
             self._seg_of[key] = seg
-            self._kept[seg] = (st, self._describe(st, flat.device))
-        ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        ev.record(torch.cuda.current_stream(flat.device))
-        return Exposure(seg, flat.storage_offset() * flat.element_size(), flat.numel(), self._kept[seg][1], pending=ev)
-
-    @staticmethod
-    def _describe(st: Any, device: Any) -> bytes:
-        dev, handle, size, offset, rc_handle, rc_offset, ev_handle, ev_sync = st._share_cuda_()
-        return json.dumps({"uuid": _uuid(int(dev)), "device": int(dev), "handle": _b64(handle), "size": int(size),
-                           "offset": int(offset), "rc_handle": _b64(rc_handle), "rc_offset": int(rc_offset),
-                           "event": _b64(ev_handle), "event_sync": bool(ev_sync)}).encode()
+            self._kept[seg] = (st, json.dumps(self.ipc.share(st)).encode())
+        return Exposure(seg, flat.storage_offset() * flat.element_size(), flat.numel(), self._kept[seg][1],
+                        pending=self.ipc.event(flat.device))
 
     def ready(self, exp: Exposure) -> bool:
         return bool(exp.pending.query())
@@ -117,28 +147,14 @@ class CudaIpcBackend:
         pass  # storages stay exposed for the session
 
     # -- receiving
-    def _device_index(self, uuid: str, fallback: int) -> int:
-        import torch
-
-        if not self._uuids:
-            self._uuids = {_uuid(i): i for i in range(torch.cuda.device_count())}
-        return self._uuids.get(uuid, fallback)
-
     def attach(self, peer: int, segment: int, descriptor: bytes) -> None:
         if (peer, segment) in self._mapped:
             return
         import torch
 
         d = json.loads(descriptor)
-        dev = self._device_index(d["uuid"], d["device"])
-        try:
-            st = torch.UntypedStorage._new_shared_cuda(
-                dev, _unb64(d["handle"]), d["size"], d["offset"], _unb64(d["rc_handle"]), d["rc_offset"],
-                _unb64(d["event"]), d["event_sync"])
-        except RuntimeError as e:
-            raise TransportError(f"cannot open its CUDA IPC handle on cuda:{dev} ({str(e).splitlines()[0][:200]}): "
-                                 "both processes must run on one node and see the same GPUs") from e
-        whole = torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", dev))
+        st = self.ipc.open(d)
+        whole = torch.empty(0, dtype=torch.uint8, device=st.device)
         whole.set_(st, 0, (d["size"],), (1,))
         self._mapped[(peer, segment)] = whole
 
@@ -146,16 +162,13 @@ class CudaIpcBackend:
         return (peer, segment) in self._mapped
 
     def copy(self, dst: Any, peer: int, segment: int, offset: int, nbytes: int) -> Any:
-        import torch
 
         src = self._mapped[(peer, segment)]
         if offset < 0 or offset + nbytes > src.numel():
             raise TransportError(f"bytes [{offset}, {offset + nbytes}) lie outside its {src.numel()}-byte storage")
-        out = _flat(dst)[:nbytes]
+        out = _flat(dst, self.ipc.device_type)[:nbytes]
         out.copy_(src[offset:offset + nbytes], non_blocking=True)
-        ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        ev.record(torch.cuda.current_stream(out.device))
-        return ev
+        return self.ipc.event(out.device)
 
     def copied(self, token: Any) -> bool:
         return bool(token.query())
@@ -166,11 +179,11 @@ class CudaIpcBackend:
         self._seg_of.clear()
 
 
-def _flat(buf: Any) -> Any:
+def _flat(buf: Any, device_type: str = "cuda") -> Any:
     """A CUDA uint8 view of ``buf`` (never a copy: a receive must land in the caller's memory)."""
     import torch
 
-    if not isinstance(buf, torch.Tensor) or buf.device.type != "cuda":
+    if not isinstance(buf, torch.Tensor) or buf.device.type != device_type:
         raise TransportError("the cuda-ipc transport moves GPU tensors only (got host memory)")
     try:
         return buf.view(-1).view(torch.uint8)

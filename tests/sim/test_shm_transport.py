@@ -36,8 +36,9 @@ from streamer.transport.handles import HandleTransport
 from streamer.transport.loopback import LoopbackHub
 from streamer.transport.shm import ShmBackend
 
-# "w" rows are 1 KiB and its shards >= 256 KiB: sent in place (staged); the rest is packed
-ARRAYS = {"w": ((768, 256), "float32"), "v": ((64, 96), "bfloat16"), "b": ((96,), "float32"), "s": ((), "int64")}
+# "w" rows are 1 KiB: its regions (>= 256 KiB, at nonzero offsets in the local tensors) go in
+# place; the rest is packed
+ARRAYS = {"w": ((3072, 256), "float32"), "v": ((64, 96), "bfloat16"), "b": ((96,), "float32"), "s": ((), "int64")}
 
 
 def _manifests() -> tuple[Manifest, Manifest]:
@@ -211,3 +212,69 @@ def test_ranks_on_two_hosts_are_refused() -> None:
     assert out[0] == out[1] == out[2] == [
         "--transport cuda-ipc needs every rank of both jobs on one node, but they run on 2 hosts "
         "(node-a: rank 0, rank 1; node-b: rank 2); use nccl, gloo or mpi across nodes"]
+
+
+class CpuIpc:
+    """CPU tensors standing in for GPU ones in the cuda-ipc backend: "sharing" a storage registers
+    it, "opening" finds it (the ranks are threads of one process), events are done at once. So the
+    backend's own code (storages, offsets, the mapped views, in-place copies) runs on any CPU."""
+
+    device_type = "cpu"
+    registry: dict[int, Any] = {}
+
+    def share(self, st: Any) -> dict[str, Any]:
+        key = len(CpuIpc.registry)
+        CpuIpc.registry[key] = st
+        return {"handle": key, "size": st.nbytes()}
+
+    def open(self, d: dict[str, Any]) -> Any:
+        return CpuIpc.registry[d["handle"]]
+
+    def event(self, device: Any) -> Any:
+        class Done:
+            def query(self) -> bool:
+                return True
+        return Done()
+
+
+def test_cuda_ipc_backend_with_cpu_tensors_standing_in() -> None:
+    """The cuda-ipc backend through RefitSession, torch tensors, several pushes: byte for byte,
+    in place, with the trainer's own storages exposed once each (no staging)."""
+    torch = pytest.importorskip("torch")
+    from streamer.transport.cuda_ipc import CudaIpcBackend
+
+    src, dst = _manifests()
+    backends: dict[int, CudaIpcBackend] = {}
+
+    def transport_of(ep: Any) -> HandleTransport:
+        backends[ep.rank] = CudaIpcBackend(torch.device("cpu"), CpuIpc())
+        return HandleTransport(backends[ep.rank], ep)
+
+    def as_torch(ts: dict[str, np.ndarray]) -> dict[str, Any]:
+        return {n: torch.from_numpy(v).view(torch.bfloat16) if v.dtype == np.uint16 else torch.from_numpy(v)
+                for n, v in ts.items()}
+    full = oracle_arrays(ARRAYS)
+    src_np = make_source_tensors(src, full)
+    srcs = {r: as_torch(ts) for r, ts in src_np.items()}  # the same memory
+    dst_np = empty_dest_tensors(dst)
+    dsts = {r: as_torch(ts) for r, ts in dst_np.items()}
+    ptrs = {r: {n: v.data_ptr() for n, v in ts.items()} for r, ts in dsts.items()}
+    exposed: dict[int, list[int]] = {}
+
+    def act(s: RefitSession, r: int) -> Any:
+        for step in range(3):
+            if s.role == "send":
+                for n, v in make_source_tensors(src, _changed(full, step))[r].items():
+                    src_np[r][n][...] = v
+                s.push(srcs[r])
+            else:
+                s.pull(dsts[r])
+            exposed.setdefault(s._t.rank, []).append(len(backends[s._t.rank]._kept))
+        return None
+    _, errors = run_sessions(src, dst, act, transport_of=transport_of, verify=True)
+    assert not errors, errors
+    assert check_dest_tensors(dst, dst_np, _changed(full, 2)) == []  # the numpy views of the torch tensors
+    assert {r: {n: v.data_ptr() for n, v in ts.items()} for r, ts in dsts.items()} == ptrs
+    assert all(len(set(v)) == 1 for v in exposed.values()), exposed  # exposed once, in the first push
+    # the trainers' tensors were exposed, not only the two bucket slots
+    assert any(v[0] > 2 for g, v in exposed.items() if g < src.world_size), exposed
