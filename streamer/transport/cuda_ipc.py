@@ -45,6 +45,8 @@ class TorchCudaIpc:
 
     def __init__(self) -> None:
         self._uuids: dict[str, int] = {}
+        #: completed events, recorded again by later messages: no event is created after the first push
+        self._events: list[Any] = []
 
     @staticmethod
     def _uuid(index: int) -> str:
@@ -78,9 +80,16 @@ class TorchCudaIpc:
         """An event recorded now on ``device``'s current stream (``query()`` once the work before it is done)."""
         import torch
 
-        ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        ev = self._events.pop() if self._events else torch.cuda.Event()  # type: ignore[no-untyped-call]
         ev.record(torch.cuda.current_stream(device))
         return ev
+
+    def done(self, ev: Any) -> bool:
+        """Whether the work before ``ev`` completed; a completed event goes back to the pool."""
+        if not ev.query():
+            return False
+        self._events.append(ev)
+        return True
 
 
 class CudaIpcBackend:
@@ -141,7 +150,9 @@ class CudaIpcBackend:
                         pending=self.ipc.event(flat.device))
 
     def ready(self, exp: Exposure) -> bool:
-        return bool(exp.pending.query())
+        if exp.pending is not None and self.ipc.done(exp.pending):
+            exp.pending = None
+        return exp.pending is None
 
     def release(self, exp: Exposure) -> None:
         pass  # storages stay exposed for the session
@@ -171,7 +182,7 @@ class CudaIpcBackend:
         return self.ipc.event(out.device)
 
     def copied(self, token: Any) -> bool:
-        return bool(token.query())
+        return bool(self.ipc.done(token))  # called until it is True, then never again
 
     def close(self) -> None:
         self._mapped.clear()  # the peers' storages: their handles close with the last reference
