@@ -39,10 +39,10 @@ def host_bytes(t: Any) -> np.ndarray:
 
 
 def fill(t: Any, data: np.ndarray) -> None:
-    """Write ``data``'s bytes into tensor ``t`` in place (its device, its dtype)."""
+    """Write ``data``'s bytes into tensor (view) ``t`` in place (its device, its dtype)."""
     import torch
 
-    t.reshape(-1).view(torch.uint8).copy_(torch.from_numpy(np.ascontiguousarray(data).reshape(-1).view(np.uint8)))
+    t.copy_(torch.from_numpy(np.ascontiguousarray(data)).view(t.dtype).to(t.device))
 
 
 def main(kind: str) -> int:
