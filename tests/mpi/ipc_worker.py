@@ -42,7 +42,7 @@ def fill(t: Any, data: np.ndarray) -> None:
     """Write ``data``'s bytes into tensor (view) ``t`` in place (its device, its dtype)."""
     import torch
 
-    t.copy_(torch.from_numpy(np.ascontiguousarray(data)).view(t.dtype).to(t.device))
+    t.copy_(torch.from_numpy(np.array(data)).view(t.dtype).to(t.device))  # np.array keeps 0-d shapes
 
 
 def main(kind: str) -> int:
