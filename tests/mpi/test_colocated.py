@@ -107,3 +107,9 @@ def test_bench_ipc_shm_tiny() -> None:
     assert r["transport"] == "shm" and r["bytes"] == 8 << 20 and r["identical"] is True, r
     assert r["refit_gbps"] > 0 and r["floor_gbps"] > 0 and r["ratio_to_floor"] == pytest.approx(
         r["refit_gbps"] / r["floor_gbps"], rel=1e-6)
+
+
+@pytest.mark.skipif(_cuda(), reason="CUDA is available: the refusal is for machines without it")
+def test_bench_ipc_cuda_without_cuda_is_refused() -> None:
+    rc, so, se = run(["shardstream", "bench", "ipc", "--transport", "cuda-ipc", "--size", "1MiB"], timeout=120)
+    assert rc == 1 and "no CUDA device is visible" in se and "Traceback" not in se, se[-3000:]
