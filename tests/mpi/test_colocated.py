@@ -2,7 +2,8 @@
 twin of ``cuda-ipc`` that runs the same protocol code everywhere. Through ``RefitSession`` (in
 place, several pushes, no segment left behind) and through ``shardstream refit`` (bytes
 identical to the mpi transport's, MPMD and torchrun + store plane, a refused push ending both
-jobs fast); ``cuda-ipc`` refused in one line without CUDA; the benchmark's code path."""
+jobs fast, a killed trainer rank ending the server job within its timeout); ``cuda-ipc``
+refused in one line without CUDA; the benchmark's code path."""
 
 from __future__ import annotations
 
@@ -113,3 +114,50 @@ def test_bench_ipc_shm_tiny() -> None:
 def test_bench_ipc_cuda_without_cuda_is_refused() -> None:
     rc, so, se = run(["shardstream", "bench", "ipc", "--transport", "cuda-ipc", "--size", "1MiB"], timeout=120)
     assert rc == 1 and "no CUDA device is visible" in se and "Traceback" not in se, se[-3000:]
+
+
+def test_killed_sender_rank_over_shm_ends_the_server_job(ckpt: Ckpt, tmp_path: Path) -> None:
+    """Two jobs pushing for a long time over shm; SIGKILL one trainer rank. Every server rank
+    stops waiting within --timeout (a header or an ack that never comes) and the job exits
+    non-zero; no rank of either job survives, nothing is saved."""
+    import signal
+    import time
+
+    from mpi_helpers import Background, child_ranks, session_pids
+
+    T = 5
+    rdv, out = tmp_path / "rdv", tmp_path / "saved"
+    recv = Background(["mpiexec", "-n", "4", *RECV, "--manifest", ckpt.serve, "--rendezvous", rdv, "--save", out,
+                       "--timeout", T, "--steps", "1000000", "--transport", "shm"], tmp_path, "recv")
+    send = None
+    try:
+        deadline = time.monotonic() + 20
+        while not rdv.exists() and recv.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        send = Background(["mpiexec", "-n", "4", *SEND, "--manifest", ckpt.train, "--rendezvous", rdv, "--timeout",
+                           T, "--steps", "1000000", "--transport", "shm"], tmp_path, "send")
+        ranks: list[int] = []
+        deadline = time.monotonic() + 20
+        while (rdv.exists() or len(ranks) < 4) and time.monotonic() < deadline and send.poll() is None:
+            ranks = child_ranks(send.pid)
+            time.sleep(0.05)
+        assert not rdv.exists() and len(ranks) == 4, f"not connected: {ranks}\n{recv.stderr[-2000:]}"
+        time.sleep(1.0)
+        assert send.poll() is None and recv.poll() is None, f"{send.stderr[-2000:]}\n{recv.stderr[-2000:]}"
+        os.kill(ranks[1], signal.SIGKILL)
+        t0 = time.monotonic()
+        rc_recv = recv.wait(T + 15)
+        msg = f"recv rc {rc_recv} after {time.monotonic() - t0:.1f} s\n{recv.stderr[-2000:]}\n{send.stderr[-2000:]}"
+        assert rc_recv not in (None, 0), msg
+        if rc_recv == 3:  # shardstream's own path; MPICH may end a reader first (see test_killed_peer)
+            assert "timed out" in recv.stderr and "sender rank 1" in recv.stderr, msg
+        else:
+            assert rc_recv in (6, 9, 11, 15), msg
+        assert send.wait(10) not in (None, 0), msg
+        time.sleep(0.2)
+        assert session_pids(send.pid) == [] and session_pids(recv.pid) == [], msg
+        assert not (out / "manifest.json").exists()
+    finally:
+        if send is not None:
+            send.close()
+        recv.close()
