@@ -154,8 +154,8 @@ class RefitSession:
         """Join the refit as ``role`` ("send" or "recv") and plan it: the one collective entry point.
 
         ``transport``: "mpi" (default under mpiexec), "gloo" (default otherwise), "nccl", "shm" or
-        "cuda-ipc" (every rank on one node), or a ``Transport``. ``control``: "auto", "mpi" or "store" (see ``jobs.connect``). ``options``:
-        ``bucket_size``, ``verify``, ``strategy``, ``src_domain_size``, ``dst_domain_size``,
+        "cuda-ipc" (every rank on one node), or a ``Transport``. ``control``: "auto", "mpi" or
+        "store" (see ``jobs.connect``). ``options``: ``bucket_size``, ``verify``, ``strategy``, ``src_domain_size``, ``dst_domain_size``,
         ``allow_extra``, ``planned_steps``, ``delta``.
         """
         m = manifest if isinstance(manifest, Manifest) else load_manifest(manifest)
