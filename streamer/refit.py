@@ -155,8 +155,8 @@ class RefitSession:
 
         ``transport``: "mpi" (default under mpiexec), "gloo" (default otherwise), "nccl", "shm" or
         "cuda-ipc" (every rank on one node), or a ``Transport``. ``control``: "auto", "mpi" or
-        "store" (see ``jobs.connect``). ``options``: ``bucket_size``, ``verify``, ``strategy``, ``src_domain_size``, ``dst_domain_size``,
-        ``allow_extra``, ``planned_steps``, ``delta``.
+        "store" (see ``jobs.connect``). ``options``: ``bucket_size``, ``verify``, ``strategy``,
+        ``src_domain_size``, ``dst_domain_size``, ``allow_extra``, ``planned_steps``, ``delta``.
         """
         m = manifest if isinstance(manifest, Manifest) else load_manifest(manifest)
         group = group or connect(role, rendezvous=rendezvous, timeout=timeout, control=control)
