@@ -67,7 +67,7 @@ def _refit_row(transport: str, label: str, floor: float, env: dict[str, str]) ->
     except subprocess.TimeoutExpired:
         return label, "FAILED", "still running after 60 s"
     if p.returncode != 0:
-        return label, "FAILED", (p.stderr.strip().splitlines() or [f"exit code {p.returncode}"])[-1][:60]
+        return label, "FAILED", (p.stderr.strip().splitlines() or [f"exit code {p.returncode}"])[-1][:120]
     r = json.loads(p.stdout)
     same = "byte-identical" if r["identical"] else "BYTES DIFFER"
     return (label, f"{r['refit_gbps']:.1f}", f"{r['refit_gbps'] / floor:.2f}x the memcpy floor above; 512 MiB "
