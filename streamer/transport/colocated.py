@@ -66,7 +66,7 @@ def open_handle_transport(kind: str, group: Any, timeout: float) -> HandleTransp
             from .cuda_ipc import CudaIpcBackend
 
             backend = CudaIpcBackend.for_rank(group.role_rank)
-    except TransportError as e:
+    except (TransportError, RuntimeError, OSError) as e:  # every rank must reach the allgather below
         problem = str(e)
     problems = _colocation_problems(kind, control, timeout, group.name, problem)
     own = control is not group.control
