@@ -485,6 +485,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         r = bench.bench_validate(args.chunks)
         text = (f"bench validate: {r['chunks']} chunks ({r['manifest_bytes'] / 1e6:.1f} MB JSON): parse "
                 f"{r['parse_s']:.2f} s + validate {r['validate_s']:.2f} s = {r['total_s']:.2f} s (target <= 5 s)")
+    elif args.what == "ipc":  # colocated refit: 1 + 1 ranks on one node (one GPU for cuda-ipc)
+        from .bench_ipc import bench_ipc, ipc_text
+
+        r = bench_ipc(args.transport, size=args.size, repeats=args.repeats or 5, bucket_size=args.bucket_size)
+        text = ipc_text(r)
     elif args.delta:
         from .bench_delta import bench_refit_delta, delta_table
 
@@ -646,8 +651,9 @@ def _add_refit(sub: Any) -> None:
     p.add_argument("--manifest", required=True, metavar="M", help="this side's manifest (sender: with files)")
     p.add_argument("--rendezvous", metavar="FILE", help="join a separately launched job through this file")
     p.add_argument("--save", metavar="DIR", help="receivers also write what they received (safetensors + manifest)")
-    p.add_argument("--transport", choices=["mpi", "gloo", "nccl"], default=None,
-                   help="mpi (default under mpiexec), gloo (CPU, default on the store plane), nccl (GPU)")
+    p.add_argument("--transport", choices=["mpi", "gloo", "nccl", "shm", "cuda-ipc"], default=None,
+                   help="mpi (default under mpiexec), gloo (CPU, default on the store plane), nccl (GPU); "
+                        "one node only: shm (host shared memory), cuda-ipc (GPU memory, colocated jobs)")
     p.add_argument("--control", choices=["auto", "mpi", "store"], default="auto",
                    help="control plane: mpi (mpiexec jobs), store (a TCPStore; any launcher, e.g. torchrun); "
                         "auto: receivers pick mpi under mpiexec, else store; senders follow the rendezvous file")
@@ -669,7 +675,7 @@ def _add_refit(sub: Any) -> None:
 
 def _add_bench(sub: Any) -> None:
     p = sub.add_parser("bench", help="benchmarks: ratios measured side by side in one run")
-    p.add_argument("what", choices=["plan", "convert", "refit", "validate"])
+    p.add_argument("what", choices=["plan", "convert", "refit", "validate", "ipc"])
     p.add_argument("--sweep", type=_positive_int, nargs="+", default=[1200, 4800, 19200, 102400],
                    help="bench plan: chunk counts of the sweep")
     p.add_argument("--model", metavar="CFG", help="bench plan: also time the full plan of this HF config")
@@ -694,6 +700,9 @@ def _add_bench(sub: Any) -> None:
                    help="bench refit: full vs delta pushes after real AdamW steps of a small Llama (--repeats steps)")
     p.add_argument("--lr", type=float, default=1e-6, help="bench refit --delta: the AdamW learning rate")
     p.add_argument("--bucket-size", type=parse_size, default=64 << 20)
+    p.add_argument("--transport", choices=["shm", "cuda-ipc", "mpi", "gloo", "nccl"], default="shm",
+                   help="bench ipc: the transport (cuda-ipc: both ranks on one GPU; shm: its CPU twin)")
+    p.add_argument("--size", type=parse_size, default=256 << 20, metavar="SIZE", help="bench ipc: bytes per push")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench)
 

@@ -55,7 +55,7 @@ from .transport.base import Transport
 
 __all__ = ["RefitSession", "RefusedError", "StepStats", "make_transport"]
 
-TRANSPORTS = ("mpi", "gloo", "nccl")
+TRANSPORTS = ("mpi", "gloo", "nccl", "shm", "cuda-ipc")
 STRATEGIES = ("reshard", "broadcast")
 
 
@@ -110,6 +110,10 @@ def make_transport(kind: str | Transport | None, group: Group, timeout: float) -
             raise UsageError("--transport mpi needs jobs launched by mpiexec on the MPI control plane; "
                              "use --transport gloo (CPU) or nccl (GPU)")
         return group.control
+    if kind in ("shm", "cuda-ipc"):  # colocated ranks: one-sided copies (transport/handles.py)
+        from .transport.colocated import open_handle_transport
+
+        return open_handle_transport(kind, group, timeout)
     from .transport.torch_dist import TorchDistTransport
 
     return TorchDistTransport(group.control, kind, store=group.store, timeout=timeout)
@@ -169,10 +173,11 @@ class RefitSession:
              group: Group | None = None, **options: Any) -> RefitSession:
         """Join the refit as ``role`` ("send" or "recv") and plan it: the one collective entry point.
 
-        ``transport``: "mpi" (default under mpiexec), "gloo" (default otherwise), "nccl", or a
-        ``Transport``. ``control``: "auto", "mpi" or "store" (see ``jobs.connect``). ``options``:
-        ``bucket_size``, ``verify``, ``strategy``, ``src_domain_size``, ``dst_domain_size``,
-        ``allow_extra``, ``planned_steps``, ``delta``, ``fp8_block``, ``ue8m0``, ``device_ops``.
+        ``transport``: "mpi" (default under mpiexec), "gloo" (default otherwise), "nccl", "shm" or
+        "cuda-ipc" (every rank on one node), or a ``Transport``. ``control``: "auto", "mpi" or
+        "store" (see ``jobs.connect``). ``options``: ``bucket_size``, ``verify``, ``strategy``,
+        ``src_domain_size``, ``dst_domain_size``, ``allow_extra``, ``planned_steps``, ``delta``,
+        ``fp8_block``, ``ue8m0``, ``device_ops``.
         """
         m = manifest if isinstance(manifest, Manifest) else load_manifest(manifest)
         group = group or connect(role, rendezvous=rendezvous, timeout=timeout, control=control)

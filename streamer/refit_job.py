@@ -104,7 +104,7 @@ class RefitJob:
                            else alloc_local(self.manifest, rank))
             except ShardstreamError as e:  # refused in the first push's agreement, on every rank
                 problems = [f"{session.group.name(session.group.rank)}: {p}" for p in e.problems or [str(e)]]
-            tensors = _on_device(tensors, session.transport)
+            tensors = _on_device(tensors, session.transport, session.local_tensors())
             seconds = [self._timed_step(session, tensors, problems) for _ in range(session.planned_steps)]
             if save is not None:
                 session.save(save, tensors)
@@ -192,11 +192,13 @@ def _mark_incomplete(save: Path) -> None:
     (save / "manifest.json").unlink(missing_ok=True)
 
 
-def _on_device(tensors: dict[str, Any], transport: Any) -> dict[str, Any]:
-    """NCCL moves GPU memory: stage the local tensors on the transport's device."""
+def _on_device(tensors: dict[str, Any], transport: Any, specs: Any) -> dict[str, Any]:
+    """NCCL and cuda-ipc move GPU memory: stage the local tensors on the transport's device, in
+    the manifest's dtype (numpy holds bfloat16 / fp8 in their uint16 / uint8 storage)."""
     device = getattr(transport, "device", None)
     if device is None:
         return tensors
     import torch
 
-    return {n: torch.from_numpy(v).to(device) for n, v in tensors.items()}
+    return {n: torch.from_numpy(v).view(getattr(torch, specs[n].data_type)).to(device) if n in specs
+            else torch.from_numpy(v).to(device) for n, v in tensors.items()}

@@ -364,11 +364,13 @@ def run_plan_loopback(
 def run_sessions(src: Manifest, dst: Manifest, act: Callable[[Any, int], Any], *, join_timeout: float = 30.0,
                  corrupt: Callable[[int, int, int, bytearray], None] | None = None,
                  options_of: Callable[[str], dict[str, Any]] | None = None,
+                 transport_of: Callable[[Any], Any] | None = None,
                  **options: Any) -> tuple[dict[int, Any], dict[int, BaseException]]:
     """Every rank of a two-job refit as a thread over the loopback transport: each opens a
     ``RefitSession`` (senders ``0..S-1`` on ``src``, receivers on ``dst``) with ``options`` and runs
-    ``act(session, local rank)``; ``options_of(role)`` adds options of one side only. Returns each
-    global rank's result and each one's exception."""
+    ``act(session, local rank)``; ``options_of(role)`` adds options of one side only;
+    ``transport_of(endpoint)`` moves the bytes over another transport built on the loopback
+    endpoint (the control plane). Returns each global rank's result and each one's exception."""
     from streamer.jobs import Group
     from streamer.refit import RefitSession
 
@@ -382,8 +384,9 @@ def run_sessions(src: Manifest, dst: Manifest, act: Callable[[Any, int], Any], *
     def rank(g: int) -> None:
         role = "send" if g < S else "recv"
         try:
+            t = transport_of(eps[g]) if transport_of else eps[g]
             with RefitSession.open(src if role == "send" else dst, role, group=Group(eps[g], eps[g], role, S, D,
-                                   plane="loopback"), transport=eps[g], timeout=10, **options,
+                                   plane="loopback"), transport=t, timeout=10, **options,
                                    **(options_of(role) if options_of else {})) as s:
                 results[g] = act(s, g if g < S else g - S)
         except BaseException as e:  # noqa: BLE001 - collected per rank

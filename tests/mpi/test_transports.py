@@ -1,4 +1,4 @@
-"""The generic transport suite, run for every transport available (mpi, gloo) under mpiexec."""
+"""The generic transport suite, run for every transport available (mpi, gloo, shm) under mpiexec."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def _have(mod: str) -> bool:
 
 @pytest.mark.skipif(not Path(MPIEXEC).exists(), reason="mpiexec not installed")
 @pytest.mark.parametrize("kind", ["mpi", pytest.param("gloo", marks=pytest.mark.skipif(
-    not _have("torch.distributed"), reason="torch.distributed not available"))])
+    not _have("torch.distributed"), reason="torch.distributed not available")), "shm"])
 @pytest.mark.parametrize("n", [4, 6])
 def test_transport_suite(kind: str, n: int) -> None:
     env = dict(os.environ, HYDRA_LAUNCHER="fork", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))

@@ -1,5 +1,5 @@
 """One size-agnostic transport test body, run under mpiexec for each transport:
-``mpiexec -n N python tests/mpi/transport_worker.py mpi|gloo``. Prints OK on rank 0.
+``mpiexec -n N python tests/mpi/transport_worker.py mpi|gloo|nccl|shm|cuda-ipc``. Prints OK on rank 0.
 
 Checks, collect-then-assert style (every rank reaches the same verdict):
 control collectives, a real plan executed byte-exact (with phase-2 forwarding and verify), and a
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 import time
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
@@ -34,6 +35,19 @@ def main(kind: str) -> int:
         from streamer.transport.mpi import MPITransport
 
         t = MPITransport(world)
+    elif kind in ("shm", "cuda-ipc"):  # one-sided copies between the ranks of this node
+        from streamer.transport.handles import HandleTransport
+        from streamer.transport.mpi import MPITransport
+
+        if kind == "shm":
+            from streamer.transport.shm import ShmBackend
+
+            backend: Any = ShmBackend()
+        else:
+            from streamer.transport.cuda_ipc import CudaIpcBackend
+
+            backend = CudaIpcBackend.for_rank(world.Get_rank())
+        t = HandleTransport(backend, MPITransport(world))
     else:
         import torch.distributed as dist
 
@@ -74,7 +88,7 @@ def main(kind: str) -> int:
                 tensors[c.tensor(fqn)] = np.array(full[fqn][sl], copy=True)
     else:
         tensors = {n: np.zeros(ts.shape, np_storage(DTYPES[ts.data_type])) for n, ts in dst.local_tensors(r - S).items()}
-    if kind == "nccl":  # NCCL moves GPU memory
+    if kind in ("nccl", "cuda-ipc"):  # GPU memory
         import torch
 
         tensors = {n: torch.from_numpy(v).to(t.device) for n, v in tensors.items()}
@@ -115,8 +129,9 @@ def main(kind: str) -> int:
     members = [0] + list(range(S, W))
     if r in members:
         buf = np.arange(16, dtype=np.uint8) if r == 0 else np.zeros(16, np.uint8)
-        t.bcast_buffer(buf if kind != "nccl" else __import__("torch").from_numpy(buf).to(t.device), 0, members, 20)
-        if kind != "nccl" and not np.array_equal(buf, np.arange(16, dtype=np.uint8)):
+        gpu = kind in ("nccl", "cuda-ipc")
+        t.bcast_buffer(buf if not gpu else __import__("torch").from_numpy(buf).to(t.device), 0, members, 20)
+        if not gpu and not np.array_equal(buf, np.arange(16, dtype=np.uint8)):
             fails.append(f"rank {r}: bcast_buffer wrong")
     verdicts = [f for fs in world.allgather(fails) for f in fs]
     t.close()
