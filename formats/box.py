@@ -29,12 +29,11 @@ class Box:
     def __post_init__(self) -> None:
         if len(self.offsets) != len(self.sizes):
             raise ValueError(f"box rank mismatch: {len(self.offsets)} offsets vs {len(self.sizes)} sizes")
-        for v in self.offsets:
-            if v < 0:
-                raise ValueError(f"negative offset {v} in box")
-        for v in self.sizes:
-            if v < 0:
-                raise ValueError(f"negative size {v} in box")
+        # min() in C: boxes are made by the million when a full-size plan is scheduled
+        if self.offsets and min(self.offsets) < 0:
+            raise ValueError(f"negative offset {min(self.offsets)} in box")
+        if self.sizes and min(self.sizes) < 0:
+            raise ValueError(f"negative size {min(self.sizes)} in box")
 
     @classmethod
     def whole(cls, shape: Sequence[int]) -> Box:

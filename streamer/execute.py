@@ -20,6 +20,7 @@ message goes through a slot (device bucket + pinned host bucket), packed on the 
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections import defaultdict
@@ -64,7 +65,13 @@ _DIGEST_TAG = 7
 
 
 def is_contiguous(box: Box, shape: Sequence[int]) -> bool:
-    runs = list(uniform_runs(box, shape))
+    return _contiguous(box.offsets, box.sizes, tuple(shape))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _contiguous(offsets: tuple[int, ...], sizes: tuple[int, ...], shape: tuple[int, ...]) -> bool:
+    # cached: a full-size schedule asks about ~10^6 transfers, but the layers repeat a few boxes
+    runs = list(uniform_runs(Box(offsets, sizes), shape))
     return len(runs) == 1 and (runs[0][1] == 1 or runs[0][2] == runs[0][3])
 
 
