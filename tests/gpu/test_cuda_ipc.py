@@ -14,29 +14,19 @@ from __future__ import annotations
 import filecmp
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from gpu_helpers import MPIEXEC, ROOT, gpus
 
-ROOT = Path(__file__).resolve().parents[2]
-MPIEXEC = shutil.which("mpiexec") or str(Path(sys.executable).parent / "mpiexec")
 ENV = dict(os.environ, HYDRA_LAUNCHER="fork", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT),
            PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
 
 
-def _gpus() -> int:
-    try:
-        import torch
 
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except ImportError:
-        return 0
-
-
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_gpus() < 1, reason="needs CUDA")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpus() < 1, reason="needs CUDA")]
 
 
 def _run(cmd: list[str], timeout: float = 240) -> subprocess.CompletedProcess[str]:

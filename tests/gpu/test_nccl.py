@@ -4,31 +4,18 @@ GPU per rank, so at least 2 visible GPUs)."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
-MPIEXEC = shutil.which("mpiexec") or str(Path(sys.executable).parent / "mpiexec")
-
-
-def _gpus() -> int:
-    try:
-        import torch
-
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except ImportError:
-        return 0
+from gpu_helpers import MPIEXEC, ROOT, gpus
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(_gpus() < 2, reason="needs CUDA with at least 2 GPUs (one per NCCL rank)")
+@pytest.mark.skipif(gpus() < 2, reason="needs CUDA with at least 2 GPUs (one per NCCL rank)")
 @pytest.mark.parametrize("n", [2, 4])
 def test_nccl_transport_suite(n: int) -> None:
-    if n > _gpus():
+    if n > gpus():
         pytest.skip(f"needs {n} GPUs")
     env = dict(os.environ, HYDRA_LAUNCHER="fork", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     p = subprocess.run([MPIEXEC, "-n", str(n), sys.executable, str(ROOT / "tests/mpi/transport_worker.py"), "nccl"],
@@ -37,7 +24,7 @@ def test_nccl_transport_suite(n: int) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(_gpus() < 1, reason="needs CUDA")
+@pytest.mark.skipif(gpus() < 1, reason="needs CUDA")
 def test_executor_packs_gpu_tensors_in_place() -> None:
     """The torch code path of the executor on a GPU, over an in-process fake transport."""
     import torch

@@ -13,7 +13,6 @@ One GPU is enough: ranks share it. Skipped without CUDA.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import threading
@@ -21,21 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from gpu_helpers import MPIEXEC, ROOT, gpus
 
-ROOT = Path(__file__).resolve().parents[2]
-MPIEXEC = shutil.which("mpiexec") or str(Path(sys.executable).parent / "mpiexec")
-
-
-def _gpus() -> int:
-    try:
-        import torch
-
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except ImportError:
-        return 0
-
-
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_gpus() < 1, reason="needs CUDA")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpus() < 1, reason="needs CUDA")]
 
 
 @pytest.mark.skipif(not Path(MPIEXEC).exists(), reason="mpiexec not installed")
