@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -150,7 +151,8 @@ def test_killed_sender_rank_over_shm_ends_the_server_job(ckpt: Ckpt, tmp_path: P
         msg = f"recv rc {rc_recv} after {time.monotonic() - t0:.1f} s\n{recv.stderr[-2000:]}\n{send.stderr[-2000:]}"
         assert rc_recv not in (None, 0), msg
         if rc_recv == 3:  # shardstream's own path; MPICH may end a reader first (see test_killed_peer)
-            assert "timed out" in recv.stderr and "sender rank 1" in recv.stderr, msg
+            # the launcher kills the victim's whole job, so a server rank may be waiting on any of them
+            assert "timed out" in recv.stderr and re.search(r"sender rank \d", recv.stderr), msg
         else:
             assert rc_recv in (6, 9, 11, 15), msg
         assert send.wait(10) not in (None, 0), msg
