@@ -200,7 +200,6 @@ class RefitSession:
             self.transport = make_transport(None, self.group, self.timeout)
         self.src, self.dst = self._exchange_manifests()
         self._agree_options()
-        self._agree_inputs()
         # FP8 destinations fed from float sources: the plan moves between the quantizing manifests
         self.quant = refit_quant(self.src, self.dst, block=self.fp8_block or FP8_BLOCK, ue8m0=self.ue8m0)
         self._psrc, self._pdst = (self.quant.src, self.quant.dst) if self.quant else (self.src, self.dst)
@@ -213,19 +212,6 @@ class RefitSession:
         self._specs = self.manifest.local_tensors(self.local_rank)
         self._start_quant()
         self._started = True
-
-    def _agree_inputs(self) -> None:
-        """One allgather of the input digests (both manifests, the plan-affecting options, the
-        planner's version): a difference is refused on every rank, by name, before any plan."""
-        mine = input_digests(self._texts[0], self._texts[1], {
-            "bucket_size": self.bucket_size, "strategy": self.strategy, "src_domain_size": self.src_domain_size,
-            "dst_domain_size": self.dst_domain_size, "allow_extra": self.allow_extra,
-            "schedule": SCHEDULE_VERSION})
-        got = [json.loads(g) for g in self._t.allgather_bytes(json.dumps(mine).encode(), self.timeout)]
-        problems = input_problems(got, lambda r: f"rank {r}")
-        if problems:
-            raise PlanError(problems=problems)
-        self.inputs_digest = hashlib.sha256(json.dumps(mine, sort_keys=True).encode()).hexdigest()
 
     def _start_quant(self) -> None:
         if self.quant is None:
@@ -271,13 +257,18 @@ class RefitSession:
         return src, dst
 
     def _agree_options(self) -> None:
-        """Both jobs must agree on how to move: verify if any side asks, the smallest bucket, one strategy."""
+        """One allgather at start. Both jobs must agree on how to move (verify if any side asks,
+        the smallest bucket, one strategy, ...: negotiated below) and on what is planned: the
+        input digests (both manifests, the options not negotiated, the planner's and the bucket
+        layout's versions), where a difference is refused on every rank, by name, before any plan."""
+        inputs = input_digests(self._texts[0], self._texts[1],
+                               {"allow_extra": self.allow_extra, "schedule": SCHEDULE_VERSION})
         cfgs = [json.loads(c) for c in self._t.allgather_bytes(json.dumps(
             {"verify": self.verify, "bucket": self.bucket_size, "strategy": self.strategy,
              "steps": self.planned_steps, "src_domain": self.src_domain_size,
              "dst_domain": self.dst_domain_size, "delta": self.delta, "ue8m0": self.ue8m0,
              "fp8_block": list(self.fp8_block) if self.fp8_block else None,
-             "host": getattr(self.transport, "device", None) is None}).encode(), self.timeout)]
+             "host": getattr(self.transport, "device", None) is None, "inputs": inputs}).encode(), self.timeout)]
         strategies = sorted({c["strategy"] for c in cfgs})
         if len(strategies) > 1:
             raise PlanError(f"the two jobs asked for different strategies ({', '.join(strategies)}); pass the same "
@@ -300,6 +291,10 @@ class RefitSession:
             if len(vals) > 1:
                 raise PlanError(f"the two jobs asked for different --{key.replace('_', '-')}-size values {vals}")
             setattr(self, attr, vals[0] if vals else None)
+        problems = input_problems([c["inputs"] for c in cfgs], lambda r: f"rank {r}")
+        if problems:
+            raise PlanError(problems=problems)
+        self.inputs_digest = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
 
     @property
     def _t(self) -> Transport:
