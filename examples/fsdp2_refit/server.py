@@ -60,11 +60,12 @@ def logits(config: LlamaConfig, weights: dict[str, torch.Tensor], ids: torch.Ten
         return model(input_ids=ids).logits
 
 
-def main(cfg_path: str, manifest: str, rendezvous: str, steps: int, reference: str | None) -> int:
+def main(cfg_path: str, manifest: str, rendezvous: str, steps: int, reference: str | None,
+         transport: str = "gloo") -> int:
     config = LlamaConfig(**json.loads(Path(cfg_path).read_text()))
     m = load_manifest(manifest)
     ids = torch.randint(0, config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(2))
-    with RefitSession.open(m, "recv", rendezvous=rendezvous, control="store", transport="gloo",
+    with RefitSession.open(m, "recv", rendezvous=rendezvous, control="store", transport=transport,
                            timeout=120) as session:
         rank = session.local_rank
         tensors = alloc_local(m, rank)  # the engine's weight buffers, updated in place
@@ -103,5 +104,6 @@ if __name__ == "__main__":
     ap.add_argument("rendezvous")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--reference", metavar="DIR")
+    ap.add_argument("--transport", default="gloo", help="gloo (default), or shm when both jobs share a node")
     a = ap.parse_args()
-    sys.exit(main(a.config, a.manifest, a.rendezvous, a.steps, a.reference))
+    sys.exit(main(a.config, a.manifest, a.rendezvous, a.steps, a.reference, a.transport))

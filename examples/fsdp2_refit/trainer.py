@@ -29,7 +29,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from streamer import RefitSession, manifest_from_state_dict
 
 
-def main(cfg_path: str, rendezvous: str, steps: int, reference: str | None) -> int:
+def main(cfg_path: str, rendezvous: str, steps: int, reference: str | None, transport: str = "gloo") -> int:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
@@ -42,7 +42,7 @@ def main(cfg_path: str, rendezvous: str, steps: int, reference: str | None) -> i
     manifest = manifest_from_state_dict(model.state_dict(), name="fsdp2-trainer")  # shardstream 1/3
     assert {a.data_type for a in manifest.arrays.values()} == {"float32"}, "fp32 masters stay float32"
     data = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
-    with RefitSession.open(manifest, "send", rendezvous=rendezvous, transport="gloo", timeout=120,
+    with RefitSession.open(manifest, "send", rendezvous=rendezvous, transport=transport, timeout=120,
                            verify=True) as session:  # shardstream 2/3
         for step in range(steps):
             loss = model(input_ids=data, labels=data).loss
@@ -76,5 +76,6 @@ if __name__ == "__main__":
     ap.add_argument("rendezvous")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--reference", metavar="DIR")
+    ap.add_argument("--transport", default="gloo", help="gloo (default), or shm when both jobs share a node")
     a = ap.parse_args()
-    sys.exit(main(a.config, a.rendezvous, a.steps, a.reference))
+    sys.exit(main(a.config, a.rendezvous, a.steps, a.reference, a.transport))

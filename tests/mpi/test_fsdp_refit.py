@@ -25,10 +25,12 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "fsdp2_refit"
 
 
 @pytest.mark.skipif(TORCHRUN is None, reason="torchrun not installed (the torch extra)")
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_fsdp2_trainer_refits_bf16_tp2_server(tmp_path: Path, tied: bool) -> None:
+@pytest.mark.parametrize(("tied", "transport"), [(False, "gloo"), (True, "gloo"), (False, "shm")],
+                         ids=["untied", "tied", "untied-shm"])
+def test_fsdp2_trainer_refits_bf16_tp2_server(tmp_path: Path, tied: bool, transport: str) -> None:
     """With ``tie_word_embeddings`` the weight moves once, as ``model.embed_tokens.weight`` (20
-    arrays), with no flag on either side."""
+    arrays), with no flag on either side. ``shm``: the same real FSDP2 trainer over the colocated
+    one-sided transport (both jobs on this node)."""
     cfg = EXAMPLE / "config.json"
     if tied:
         cfg = tmp_path / "config.json"
@@ -40,14 +42,14 @@ def test_fsdp2_trainer_refits_bf16_tp2_server(tmp_path: Path, tied: bool) -> Non
     rdv = tmp_path / "rdv"
     python = str(BIN / "python")
     server = Background(["mpiexec", "-n", "2", python, EXAMPLE / "server.py", cfg, serve, rdv, "--reference",
-                         tmp_path], tmp_path, "server")
+                         tmp_path, "--transport", transport], tmp_path, "server")
     try:
         deadline = time.monotonic() + 60
         while not rdv.exists() and server.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
         assert rdv.exists(), f"the server never wrote {rdv}:\n{server.stderr[-3000:]}"
         trainer = Background([TORCHRUN, "--standalone", "--nproc-per-node", "2", EXAMPLE / "trainer.py", cfg, rdv,
-                              "--reference", tmp_path], tmp_path, "trainer")
+                              "--reference", tmp_path, "--transport", transport], tmp_path, "trainer")
         try:
             rc_t = trainer.wait(240)
             rc_s = server.wait(60)
