@@ -67,8 +67,11 @@ _PLACEMENT_RE = re.compile(r"(R)|([SP])\((\d+)\)\Z")
 # ---------------------------------------------------------------- patterns
 
 
-def array_vars(fqn: str) -> dict[str, int]:
-    """The pattern variables of an array name: ``{layer}`` and ``{expert}`` (first occurrence).
+@lru_cache(maxsize=1 << 18)
+def array_vars(fqn: str) -> Mapping[str, int]:
+    """The pattern variables of an array name: ``{layer}`` and ``{expert}`` (first occurrence);
+    cached (each array's name is read on both sides of a plan and again for its local tensor),
+    so the mapping is shared: do not modify it.
 
     >>> array_vars("model.layers.3.mlp.experts.17.gate_proj.weight")
     {'layer': 3, 'expert': 17}

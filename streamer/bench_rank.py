@@ -75,7 +75,9 @@ def rank_start(src_path: str, dst_path: str, rank: int, domain: int | None = Non
     return {"rank": rank, "seconds": t2 - t0, "cpu_seconds": time.process_time() - c0, "parse_seconds": t1 - t0,
             "plan_seconds": t2 - t1,
             "peak_rss_bytes": _rss(), "ru_maxrss_bytes": _maxrss(), "rss_before_bytes": rss0, "messages": len(mine),
-            "bytes": sum(m.nbytes for m in mine), "local_tensors": len(own)}
+            "bytes": sum(m.nbytes for m in mine), "local_tensors": len(own),
+            "forwards_sent": sum(1 for m in mine if m.phase == 2 and m.src == rank),
+            "forwards_received": sum(1 for m in mine if m.phase == 2 and m.dst == rank)}
 
 
 def _manifests(work: Path, name: str, models: Path) -> tuple[Path, Path, float]:

@@ -87,6 +87,12 @@ class Message:
     deps: tuple[int, ...] = ()  # phase-2: uids of the phase-1 messages that bring its bytes
 
 
+def _slabs(t: Transfer, bucket: int) -> list[tuple[Transfer, int]]:
+    """``_split_transfer`` with each part's bytes."""
+    nb = t.nbytes
+    return [(t, nb)] if nb <= bucket else [(x, x.nbytes) for x in _split_transfer(t, bucket)]
+
+
 def _split_transfer(t: Transfer, bucket: int) -> list[Transfer]:
     if t.nbytes <= bucket:
         return [t]
@@ -125,8 +131,9 @@ def _poll_sleep() -> float:
 
 
 #: the bucket layout's version: refit sessions compare it with the plan digest, so that jobs
-#: that would lay out buckets differently (2: transfers grouped by local tensor) are refused
-SCHEDULE_VERSION = 2
+#: that would lay out buckets differently (2: transfers grouped by local tensor; 3: messages
+#: ordered by byte waves, forwards placed by ``Plan.forward_keys``) are refused
+SCHEDULE_VERSION = 3
 
 
 def _by_tensor(ts: Sequence[Transfer]) -> tuple[Transfer, ...]:
@@ -135,79 +142,104 @@ def _by_tensor(ts: Sequence[Transfer]) -> tuple[Transfer, ...]:
     return tuple(sorted(ts, key=lambda t: (t.dst_tensor, t.src_tensor)))
 
 
-def _bucket(ts: Sequence[Transfer], phase: int, s: int, d: int, bucket_size: int,
-            shape_of: Any) -> list[Message]:
-    msgs: list[Message] = []
+def _bucket(tagged: Sequence[tuple[Transfer, int, int]], phase: int, s: int, d: int, bucket_size: int,
+            shape_of: Any) -> list[tuple[Message, int, int]]:
+    """Pack one pair's transfers (each with an integer tag and its bytes) into messages, in
+    order: each with the smallest and largest tag of its transfers."""
+    msgs: list[tuple[Message, int, int]] = []
     cur: list[Transfer] = []
+    tags: list[int] = []
     size = 0
-    for t in ts:
-        if (shape_of is not None and t.nbytes >= INPLACE_MIN_BYTES
-                and is_contiguous(t.src_box, shape_of(t.src_rank, t.src_tensor, t.phase == 2))
-                and is_contiguous(t.dst_box, shape_of(t.dst_rank, t.dst_tensor, True))):
-            msgs.append(Message(phase, s, d, len(msgs), (t,), t.nbytes))
+    for t, tag, nb in tagged:
+        if (shape_of is not None and nb >= INPLACE_MIN_BYTES
+                and _contiguous(t.src_offsets, t.region.sizes, tuple(shape_of(t.src_rank, t.src_tensor, phase == 2)))
+                and _contiguous(t.dst_offsets, t.region.sizes, tuple(shape_of(t.dst_rank, t.dst_tensor, True)))):
+            msgs.append((Message(phase, s, d, len(msgs), (t,), nb), tag, tag))
             continue
-        if cur and size + t.nbytes > bucket_size:
-            msgs.append(Message(phase, s, d, len(msgs), _by_tensor(cur), size))
-            cur, size = [], 0
+        if cur and size + nb > bucket_size:
+            msgs.append((Message(phase, s, d, len(msgs), _by_tensor(cur), size), min(tags), max(tags)))
+            cur, tags, size = [], [], 0
         cur.append(t)
-        size += t.nbytes
+        tags.append(tag)
+        size += nb
     if cur:
-        msgs.append(Message(phase, s, d, len(msgs), _by_tensor(cur), size))
+        msgs.append((Message(phase, s, d, len(msgs), _by_tensor(cur), size), min(tags), max(tags)))
     return msgs
 
 
 def build_schedule(plan: Plan, bucket_size: int, shape_of: Any = None, *,
                    rank: int | None = None) -> list[Message]:
     """Every message of the plan, in the one global order all ranks use; with ``rank`` (global),
-    only what that rank needs (its messages keep their relative order and their contents, so
-    ranks that each build their own part still agree message for message; uids are then local).
+    only that rank's messages, built from its own transfers alone (they keep their relative order
+    and their contents, so ranks that each build their own part agree message for message; uids
+    are then local).
 
     ``shape_of(global_rank, local_tensor, on_dst) -> shape`` (optional) lets contiguous transfers
     of at least ``INPLACE_MIN_BYTES`` go as their own messages, sent from and received into the
     local tensors without packing; the rest share packed buckets.
 
-    Phase-2 forwards are pipelined with phase 1: each phase-2 message is placed right after the
-    last phase-1 message that brings its bytes to the forwarding rank, and records those messages
-    in ``deps`` (the executor posts it once they have arrived).
+    The order: phase-1 messages by *wave* (where their first byte lies in the stream of phase-1
+    bytes between their two ranks, in buckets), then by distance ``(dst - src) % world`` (a
+    shifted exchange: at each step a rank sends to one peer and receives from another), then by
+    ranks and index. Phase-2 forwards are pipelined with phase 1: a forward comes right after the
+    wave and pair of the last phase-1 transfer that brings its part to the forwarder
+    (``Plan.forward_keys``), a bound both ends compute from the compressed plan, so a receiver
+    never expands its forwarders' phase-1 transfers. The forwarder records the phase-1 messages
+    that carry the bytes in ``deps`` and posts the forward once they have arrived.
     """
     world = max(plan.world_size, 1)
+    wave = max(bucket_size, 1)
     by_pair: dict[tuple[int, int, int], list[Transfer]] = defaultdict(list)
-    for t in (plan.transfers if rank is None else plan.schedule_transfers(rank)):
-        if t.phase == 0:
-            continue
-        by_pair[(t.phase, t.src_rank, t.dst_rank)].extend(_split_transfer(t, bucket_size))
-    p1: list[Message] = []
+    for t in (plan.transfers if rank is None else plan.transfers_of(rank)):
+        if t.phase:
+            by_pair[(t.phase, t.src_rank, t.dst_rank)].append(t)
+    fkeys = plan.forward_keys(None if rank is None else (rank,), wave)
+    keyed: list[tuple[tuple[int, ...], Message]] = []
     for (phase, s, d), ts in by_pair.items():
-        if phase == 1:
-            p1.extend(_bucket(ts, 1, s, d, bucket_size, shape_of))
-    p1.sort(key=lambda m: (m.index, (m.dst - m.src) % world, m.src, m.dst))
-    # where each phase-1 byte lands: (rank, local tensor) -> [(box, position in p1)]
-    landed: dict[tuple[int, str], list[tuple[Box, int]]] = defaultdict(list)
-    for pos, m in enumerate(p1):
-        for t in m.transfers:
-            landed[(t.dst_rank, t.dst_tensor)].append((t.dst_box, pos))
-    keyed: list[tuple[tuple[int, ...], Message, tuple[int, ...]]] = [((pos, 0), m, ()) for pos, m in enumerate(p1)]
-    for (phase, s, d), ts in by_pair.items():
-        if phase != 2:
+        tagged: list[tuple[Transfer, int, int]] = []
+        if phase == 1:  # tag: the stream position of the slab's first byte
+            pos = 0
+            for t in ts:
+                for sl, nb in _slabs(t, bucket_size):
+                    tagged.append((sl, pos, nb))
+                    pos += nb
+            for m, first, _ in _bucket(tagged, 1, s, d, bucket_size, shape_of):
+                keyed.append(((first // wave, (d - s) % world, s, d, 0, 0, 0, 0, m.index), m))
             continue
-        dep_of = {}
-        for t in ts:
-            deps = tuple(sorted({pos for box, pos in landed.get((t.src_rank, t.src_tensor), [])
-                                 if box.intersect(t.src_box) is not None}))
-            dep_of[id(t)] = deps
-        ts = sorted(ts, key=lambda t: (max(dep_of[id(t)], default=-1)))
-        for m in _bucket(ts, 2, s, d, bucket_size, shape_of):
-            deps = tuple(sorted({x for t in m.transfers for x in dep_of[id(t)]}))
-            keyed.append(((max(deps, default=-1), 1, (m.dst - m.src) % world, m.src, m.dst, m.index), m, deps))
+        for t in ts:  # tag: when its bytes have reached the forwarder (-1: they never travel)
+            k = fkeys.get((t.fqn, t.region.offsets, s, d), -1)
+            tagged.extend((sl, k, nb) for sl, nb in _slabs(t, bucket_size))
+        tagged.sort(key=lambda x: x[1])  # stable: plan order within a key
+        for m, _, k in _bucket(tagged, 2, s, d, bucket_size, shape_of):
+            w, dist = (k // world, k % world) if k >= 0 else (-1, 0)
+            keyed.append(((w, dist, (s - dist) % world, s, 1, (d - s) % world, s, d, m.index), m))
     keyed.sort(key=lambda k: k[0])
-    uid_of_p1 = {}
-    for uid, (key, m, _) in enumerate(keyed):
-        if key[1] == 0:
-            uid_of_p1[key[0]] = uid
+    return _with_deps(keyed, rank)
+
+
+def _with_deps(keyed: Sequence[tuple[tuple[int, ...], Message]], rank: int | None) -> list[Message]:
+    """The messages in order with their uids, and the forwards ``rank`` sends (None: all) with
+    the uids of the phase-1 messages that bring their bytes (always earlier: checked)."""
+    # only the local tensors forwards read from: a receiver's own phase-1 messages are many
+    read = {(t.src_rank, t.src_tensor) for _, m in keyed if m.phase == 2 and (rank is None or m.src == rank)
+            for t in m.transfers}
+    landed: dict[tuple[int, str], list[tuple[Box, int]]] = defaultdict(list)
+    for uid, (_, m) in enumerate(keyed):
+        if m.phase == 1 and (rank is None or m.dst == rank):
+            for t in m.transfers:
+                if (t.dst_rank, t.dst_tensor) in read:
+                    landed[(t.dst_rank, t.dst_tensor)].append((t.dst_box, uid))
     out = []
-    for uid, (_, m, deps) in enumerate(keyed):  # a constructor call, not replace(): 3x faster per message
-        out.append(Message(m.phase, m.src, m.dst, m.index, m.transfers, m.nbytes, uid,
-                           tuple(uid_of_p1[p] for p in deps)))
+    for uid, (_, m) in enumerate(keyed):
+        deps: tuple[int, ...] = ()
+        if m.phase == 2 and (rank is None or m.src == rank):
+            deps = tuple(sorted({u for t in m.transfers for box, u in landed.get((t.src_rank, t.src_tensor), ())
+                                 if box.intersect(t.src_box) is not None}))
+            if deps and deps[-1] > uid:
+                raise RuntimeError(f"internal error: rank {m.src} would forward to rank {m.dst} bytes that arrive "
+                                   "later in the schedule (please report this)")
+        # a constructor call, not replace(): 3x faster per message
+        out.append(Message(m.phase, m.src, m.dst, m.index, m.transfers, m.nbytes, uid, deps))
     return out
 
 
@@ -297,7 +329,6 @@ class Executor:
         self.src_views = {name: view(x) for name, x in tensors.items()}
         self.dst_views = self.src_views if dst_tensors is None else {n: view(x) for n, x in dst_tensors.items()}
         self.mine = [m for m in schedule if m.src == self.rank or m.dst == self.rank]
-        self._by_uid = {m.uid: m for m in schedule}
         # phase-0 copies exist only in a same-job reshard: skip the pass over the plan otherwise
         self.local = ([t for t in plan.transfers_of(self.rank) if t.phase == 0 and t.dst_rank == self.rank]
                       if plan.same_job else [])
@@ -638,10 +669,9 @@ class Executor:
                                     f"copies of {len(stuck)} message(s) (the device is hung or too busy)")
         peers = sorted({a.msg.src if a.is_recv else a.msg.dst for a in active})
         name0 = self.peer_names or (lambda p: f"rank {p}")
-        upstream: dict[int, set[int]] = defaultdict(set)
-        for a in active:
-            if a.is_recv and a.msg.phase == 2:
-                upstream[a.msg.src].update(self._by_uid[d].src for d in a.msg.deps if d in self._by_uid)
+        # a late forward: name whom the forwarder waits for (its phase-1 senders, from the plan)
+        late = {a.msg.src for a in active if a.is_recv and a.msg.phase == 2}
+        upstream = {f: s for f, s in self.plan.forward_sources(self.rank).items() if f in late} if late else {}
 
         def name(p: int) -> str:
             up = sorted(upstream.get(p, ()))

@@ -218,7 +218,13 @@ class _Layout:
         at ``block``: the regions, holders and geometry tuples are shared, not copied."""
         n = len(self.regions)
         local = block if block is not None else (0,) * (self.regions[0].ndim if n else 0)
-        return _Layout(self.chunk_index, self.regions, self.holders, (tensor,) * n, (local,) * n, self.geometry)
+        out = _Layout(self.chunk_index, self.regions, self.holders, (tensor,) * n, (local,) * n, self.geometry)
+        out.__dict__["tensor_set"] = frozenset((tensor,)) if n else frozenset()  # known: no pass over them
+        return out
+
+    @functools.cached_property
+    def tensor_set(self) -> frozenset[str | None]:
+        return frozenset(self.tensors)
 
 
 #: each array's (source, destination) layouts
@@ -302,6 +308,8 @@ class _Block:
     receiver_first: np.ndarray
     receiver_count: np.ndarray
     rotation: np.ndarray  # [T]
+    part: np.ndarray  # [T] phase 1 and 2: which part of the template the item moves (phase 2
+    # forwards bytes the phase-1 items of the same part bring to the forwarder); -1: phase 0
     src_holders: np.ndarray  # [Us, src chunks, max holders] source holders (global ranks)
     src_row: np.ndarray  # [A] each array's row of src_holders
     dst_holders: np.ndarray  # [Ud, dst chunks, max holders] destination holders (global ranks)
@@ -372,18 +380,19 @@ class _Block:
             h.update(lay.content)
 
     @functools.cached_property
-    def _items(self) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]], list[int], list[int], list[int]]:
-        """The items as Python values (regions, chunks, phases), converted once per block rather
-        than element by element for every transfer materialised."""
+    def _items(self) -> tuple[list[tuple[int, ...]], list[Box], list[int], list[int], list[int]]:
+        """The items as Python values (offsets, regions, chunks, phases), converted once per block
+        rather than element by element for every transfer materialised (which share the regions)."""
         nd = self.ndim
-        return ([tuple(r[:nd]) for r in self.offsets.tolist()], [tuple(r[:nd]) for r in self.sizes.tolist()],
+        offsets = [tuple(r[:nd]) for r in self.offsets.tolist()]
+        return (offsets, [Box(o, tuple(z[:nd])) for o, z in zip(offsets, self.sizes.tolist())],
                 self.src_chunk.tolist(), self.dst_chunk.tolist(), self.phase.tolist())
 
     def materialise(self, a: int, t: int, src_rank: int, dst_rank: int) -> Transfer:
         fqn = self.fqns[a]
-        offsets, sizes, src_chunk, dst_chunk, phases = self._items
+        offsets, regions, src_chunk, dst_chunk, phases = self._items
         offs = offsets[t]
-        region = Box(offs, sizes[t])
+        region = regions[t]
         sl, dl = self.src_layouts[a], self.dst_layouts[a]
         si, di, phase = src_chunk[t], dst_chunk[t], phases[t]
         dlo, dbase = dl.regions[di].offsets, dl.local_offsets[di]
@@ -432,6 +441,50 @@ class RankGrid(NamedTuple):
     arrays: np.ndarray  # [A] array positions in the block
     src: np.ndarray  # [T, A] sender (global rank)
     dst: np.ndarray  # [T, A] receiver (global rank)
+
+
+def _row_ids(a: Sequence[np.ndarray], b: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Ids of the rows of two sets of integer columns (``a[i][j]`` is column i of row j), equal
+    where the rows are: mixed radix, or ``np.unique`` over the rows when that would overflow."""
+    base = [max([int(x.max()) + 2 for x in (ca, cb) if len(x)], default=1) for ca, cb in zip(a, b)]
+    if float(np.prod([float(x) for x in base])) < 2.0**62:
+        def ids(cols: Sequence[np.ndarray]) -> np.ndarray:
+            out = np.zeros(len(cols[0]), dtype=_I64)
+            for c, n in zip(cols, base):
+                out = out * n + (c + 1)  # +1: parts of phase-0 items are -1
+            return out
+        return ids(a), ids(b)
+    rows = np.concatenate([np.stack(a, axis=1), np.stack(b, axis=1)])
+    _, inv = np.unique(rows, axis=0, return_inverse=True)
+    inv = inv.reshape(-1).astype(_I64)
+    return inv[:len(a[0])], inv[len(a[0]):]
+
+
+class _ForwardGroups(NamedTuple):
+    """Phase-1 transfers into forwarders grouped by the part they bring (``Plan._forward_groups``)."""
+
+    uniq: np.ndarray  # sorted group ids (block, array, part, forwarder)
+    inverse: np.ndarray  # each phase-1 transfer's group, as a position in uniq
+    senders: np.ndarray  # each phase-1 transfer's sender, in plan order
+    forwarders: np.ndarray  # its receiver (the forwarder)
+    nbytes: np.ndarray
+    forwards: tuple[np.ndarray, ...]  # the phase-2 transfers asked about: block, array, item, forwarder, receiver, group id
+
+    def keys(self, wave_bytes: int, world: int) -> np.ndarray:
+        """Each phase-1 transfer's ``wave * world + (forwarder - sender) % world``."""
+        s, f = self.senders, self.forwarders
+        pair = s * world + f
+        order = np.argsort(pair, kind="stable")
+        cs = np.cumsum(self.nbytes[order])
+        ps = pair[order]
+        start = np.ones(len(ps), dtype=bool)
+        start[1:] = ps[1:] != ps[:-1]
+        first = np.maximum.accumulate(np.where(start, np.arange(len(ps)), 0))
+        before = np.where(first > 0, cs[first - 1], 0)
+        end = np.empty_like(cs)
+        end[order] = cs - before  # the stream position after each transfer's last byte
+        key: np.ndarray = ((end - 1) // max(wave_bytes, 1)) * world + (f - s) % world
+        return key
 
 
 class Plan:
@@ -494,8 +547,10 @@ class Plan:
         for g in self.grids(ranks):
             b = g.block
             mask = keep(g.src, g.dst, np.broadcast_to(b.phase[g.items][:, None], g.src.shape))
-            for a, t in zip(*np.nonzero(mask.T)):  # array-major, as the plan's order
-                yield b.materialise(int(g.arrays[a]), int(g.items[t]), int(g.src[t, a]), int(g.dst[t, a]))
+            ai, ti = np.nonzero(mask.T)  # array-major, as the plan's order
+            for a, t, s, d in zip(g.arrays[ai].tolist(), g.items[ti].tolist(), g.src[ti, ai].tolist(),
+                                  g.dst[ti, ai].tolist()):
+                yield b.materialise(a, t, s, d)
 
     @property
     def transfers(self) -> tuple[Transfer, ...]:
@@ -507,18 +562,84 @@ class Plan:
         """Every transfer ``rank`` (global) sends, receives or copies locally, in plan order."""
         return list(self._select(lambda s, d, p: (s == rank) | (d == rank), (rank,)))
 
-    def schedule_transfers(self, rank: int) -> list[Transfer]:
-        """What ordering ``rank``'s messages needs, in plan order: its own transfers plus the
-        phase-1 transfers into the ranks that forward bytes to it (a phase-2 message is ordered
-        after the phase-1 messages that bring its bytes to the forwarder)."""
+    def forward_keys(self, ranks: Iterable[int] | None, wave_bytes: int) -> dict[tuple[str, tuple[int, ...], int, int], int]:
+        """When the bytes of each phase-2 transfer that one of ``ranks`` (global; None: every rank)
+        sends or receives have reached the forwarder, as a number both ends compute alike.
+
+        Keyed by ``(fqn, region offsets, forwarder, receiver)``; the value is the largest
+        ``wave * world + (forwarder - sender) % world`` over the phase-1 transfers that bring its
+        part to the forwarder, where a phase-1 transfer's wave is the position of its last byte
+        in the stream of phase-1 bytes from its sender to the forwarder (plan order), in units of
+        ``wave_bytes``. The receiver computes this from the compressed plan, without expanding
+        the forwarder's phase-1 transfers (``build_schedule`` orders forwards by it).
+        """
+        groups = self._forward_groups(ranks)
+        out: dict[tuple[str, tuple[int, ...], int, int], int] = {}
+        if groups is None:
+            return out
+        world = max(self.world_size, 1)
+        key, (blk, arr, item, fwd, dst, gid) = groups.keys(wave_bytes, world), groups.forwards
+        best = np.full(len(groups.uniq), -1, dtype=_I64)
+        np.maximum.at(best, groups.inverse, key)
+        pos = np.searchsorted(groups.uniq, gid)
+        found = (pos < len(groups.uniq)) & (groups.uniq[np.minimum(pos, len(groups.uniq) - 1)] == gid)
+        val = np.where(found, best[np.minimum(pos, len(groups.uniq) - 1)], -1).tolist()
+        for j, (b, a, t, f, d) in enumerate(zip(blk.tolist(), arr.tolist(), item.tolist(), fwd.tolist(),
+                                                dst.tolist())):
+            block = self._blocks[b]
+            out[(block.fqns[a], block._items[0][t], f, d)] = val[j]
+        return out
+
+    def forward_sources(self, rank: int) -> dict[int, set[int]]:
+        """For the phase-2 transfers ``rank`` receives: forwarder -> the senders whose phase-1
+        bytes it forwards (to name them when a forward is late)."""
+        groups = self._forward_groups((rank,))
+        out: dict[int, set[int]] = defaultdict(set)
+        if groups is None:
+            return out
+        gid, fwd, dst = groups.forwards[5], groups.forwards[3], groups.forwards[4]
+        wanted = {g: f for g, f, d in zip(gid.tolist(), fwd.tolist(), dst.tolist()) if d == rank}
+        for g, s in zip(groups.uniq[groups.inverse].tolist(), groups.senders.tolist()):
+            if g in wanted:
+                out[wanted[g]].add(s)
+        return out
+
+    def _forward_groups(self, ranks: Iterable[int] | None) -> _ForwardGroups | None:
+        """The phase-2 transfers ``ranks`` send or receive, and every phase-1 transfer into
+        their forwarders, as columns (see ``forward_keys``); None when there are no forwards."""
+        want = None if ranks is None else np.array(sorted(set(ranks)), dtype=_I64)
+        b_of = {id(b): i for i, b in enumerate(self._blocks)}
+        fw_cols: list[list[np.ndarray]] = [[] for _ in range(6)]
         fwd_set: set[int] = set()
-        for g in self.grids((rank,)):
-            p2 = g.block.phase[g.items] == 2
-            if p2.any():
-                fwd_set.update(np.unique(g.src[p2][g.dst[p2] == rank]).tolist())
+        for g in self.grids(want):
+            m = np.broadcast_to((g.block.phase[g.items] == 2)[:, None], g.src.shape)
+            if want is not None:
+                m = m & (np.isin(g.src, want) | np.isin(g.dst, want))
+            ai, ti = np.nonzero(m.T)
+            if not len(ai):
+                continue
+            f, d = g.src[ti, ai], g.dst[ti, ai]
+            fwd_set.update(np.unique(f).tolist())
+            for c, x in zip(fw_cols, (np.full(len(ai), b_of[id(g.block)], dtype=_I64), g.arrays[ai],
+                                      g.items[ti], f, d, g.block.part[g.items[ti]])):
+                c.append(x)
+        if not fwd_set:
+            return None
         fwd = np.array(sorted(fwd_set), dtype=_I64)
-        return list(self._select(lambda s, d, p: (s == rank) | (d == rank) | ((p == 1) & np.isin(d, fwd)),
-                                 {rank, *fwd_set}))
+        p1_cols: list[list[np.ndarray]] = [[] for _ in range(6)]
+        for g in self.grids(fwd):
+            m = (g.block.phase[g.items] == 1)[:, None] & np.isin(g.dst, fwd)
+            ai, ti = np.nonzero(m.T)  # array-major: the plan's order
+            items = g.items[ti]
+            for c, x in zip(p1_cols, (np.full(len(ai), b_of[id(g.block)], dtype=_I64), g.arrays[ai],
+                                      g.block.part[items], g.src[ti, ai], g.dst[ti, ai],
+                                      g.block.item_bytes()[items])):
+                c.append(x)
+        blk, arr, part, src, dst, nbytes = (np.concatenate(c) if c else np.zeros(0, dtype=_I64) for c in p1_cols)
+        fblk, farr, fitem, ffwd, fdst, fpart = (np.concatenate(c) for c in fw_cols)
+        ids, fids = _row_ids((blk, arr, part, dst), (fblk, farr, fpart, ffwd))
+        uniq, inverse = np.unique(ids, return_inverse=True)
+        return _ForwardGroups(uniq, inverse.reshape(-1), src, dst, nbytes, (fblk, farr, fitem, ffwd, fdst, fids))
 
     def sends(self, rank: int) -> list[Transfer]:
         return list(self._select(lambda s, d, p: (s == rank) & (p != 0), (rank,)))
@@ -532,7 +653,7 @@ class Plan:
         out: dict[str, set[str]] = {}
         for b in self._blocks:
             for fqn, lay in zip(b.fqns, b.dst_layouts if on_dst else b.src_layouts):
-                out[fqn] = {t or fqn for t in set(lay.tensors)}
+                out[fqn] = {t or fqn for t in lay.tensor_set}
         return out
 
     def pair_bytes(self) -> dict[tuple[int, int, int], int]:
@@ -673,6 +794,7 @@ class _Item(NamedTuple):
     receiver_slots: tuple[int, ...]
     receiver_first: int
     rotation: int
+    part: int  # the part it brings into (phase 1) or forwards inside (phase 2) a domain; -1: phase 0
 
 
 class _Gap(NamedTuple):
@@ -698,11 +820,11 @@ class _Template:
 
     def add(self, region: Box, phase: int, src_chunk: int, dst_chunk: int, sender_side: int,
             sender_slots: tuple[int, ...], sender_first: int, receiver_slots: tuple[int, ...],
-            receiver_first: int, rotation: int) -> None:
+            receiver_first: int, rotation: int, part: int = -1) -> None:
         self.offsets.append(region.offsets)
         self.sizes.append(region.sizes)
         self.items.append(_Item(phase, src_chunk, dst_chunk, sender_side, sender_slots, sender_first,
-                                receiver_slots, receiver_first, rotation))
+                                receiver_slots, receiver_first, rotation, part))
 
 
 #: ``(source chunk position, sender slots) -> each slot's share of the bytes``, or None for
@@ -741,6 +863,7 @@ def _build_template(sl: _Layout, dl: _Layout, runs: Runs, isz: int, topo: _Topol
     given: dict[tuple[int, int], float] = defaultdict(float)  # bytes per (source chunk, slot), weighted sets
     index = _Index(sl.regions)
     rot = rot0
+    pid = -1
     for di, dbox in enumerate(dl.regions):
         pieces = _overlaps(sl.regions, dbox, index)
         pieces.sort(key=lambda p: (p[1].offsets, p[1].sizes, p[0]))
@@ -777,6 +900,7 @@ def _build_template(sl: _Layout, dl: _Layout, runs: Runs, isz: int, topo: _Topol
                 # phase 1: the piece lands once in the domain, spread over `need`
                 parts = [inter] if len(need) == 1 or pbytes < split_bytes else split_box(inter, len(need), grid)
                 for i, part in enumerate(parts):
+                    pid += 1  # the phase-1 items bringing `part` and the phase-2 items forwarding it
                     psz = part.volume * isz
                     tp.needed[(si, senders)] += psz
                     fr = shares(si, senders) if shares is not None and len(senders) > 1 else None
@@ -784,19 +908,19 @@ def _build_template(sl: _Layout, dl: _Layout, runs: Runs, isz: int, topo: _Topol
                         if psz >= split_bytes and part.ndim:
                             for j, sub in enumerate(_split_weighted(part, fr, grid)):
                                 if sub is not None:
-                                    tp.add(sub, 1, si, di, _SRC, (senders[j],), 0, need, i, rot)
+                                    tp.add(sub, 1, si, di, _SRC, (senders[j],), 0, need, i, rot, pid)
                                     given[(si, senders[j])] += sub.volume * isz
                         else:
                             j = min((j for j in range(len(senders)) if fr[j] > 0),
                                     key=lambda j: ((given[(si, senders[j])] + psz) / fr[j], j))
-                            tp.add(part, 1, si, di, _SRC, (senders[j],), 0, need, i, rot)
+                            tp.add(part, 1, si, di, _SRC, (senders[j],), 0, need, i, rot, pid)
                             given[(si, senders[j])] += psz
                     else:
                         subs = [part] if len(senders) == 1 or psz < split_bytes else split_box(part, len(senders), grid)
                         for j, sub in enumerate(subs):
-                            tp.add(sub, 1, si, di, _SRC, senders, i + j, need, i, rot)
+                            tp.add(sub, 1, si, di, _SRC, senders, i + j, need, i, rot, pid)
                     for m in range(1, len(need)):  # phase 2: forward inside the domain
-                        tp.add(part, 2, si, di, _DST, need, i, need, i + m, rot)
+                        tp.add(part, 2, si, di, _DST, need, i, need, i + m, rot, pid)
     return tp, rot
 
 
@@ -851,7 +975,7 @@ def _make_block(tp: _Template, fqns: Sequence[str], isz: int, ndim: int, src_lay
         sender_count=np.array([len(c.sender_slots) for c in items], dtype=_I64),
         receiver_slots=_pad([c.receiver_slots for c in items], cw), receiver_first=column("receiver_first"),
         receiver_count=np.array([len(c.receiver_slots) for c in items], dtype=_I64),
-        rotation=column("rotation"), src_holders=src_holders, src_row=src_row, dst_holders=dst_holders,
+        rotation=column("rotation"), part=column("part"), src_holders=src_holders, src_row=src_row, dst_holders=dst_holders,
         dst_row=dst_row, src_layouts=tuple(src_lay), dst_layouts=tuple(dst_lay), grid=grid)
 
 

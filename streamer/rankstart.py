@@ -5,8 +5,9 @@ Every rank parses the same two manifests and runs the same deterministic planner
 jobs agree on every transfer when they agree on what goes in: both manifests, the options that
 change a plan or its messages, and the planner itself (shardstream's version and
 ``PLAN_ALGORITHM``). Ranks compare those few digests, not a digest of the whole plan, which
-would need every rank's transfers. Each rank then expands only its own transfers (and the
-phase-1 transfers into the ranks that forward to it), and orders only its own messages.
+would need every rank's transfers. Each rank then expands only its own transfers and orders
+only its own messages (where a forward it receives goes is computed from the compressed plan:
+``Plan.forward_keys``).
 """
 
 from __future__ import annotations

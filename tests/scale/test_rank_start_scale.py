@@ -27,22 +27,26 @@ def manifests(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return src, dst
 
 
-def _start(src: Path, dst: Path, rank: int) -> dict[str, object]:
+def _start(src: Path, dst: Path, rank: int, domain: int) -> dict[str, object]:
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    p = subprocess.run([sys.executable, "-m", "streamer.bench_rank", "start", str(src), str(dst), str(rank)],
-                       capture_output=True, text=True, timeout=300, env=env)
+    p = subprocess.run([sys.executable, "-m", "streamer.bench_rank", "start", str(src), str(dst), str(rank),
+                        str(domain)], capture_output=True, text=True, timeout=300, env=env)
     assert p.returncode == 0, p.stderr[-2000:]
     out: dict[str, object] = json.loads(p.stdout)
     return out
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("rank", [0, 256], ids=["sender 0", "receiver 0"])
+@pytest.mark.parametrize("rank", [0, 300], ids=["sender 0", "receiver 44"])
 def test_one_rank_start_at_deepseek_v3_scale(manifests: tuple[Path, Path], rank: int) -> None:
+    """In NVLink domains of 8 on both sides: the receiver also forwards to, and is fed by, the 7
+    other ranks of its domain (phase 2)."""
     src, dst = manifests
     assert src.stat().st_size < 1_000_000 and dst.stat().st_size < 1_000_000  # compact form
-    got = _start(src, dst, rank)
+    got = _start(src, dst, rank, 8)
     assert got["rank"] == rank and isinstance(got["messages"], int) and got["messages"] > 0
+    if rank >= 256:
+        assert got["forwards_sent"] and got["forwards_received"], got
     # ru_maxrss: this test process stays small (the manifests are written by a child), so the
     # child's figure is its own peak (Linux counts a larger parent's memory at fork in it)
     rss = got["ru_maxrss_bytes"]

@@ -478,23 +478,28 @@ def test_loopback_matches_receives_in_posting_order() -> None:
 def test_per_rank_schedule_matches_global_order(pair: LayoutPair, bucket: int) -> None:
     """``build_schedule(rank=r)`` (what RefitSession uses: a full-size plan is too big to order
     whole on every rank) gives rank r exactly the messages of the global schedule that involve
-    it, with the same contents, in the same order, with dependencies on the same messages."""
+    it, with the same contents, in the same order; the forwards it sends depend on the same
+    messages (a receiver is never told, nor needs, which phase-1 messages its forwarder waits for)."""
     from streamer.execute import build_schedule
 
     plan = plan_transfers(pair.src, pair.dst, dst_domain_size=pair.dst_domain_size, split_bytes=16)
     glob = build_schedule(plan, bucket)
     by_uid = {m.uid: m for m in glob}
 
-    def sig(m: Message, lookup: dict[int, Message]) -> tuple[Any, ...]:
+    def sig(m: Message, lookup: dict[int, Message], g: int) -> tuple[Any, ...]:
         deps = tuple(sorted((lookup[d].src, lookup[d].dst, lookup[d].index, lookup[d].phase) for d in m.deps))
-        return (m.phase, m.src, m.dst, m.index, m.nbytes, tuple(t.key() for t in m.transfers), deps)
+        return (m.phase, m.src, m.dst, m.index, m.nbytes, tuple(t.key() for t in m.transfers),
+                deps if m.src == g else ())
 
+    for m in glob:  # the global order is one the executors can follow: bytes arrive before they are forwarded
+        assert all(d < m.uid for d in m.deps) and (m.phase == 1) == (not m.deps), m
     for g in range(plan.world_size):
         local = build_schedule(plan, bucket, rank=g)
         loc_uid = {m.uid: m for m in local}
-        want = [sig(m, by_uid) for m in glob if g in (m.src, m.dst)]
-        got = [sig(m, loc_uid) for m in local if g in (m.src, m.dst)]
+        want = [sig(m, by_uid, g) for m in glob if g in (m.src, m.dst)]
+        got = [sig(m, loc_uid, g) for m in local]
         assert got == want, g
+        assert all(not m.deps for m in local if m.src != g)
 
 
 def test_poll_sleep_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -2,7 +2,8 @@
 together over all ranks, is exactly the whole plan.
 
 Oracle: the whole plan's materialised transfers (``Plan.transfers``). For every rank, its
-transfers, sends, receives and schedule transfers are the whole plan's, filtered, in plan order;
+transfers, sends and receives are the whole plan's, filtered, in plan order, and what it
+knows of its forwards (``forward_keys``, ``forward_sources``) equals a box-intersection oracle;
 the sends of all ranks plus the local copies are the whole plan as a multiset; ``rank_figures``
 sums to the plan's figures. Checked on random layouts (uneven, nested, replicated, domains,
 same-job), Qwen-like MoE layouts with uneven expert blocks, FP8 weight + scale pairs and the
@@ -32,10 +33,41 @@ from streamer.rankplan import rank_figures, rank_role
 from streamer.rankstart import input_digests, input_problems
 
 
+#: the byte wave ``forward_keys`` is checked with: small, so that streams span several waves
+WAVE = 48
+
+
+def forward_oracle(full: tuple[Transfer, ...], world: int) -> tuple[dict[Any, int], dict[Any, set[int]]]:
+    """From the materialised plan, by box intersection: each forward's latest phase-1 bytes (the
+    wave of the last byte of the phase-1 transfers into the forwarder's tensor that overlap what
+    it forwards, in their sender->forwarder stream), and per (forwarder, receiver) their senders."""
+    pos: dict[tuple[int, int], int] = Counter()
+    end: list[tuple[Transfer, int]] = []
+    for t in full:
+        if t.phase == 1:
+            pos[(t.src_rank, t.dst_rank)] += t.nbytes
+            end.append((t, pos[(t.src_rank, t.dst_rank)]))
+    keys: dict[Any, int] = {}
+    sources: dict[Any, set[int]] = {}
+    for t in full:
+        if t.phase != 2:
+            continue
+        f, d = t.src_rank, t.dst_rank
+        deps = [(t1, e) for t1, e in end if t1.dst_rank == f and t1.dst_tensor == t.src_tensor
+                and t1.dst_box.intersect(t.src_box) is not None]
+        assert deps, t
+        keys[(t.fqn, t.region.offsets, f, d)] = max((e - 1) // WAVE * world + (f - t1.src_rank) % world
+                                                    for t1, e in deps)
+        sources.setdefault((f, d), set()).update(t1.src_rank for t1, _ in deps)
+    return keys, sources
+
+
 def check_per_rank(plan: Plan) -> None:
     """Every rank's selections against the whole plan, and the figures' sums."""
     full = plan.transfers
     st_ = plan.stats()
+    want_keys, want_sources = forward_oracle(full, plan.world_size)
+    assert plan.forward_keys(None, WAVE) == want_keys
     moving: Counter[Transfer] = Counter()
     copies: Counter[Transfer] = Counter()
     figs = []
@@ -45,9 +77,9 @@ def check_per_rank(plan: Plan) -> None:
         sends = [t for t in full if t.src_rank == r and t.phase != 0]
         recvs = [t for t in full if t.dst_rank == r and t.phase != 0]
         assert plan.sends(r) == sends and plan.recvs(r) == recvs, r
-        fwd = {t.src_rank for t in full if t.phase == 2 and t.dst_rank == r}
-        assert plan.schedule_transfers(r) == [t for t in full if r in (t.src_rank, t.dst_rank)
-                                              or (t.phase == 1 and t.dst_rank in fwd)], r
+        keys = plan.forward_keys((r,), WAVE)
+        assert keys == {k: v for k, v in want_keys.items() if r in k[2:]}, r
+        assert plan.forward_sources(r) == {f: s for (f, d), s in want_sources.items() if d == r}, r
         moving.update(sends)
         copies.update(t for t in mine if t.phase == 0 and t.dst_rank == r)
         f = rank_figures(plan, r)
