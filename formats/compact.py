@@ -76,9 +76,13 @@ def array_vars(fqn: str) -> Mapping[str, int]:
     >>> array_vars("model.layers.3.mlp.experts.17.gate_proj.weight")
     {'layer': 3, 'expert': 17}
     """
+    # _VARS_RE by components: as exact, several times faster (every array's name is read)
     out: dict[str, int] = {}
-    for m in _VARS_RE.finditer(fqn):
-        out.setdefault(_VAR_OF[m.group(1)], int(m.group(2)))
+    parts = fqn.split(".")
+    for name, num in zip(parts, parts[1:]):
+        var = _VAR_OF.get(name)
+        if var is not None and num.isdecimal():
+            out.setdefault(var, int(num))
     return out
 
 

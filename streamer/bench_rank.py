@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .gcpause import paused_gc
+
 __all__ = ["SCALE_CASES", "bench_scale", "rank_start", "scale_case", "scale_lines", "whole_plan"]
 
 #: (name, HF config in workloads/models, trainer mesh, Megatron first/last stage layers, server mesh)
@@ -55,11 +57,17 @@ def rank_start(src_path: str, dst_path: str, rank: int, domain: int | None = Non
                bucket_size: int = 256 << 20) -> dict[str, Any]:
     """One merged rank's refit start from the two compact manifest files (read as the bytes the
     broadcast would deliver); its time and this process's peak RSS."""
+    src_text, dst_text = Path(src_path).read_bytes(), Path(dst_path).read_bytes()
+    with paused_gc():  # as RefitSession.start
+        return _rank_start(src_text, dst_text, src_path, dst_path, rank, domain, bucket_size)
+
+
+def _rank_start(src_text: bytes, dst_text: bytes, src_path: str, dst_path: str, rank: int, domain: int | None,
+                bucket_size: int) -> dict[str, Any]:
     from formats.manifest import loads_manifest
 
     from .rankstart import input_digests, plan_own
 
-    src_text, dst_text = Path(src_path).read_bytes(), Path(dst_path).read_bytes()
     rss0, t0, c0 = _rss(), time.perf_counter(), time.process_time()
     src = loads_manifest(src_text, where=src_path)
     dst = loads_manifest(dst_text, where=dst_path)
@@ -100,6 +108,11 @@ def _manifests(work: Path, name: str, models: Path) -> tuple[Path, Path, float]:
 def whole_plan(src_path: str, dst_path: str, domain: int) -> dict[str, Any]:
     """What ``shardstream plan SRC DST --json`` does (load, validate both, plan with the figures,
     digest), in this process; its figures, time and peak RSS."""
+    with paused_gc():  # as ``shardstream plan``
+        return _whole_plan(src_path, dst_path, domain)
+
+
+def _whole_plan(src_path: str, dst_path: str, domain: int) -> dict[str, Any]:
     from formats.manifest import load_manifest
     from formats.validate import validate_manifest
 

@@ -254,6 +254,13 @@ def _fmt_quantized(q: dict[str, Any] | None) -> list[str]:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from .gcpause import paused_gc
+
+    with paused_gc():  # a full-size plan: ~10^6 long-lived objects (see streamer.gcpause)
+        return _cmd_plan(args)
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
     import time
 
     from formats.validate import validate_manifest

@@ -175,9 +175,10 @@ def _chunk_order(c: Chunk) -> tuple[Any, ...]:
     return (c.region.offsets, c.region.sizes, c.holders, c.tensor(""), c.local_offsets)
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False)  # not frozen: a frozen init costs 3x, and the planner makes one per array
 class _Layout:
-    """One array's chunks in canonical order (memoised per chunks tuple: layouts share them)."""
+    """One array's chunks in canonical order (memoised per chunks tuple: layouts share them).
+    Treated as immutable."""
 
     chunk_index: tuple[int, ...]  # canonical position -> index in the manifest's chunk list
     regions: tuple[Box, ...]
@@ -366,6 +367,37 @@ class _Block:
 
     def item_bytes(self) -> np.ndarray:
         out: np.ndarray = np.prod(self.sizes, axis=1, dtype=_I64) * self.itemsize
+        return out
+
+    def sender_bytes(self, items: np.ndarray, world: int) -> np.ndarray:
+        """Bytes each rank sends for ``items`` (positions) over every array: what a bincount of
+        ``ranks_ta(items)[0]`` weighted by the items' bytes gives, without the [T, A] grid. An
+        item's sender depends on the array only through its holder table and ``a % count``, so
+        arrays are counted per (table, residue) and each item is expanded over those alone."""
+        out = np.zeros(world, dtype=np.float64)
+        A = len(self.fqns)
+        nbytes = self.item_bytes()[items].astype(np.float64)
+        count = self.sender_count[items]
+        from_src = self.sender_side[items] == 0
+        for side in (True, False):
+            for n in np.unique(count).tolist():
+                sel = np.nonzero((from_src == side) & (count == n))[0]
+                if not len(sel):
+                    continue
+                table, row = (self.src_holders, self.src_row) if side else (self.dst_holders, self.dst_row)
+                chunk = (self.src_chunk if side else self.dst_chunk)[items[sel]]
+                U = table.shape[0]
+                if U * n >= A:  # as many (table, residue) classes as arrays: the grid is no larger
+                    src, _ = self.ranks_ta(items[sel])
+                    out += np.bincount(src.ravel(), weights=np.repeat(nbytes[sel], src.shape[1]), minlength=world)
+                    continue
+                arrays_per = np.bincount(row * n + np.arange(A) % n, minlength=U * n).reshape(U, n).astype(np.float64)
+                it = items[sel]
+                base = (self.sender_first[it] + self.rotation[it])[:, None] + np.arange(n)[None, :]  # [T, residue]
+                slot = np.take_along_axis(self.sender_slots[it], base % n, axis=1)
+                ranks = table[:, chunk[:, None], slot]  # [U, T, residue]
+                w = nbytes[sel][None, :, None] * arrays_per[:, None, :]
+                out += np.bincount(ranks.ravel(), weights=w.ravel(), minlength=world)
         return out
 
     def digest_into(self, h: Any) -> None:
@@ -1272,7 +1304,7 @@ def _rebalance(built: Sequence[_Planned], fig: _Figures, dst: Manifest, lays: La
     add the FP8 scales' blocks; with ``with_ranks``, each final block's (sender, receiver) ranks
     [T, A] too (the figures need them; a refit rank does not)."""
     rk = {id(p.block): p.block.ranks_ta() for p in built} if with_ranks else {}
-    shares = _replica_shares([(p.block, rk.get(id(p.block))) for p in built], fig.needed_by_set, topo.world_size)
+    shares = _replica_shares([p.block for p in built], fig.needed_by_set, topo.world_size)
     blocks: list[_Block] = []
     for p in built:
         for b in _reweight(p.block, p.template, p.rotation, shares, keys, topo):
@@ -1323,8 +1355,7 @@ def plan_transfers(src: Manifest, dst: Manifest, *, src_domain_size: int | None 
     return plan
 
 
-def _replica_shares(blocks: Sequence[tuple[_Block, tuple[np.ndarray, np.ndarray] | None]],
-                    needed: Mapping[tuple[int, ...], int], W: int) -> dict[tuple[int, ...], np.ndarray]:
+def _replica_shares(blocks: Sequence[_Block], needed: Mapping[tuple[int, ...], int], W: int) -> dict[tuple[int, ...], np.ndarray]:
     """Each replica's share of the bytes needed from each holder set of two or more ranks.
 
     Fixed loads (single-holder sends, phase-2 forwards) come first; the sets' bytes are then
@@ -1336,12 +1367,10 @@ def _replica_shares(blocks: Sequence[tuple[_Block, tuple[np.ndarray, np.ndarray]
     if not sets:
         return {}
     load = np.zeros(max(W, 1), dtype=np.float64)
-    for b, rk in blocks:  # ranks shaped [T, A], or None: the fixed items' senders are computed here
+    for b in blocks:  # byte counts are integers: exact in float64 (< 2**53), in any order
         fixed = ~((b.phase == 1) & (b.sender_count > 1))
         if fixed.any():
-            src = rk[0][fixed] if rk is not None else b.ranks_ta(np.nonzero(fixed)[0])[0]
-            w = np.repeat(b.item_bytes()[fixed].astype(np.float64), src.shape[1])
-            load += np.bincount(src.ravel(), weights=w, minlength=len(load))
+            load += b.sender_bytes(np.nonzero(fixed)[0], len(load))
     alloc = {k: np.full(len(k), needed[k] / len(k)) for k in sets}
     for k in sets:
         load[list(k)] += alloc[k]

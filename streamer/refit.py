@@ -45,6 +45,7 @@ from .baseline import gather_broadcast
 from .convert.quantize import FP8_BLOCK
 from .delta import DeltaPush, DeltaState
 from .execute import DEFAULT_BUCKET, SCHEDULE_VERSION, ExecStats, Executor
+from .gcpause import paused_gc
 from .jobs import Group, connect
 from .local import check_local, collect_local
 from .quant_refit import ReceiverQuant, RefitQuant, SenderQuant, refit_quant, refit_quant_report
@@ -198,6 +199,12 @@ class RefitSession:
             return
         if self.transport is None:
             self.transport = make_transport(None, self.group, self.timeout)
+        with paused_gc():  # a full-size plan: ~10^6 long-lived objects (see streamer.gcpause)
+            self._plan_start()
+        self._start_quant()
+        self._started = True
+
+    def _plan_start(self) -> None:
         self.src, self.dst = self._exchange_manifests()
         self._agree_options()
         # FP8 destinations fed from float sources: the plan moves between the quantizing manifests
@@ -210,8 +217,6 @@ class RefitSession:
                                             dst_domain_size=self.dst_domain_size, allow_extra=self.allow_extra)
         # what every push is checked against: computed once (a full-size manifest has many chunks)
         self._specs = self.manifest.local_tensors(self.local_rank)
-        self._start_quant()
-        self._started = True
 
     def _start_quant(self) -> None:
         if self.quant is None:

@@ -366,3 +366,25 @@ def test_kv_heads_replicated_over_tp_ranks_use_a_split_axis() -> None:
     assert d["layouts"][k["layout"]]["placements"] == ["R", "S(0)", "R"] and k["block"] == [16, 0]
     chunks = loads_manifest(json.dumps(d)).arrays["model.layers.1.self_attn.k_proj.weight"].chunks
     assert [c.holders for c in chunks] == [(0, 1, 4, 5), (2, 3, 6, 7)]
+
+
+def test_array_vars_reads_names_as_the_documented_pattern() -> None:
+    """``array_vars`` splits names into components; it must read what the regular expression of
+    the format (a whole ``layers`` / ``experts`` / ``local_experts`` component, then a whole
+    number component; the first occurrence of each wins) reads, on names built to trip it."""
+    import random
+    import re
+
+    from formats.compact import array_vars
+
+    pattern = re.compile(r"(?<![^.])(layers|experts|local_experts)\.(\d+)(?![^.])")
+    var_of = {"layers": "layer", "experts": "expert", "local_experts": "expert"}
+    words = ["layers", "experts", "local_experts", "model", "mlp", "0", "17", "3x", "x3", "", "layers3",
+             "١٢", "weight", "blayers", "experts_"]
+    rng = random.Random(0)
+    for _ in range(5000):
+        name = ".".join(rng.choice(words) for _ in range(rng.randint(1, 7)))
+        want: dict[str, int] = {}
+        for m in pattern.finditer(name):
+            want.setdefault(var_of[m.group(1)], int(m.group(2)))
+        assert dict(array_vars(name)) == want, name

@@ -16,6 +16,7 @@ from collections import Counter
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
 import pytest
 from helpers import LayoutPair, lay_out, n_examples, random_layout_pair
 from hypothesis import given, settings
@@ -31,7 +32,6 @@ from streamer.local_shapes import LocalShapes, plan_shapes
 from streamer.plan import Plan, Transfer, plan_transfers
 from streamer.rankplan import rank_figures, rank_role
 from streamer.rankstart import input_digests, input_problems
-
 
 #: the byte wave ``forward_keys`` is checked with: small, so that streams span several waves
 WAVE = 48
@@ -68,6 +68,12 @@ def check_per_rank(plan: Plan) -> None:
     st_ = plan.stats()
     want_keys, want_sources = forward_oracle(full, plan.world_size)
     assert plan.forward_keys(None, WAVE) == want_keys
+    for b in plan._blocks:  # the balancer's per-rank send counts, without the [T, A] grid
+        items = np.arange(b.num_items)
+        src, _ = b.ranks_ta(items)
+        want = np.bincount(src.ravel(), weights=np.repeat(b.item_bytes().astype(float), src.shape[1]),
+                           minlength=plan.world_size)
+        assert np.array_equal(b.sender_bytes(items, plan.world_size), want)
     moving: Counter[Transfer] = Counter()
     copies: Counter[Transfer] = Counter()
     figs = []
