@@ -355,7 +355,7 @@ def _intro(full_plan: bool) -> list[str]:
         "**all** arrays (NeMo RL's reshard path moves only the ~93–98 % of bytes in FFN/expert weights)."),
         "",
         "**Approximation.** A whole DeepSeek-V3 plan has 14 million transfers (about a second to plan, see "
-        "*Runtimes*), but the scale tables go to 2.4T parameters and 1024 GPUs, so each row plans one "
+        "*Runtimes*), but the scale tables go to 1024 GPUs and to Kimi-K2 (1.03T parameters), so each row plans one "
         "representative layer of each kind (plus the non-layer arrays) with the "
         "real planner and multiplies it over the identical layers, shifting source ranks by pipeline stage. "
         "That is exactly the union of independent per-layer plans; `tests/unit/test_simulate.py` checks the "
@@ -555,7 +555,7 @@ def _runtimes_section(seed: list[Row], rt: dict[str, Any], wall: float, full_pla
             ]), "",
             (f"Design §9's planner target (full DSv3 plan ≤ 2 s): the whole plan took {rt['plan_s']:.1f} s here "
              f"({'met' if rt['plan_s'] <= 2 else 'not met'}). `simulate` still scales layer kinds by default, so "
-             "that the largest rows of the scale tables (2.4T parameters, 1024 GPUs) stay in seconds too."
+             "that the largest rows of the scale tables (1024 GPUs, Kimi-K2) stay in seconds too."
              if "plan_s" in rt else
              "Design §9's planner target (full DSv3 plan ≤ 2 s): run with `--full-plan` to time the whole plan."), "",
             f"This file took {wall:.0f} s to generate" + (" (with `--full-plan`)." if full_plan else "."), ""]

@@ -670,8 +670,14 @@ class Executor:
         peers = sorted({a.msg.src if a.is_recv else a.msg.dst for a in active})
         name0 = self.peer_names or (lambda p: f"rank {p}")
         # a late forward: name whom the forwarder waits for (its phase-1 senders, from the plan)
-        late = {a.msg.src for a in active if a.is_recv and a.msg.phase == 2}
-        upstream = {f: s for f, s in self.plan.forward_sources(self.rank).items() if f in late} if late else {}
+        late = [a.msg for a in active if a.is_recv and a.msg.phase == 2]
+        upstream: dict[int, set[int]] = defaultdict(set)
+        sources = self.plan.forward_sources(self.rank) if late else {}
+        for m in late:  # the senders of the bytes in the forwards still awaited
+            for t in m.transfers:
+                for region, senders in sources.get((t.fqn, m.src), ()):
+                    if region.intersect(t.region) is not None:
+                        upstream[m.src] |= senders
 
         def name(p: int) -> str:
             up = sorted(upstream.get(p, ()))

@@ -622,18 +622,23 @@ class Plan:
             out[(block.fqns[a], block._items[0][t], f, d)] = val[j]
         return out
 
-    def forward_sources(self, rank: int) -> dict[int, set[int]]:
-        """For the phase-2 transfers ``rank`` receives: forwarder -> the senders whose phase-1
-        bytes it forwards (to name them when a forward is late)."""
+    def forward_sources(self, rank: int) -> dict[tuple[str, int], list[tuple[Box, set[int]]]]:
+        """For the phase-2 transfers ``rank`` receives, by (fqn, forwarder): each one's region
+        and the senders whose phase-1 bytes it forwards (to name them when a forward is late)."""
         groups = self._forward_groups((rank,))
-        out: dict[int, set[int]] = defaultdict(set)
+        out: dict[tuple[str, int], list[tuple[Box, set[int]]]] = defaultdict(list)
         if groups is None:
             return out
-        gid, fwd, dst = groups.forwards[5], groups.forwards[3], groups.forwards[4]
-        wanted = {g: f for g, f, d in zip(gid.tolist(), fwd.tolist(), dst.tolist()) if d == rank}
-        for g, s in zip(groups.uniq[groups.inverse].tolist(), groups.senders.tolist()):
-            if g in wanted:
-                out[wanted[g]].add(s)
+        senders: dict[int, set[int]] = defaultdict(set)
+        for g, s in zip(groups.inverse.tolist(), groups.senders.tolist()):
+            senders[g].add(s)
+        blk, arr, item, fwd, dst, gid = (x.tolist() for x in groups.forwards)
+        pos = np.searchsorted(groups.uniq, groups.forwards[5]).tolist()
+        for b, a, t, f, d, g, p in zip(blk, arr, item, fwd, dst, gid, pos):
+            if d == rank:
+                block = self._blocks[b]
+                ok = p < len(groups.uniq) and int(groups.uniq[p]) == g
+                out[(block.fqns[a], f)].append((block._items[1][t], senders[p] if ok else set()))
         return out
 
     def _forward_groups(self, ranks: Iterable[int] | None) -> _ForwardGroups | None:

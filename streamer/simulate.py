@@ -48,7 +48,7 @@ a pipelined ring broadcasts each to every generator rank that needs it.
 Scaling identical layers (``planning="scaled"``, the default)
 -------------------------------------------------------------
 A full DeepSeek-V3 plan has 14 million transfers; the planner makes it in about 1.5 s, but the
-scale tables go to 2.4T parameters and 1024 GPUs, where the whole plan grows with both. So by
+scale tables go to 1024 GPUs and to Kimi-K2 (1.03T parameters), where the whole plan grows. So by
 default the simulator plans *one representative layer of each kind* (same array
 names after ``layers.{i}``, same shapes and dtypes, same generator pipeline stage) with the
 real planner, on manifests holding just that layer, plus one plan for the arrays outside the

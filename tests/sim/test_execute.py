@@ -418,6 +418,12 @@ def test_dead_source_peer_times_out_naming_it(dds: int | None) -> None:
         assert isinstance(e, PeerTimeoutError), (g, repr(e))
     assert set(res.stats) | set(res.errors) == set(range(plan.world_size)) - {dead}
     assert res.elapsed <= 3 * timeout + 5.0
+    # a receiver waiting for a forward names the forwarder and whom it waits for (worked out from
+    # the plan: a receiver does not know its forwarders' messages)
+    named = [g for g, e in res.errors.items() if "which forwards bytes from" in str(e)]
+    assert bool(named) == bool(dds), {g: str(e) for g, e in res.errors.items()}
+    for g in named:  # the senders of the bytes in the forwards it still waits for
+        assert re.search(rf"\(which forwards bytes from [^)]*\brank {dead}\b", str(res.errors[g])), str(res.errors[g])
 
 
 def test_dead_destination_peer_does_not_hang_anyone() -> None:

@@ -40,7 +40,7 @@ WAVE = 48
 def forward_oracle(full: tuple[Transfer, ...], world: int) -> tuple[dict[Any, int], dict[Any, set[int]]]:
     """From the materialised plan, by box intersection: each forward's latest phase-1 bytes (the
     wave of the last byte of the phase-1 transfers into the forwarder's tensor that overlap what
-    it forwards, in their sender->forwarder stream), and per (forwarder, receiver) their senders."""
+    it forwards, in their sender->forwarder stream), and each forward's senders."""
     pos: dict[tuple[int, int], int] = Counter()
     end: list[tuple[Transfer, int]] = []
     for t in full:
@@ -58,7 +58,7 @@ def forward_oracle(full: tuple[Transfer, ...], world: int) -> tuple[dict[Any, in
         assert deps, t
         keys[(t.fqn, t.region.offsets, f, d)] = max((e - 1) // WAVE * world + (f - t1.src_rank) % world
                                                     for t1, e in deps)
-        sources.setdefault((f, d), set()).update(t1.src_rank for t1, _ in deps)
+        sources[(t.fqn, t.region.offsets, f, d)] = {t1.src_rank for t1, _ in deps}
     return keys, sources
 
 
@@ -85,7 +85,8 @@ def check_per_rank(plan: Plan) -> None:
         assert plan.sends(r) == sends and plan.recvs(r) == recvs, r
         keys = plan.forward_keys((r,), WAVE)
         assert keys == {k: v for k, v in want_keys.items() if r in k[2:]}, r
-        assert plan.forward_sources(r) == {f: s for (f, d), s in want_sources.items() if d == r}, r
+        got = {(fqn, f, box.offsets): s for (fqn, f), v in plan.forward_sources(r).items() for box, s in v}
+        assert got == {(fqn, f, o): s for (fqn, o, f, d), s in want_sources.items() if d == r}, r
         moving.update(sends)
         copies.update(t for t in mine if t.phase == 0 and t.dst_rank == r)
         f = rank_figures(plan, r)
