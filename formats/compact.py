@@ -108,7 +108,15 @@ def fill_pattern(pattern: str, fqn: str, vs: Mapping[str, int] | None = None) ->
         return pattern
     if vs is None:
         vs = array_vars(fqn)
-    parts: list[str] = []
+    fmt, fields = _format_of(pattern)
+    if fmt is not None:  # the common case, one str.format (every array's name is filled)
+        try:
+            values = [vs[var] + delta for var, delta in fields]
+        except KeyError:
+            values = [-1]
+        if min(values, default=0) >= 0:
+            return fmt.format(*values)
+    parts: list[str] = []  # the slow path names what is wrong
     for t in _tokens(pattern):
         if isinstance(t, str):
             parts.append(t)
@@ -122,6 +130,23 @@ def fill_pattern(pattern: str, fqn: str, vs: Mapping[str, int] | None = None) ->
             raise ValueError(f"tensor pattern {pattern!r} gives a negative {var} ({v})")
         parts.append(str(v))
     return "".join(parts)
+
+
+@lru_cache(maxsize=65536)
+def _format_of(pattern: str) -> tuple[str | None, tuple[tuple[str, int], ...]]:
+    """``pattern`` as a ``str.format`` template and its (variable, shift) fields; None when it
+    has a lone brace."""
+    fmt: list[str] = []
+    fields: list[tuple[str, int]] = []
+    for t in _tokens(pattern):
+        if isinstance(t, str):
+            fmt.append(t.replace("{", "{{").replace("}", "}}"))
+        elif t[1] is None:
+            return None, ()
+        else:
+            fmt.append("{}")
+            fields.append((t[1], t[2]))
+    return "".join(fmt), tuple(fields)
 
 
 @lru_cache(maxsize=65536)

@@ -2,7 +2,7 @@
 """Generate BENCHMARKS.md: simulated refit times on DGX H100 / GB200 NVL72 next to the published
 figures (design §9-§10), scale tables, and the simulator's own runtimes.
 
-    .venv/bin/python scripts/make_benchmarks.py                 # ~2-3 minutes on 2 cores
+    .venv/bin/python scripts/make_benchmarks.py                 # ~4-5 minutes on 2 cores (--no-scale: 2-3)
     .venv/bin/python scripts/make_benchmarks.py --full-plan     # + one whole-model DSv3 plan (seconds)
 
 Every figure comes from ``streamer.simulate`` in this run (constants: ``streamer.simulate.CLUSTERS``,
@@ -562,9 +562,52 @@ def _runtimes_section(seed: list[Row], rt: dict[str, Any], wall: float, full_pla
     return out
 
 
+def _start_section(scale: dict[str, Any] | None) -> list[str]:
+    """Issue 14's figures: compact manifests, validate, one rank's refit start, the whole plan."""
+    out = ["## Refit start at scale (`shardstream bench plan --model CFG`)", ""]
+    if scale is None:
+        return out + ["Not measured in this run (`--no-scale`).", ""]
+    out += ["The preset layouts of each model (Megatron → vLLM, NVLink domains of 8 on both sides), written "
+            "in the compact form. Each step runs in its own process, as a user or a refit rank would: "
+            "`shardstream validate` on each manifest; one rank's `RefitSession` start from the two manifests' "
+            "bytes (parse both, plan with no whole-plan figures, this rank's transfers and message order, "
+            "its local tensors); and `shardstream plan --json` from the files. Peak RSS is the process's "
+            "own. The receiver is the first rank of the server job: it forwards to, and is fed by, the 7 "
+            "other ranks of its domain. This 2-core machine is shared: times vary by ±30 % between runs.", "",
+            md_table(["model", "layout (trainer → server)", "manifests", "validate (each)",
+                      "sender start", "receiver start", "whole plan"],
+                     [[name, f"{r['train']} → {r['serve']}",
+                       f"{r['manifest_bytes'][0] / 1e3:.0f} + {r['manifest_bytes'][1] / 1e3:.0f} KB",
+                       " / ".join(f"{r[f'validate_{k}']['seconds']:.1f} s" for k in ("train", "serve"))
+                       + f", ≤ {max(r[f'validate_{k}']['peak_rss_bytes'] for k in ('train', 'serve')) / 2**20:.0f} MiB",
+                       f"{r['sender_start']['seconds']:.1f} s, {r['sender_start']['peak_rss_bytes'] / 2**20:.0f} MiB",
+                       f"{r['receiver_start']['seconds']:.1f} s, {r['receiver_start']['peak_rss_bytes'] / 2**20:.0f} MiB",
+                       f"{r['whole_plan']['seconds']:.1f} s, {r['whole_plan']['peak_rss_bytes'] / 2**20:.0f} MiB, "
+                       f"{r['whole_plan']['transfers'] / 1e6:.1f}M transfers"]
+                      for name, r in scale.items()]), "",
+            "Targets (issue 14): manifests ≤ 1 MB; validate ≤ 2 s, ≤ 300 MB; one rank's start ≤ 5 s, ≤ 1 GB; "
+            "the whole plan ≤ 10 s, ≤ 2 GB. Kimi-K2 (1.03T parameters) stands in for design §9's 2.4T "
+            "microbenchmark, whose layout is not published.", ""]
+    return out
+
+
+def _gpu_section() -> list[str]:
+    return ["## GPU check (`scripts/gpu_check.sh`)", "",
+            "`scripts/gpu_check.sh` runs every `gpu`-marked test (1-GPU tests always, the NCCL ones on ≥ 2 "
+            "GPUs) and then prints one table: device memcpy GB/s (the floor), block-FP8 / UE8M0 / MXFP8 "
+            "quantize GB/s with torch on the GPU, colocated cuda-ipc refit GB/s (a trainer and a server "
+            "process on one GPU, 512 MiB, `streamer.bench_ipc`) and its ratio to that floor, NCCL send/recv "
+            "and NCCL refit GB/s on ≥ 2 GPUs. **It has not yet run on a GPU** (no GPU machine was available "
+            "to this task); its table goes here, with the date and the GPU model, after its first run.", "",
+            "Its CPU twin, `shardstream bench ipc --transport shm --size 256MiB` (the same one-sided protocol "
+            "over shared host memory), ran here (2 shared cores, 2026-12-03): 2.8–3.7 GB/s, 0.3–0.9× a host "
+            "memcpy floor measured in the same run (the floor itself varied from 3.2 to 12 GB/s between runs); "
+            "`--transport mpi` 1.3–2.7 GB/s (0.5×), `gloo` 1.1 GB/s (0.24×).", ""]
+
+
 def render(seed: list[Row], m2n: list[Row], shipped: list[Row], mscale: list[Row], gscale: list[Row],
            rt: dict[str, Any], wall: float, full_plan: bool,
-           delta: list[tuple[Row, float, dict[float, dict[str, Any]]]]) -> str:
+           delta: list[tuple[Row, float, dict[float, dict[str, Any]]]], scale: dict[str, Any] | None = None) -> str:
     used_reasons: set[str] = set()
     out = _intro(full_plan)
     out += _seed_section(seed, used_reasons)
@@ -573,13 +616,17 @@ def render(seed: list[Row], m2n: list[Row], shipped: list[Row], mscale: list[Row
     out += _scale_sections(mscale, gscale)
     out += _delta_section(delta)
     out += _shipped_section(shipped)
+    out += _start_section(scale)
     out += _runtimes_section(seed, rt, wall, full_plan)
+    out += _gpu_section()
     return "\n".join(out)
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"))
     ap.add_argument("--full-plan", action="store_true", help="also time one whole-model DSv3 plan")
+    ap.add_argument("--no-scale", action="store_true",
+                    help="skip the refit-start figures at scale (~2 minutes: three models' layouts and starts)")
     args = ap.parse_args()
     if not MODELS.is_dir():
         print(f"make_benchmarks: {WORKLOADS} not found", file=sys.stderr)
@@ -600,8 +647,17 @@ def main() -> int:
     gscale = [run(r) for r in gpu_scale_rows()]
     print("delta rows", file=sys.stderr)
     delta = delta_rows()
+    scale = None
+    if not args.no_scale:
+        import tempfile
+
+        from streamer.bench_rank import bench_scale
+
+        print("refit start at scale", file=sys.stderr)
+        with tempfile.TemporaryDirectory(prefix="shardstream-scale-") as work:
+            scale = bench_scale(work, str(MODELS))
     wall = time.perf_counter() - t0
-    text = render(seed, m2n, shipped, mscale, gscale, rt, wall, args.full_plan, delta)
+    text = render(seed, m2n, shipped, mscale, gscale, rt, wall, args.full_plan, delta, scale)
     Path(args.out).write_text(text, encoding="utf-8")
     print(f"wrote {args.out} in {wall:.0f} s", file=sys.stderr)
     return 0

@@ -9,6 +9,7 @@ written once by the presets (compact form, no files) and reused.
 
     python -m streamer.bench_rank start SRC DST RANK [DOMAIN]   # one JSON line
     python -m streamer.bench_rank plan SRC DST DOMAIN
+    python -m streamer.bench_rank validate MANIFEST
 """
 
 from __future__ import annotations
@@ -151,6 +152,9 @@ def bench_scale(work: str, models: str, *, names: tuple[str, ...] = tuple(SCALE_
         src, dst, layout_s = _manifests(w, name, Path(models))
         row: dict[str, Any] = {"train": SCALE_CASES[name][1], "serve": SCALE_CASES[name][3], "domain": domain,
                                "layout_seconds": layout_s, "manifest_bytes": [src.stat().st_size, dst.stat().st_size]}
+        for side, path in (("train", src), ("serve", dst)):  # what `shardstream validate` does
+            wall, _, text = _sh([sys.executable, "-m", "streamer.bench_rank", "validate", str(path)])
+            row[f"validate_{side}"] = dict(json.loads(text), wall_seconds=wall)
         S = json.loads(src.read_text())["world_size"]
         for role, rank in (("sender", 0), ("receiver", S)):
             wall, _, text = _sh([sys.executable, "-m", "streamer.bench_rank", "start", str(src), str(dst),
@@ -174,6 +178,9 @@ def scale_lines(r: dict[str, Any]) -> list[str]:
                          f"{s['parse_seconds']:.2f}"
                          f" + plan and schedule {s['plan_seconds']:.2f}), peak RSS {s['peak_rss_bytes'] / 2**20:.0f} MiB, "
                          f"{s['messages']} messages (target <= 5 s, <= 1 GB)")
+        v = [row[f"validate_{side}"] for side in ("train", "serve")]
+        lines.append(f"    validate: {v[0]['seconds']:.2f} s and {v[1]['seconds']:.2f} s, peak RSS "
+                     f"{max(x['peak_rss_bytes'] for x in v) / 2**20:.0f} MiB (target <= 2 s, <= 300 MB)")
         p = row["whole_plan"]
         lines.append(f"    whole plan stats (`plan --json` from the files): {p['seconds']:.2f} s ({p['cpu_seconds']:.2f} s CPU), "
                      f"peak RSS {p['peak_rss_bytes'] / 2**20:.0f} MiB, {p['transfers']} transfers "
@@ -181,7 +188,22 @@ def scale_lines(r: dict[str, Any]) -> list[str]:
     return lines
 
 
+def validate(path: str) -> dict[str, Any]:
+    """What ``shardstream validate PATH`` does (load, validate), in this process; its time and
+    peak RSS (``VmHWM``: a parent's memory at fork does not count)."""
+    from formats.manifest import load_manifest
+    from formats.validate import validate_manifest
+
+    t0, c0 = time.perf_counter(), time.process_time()
+    problems = validate_manifest(load_manifest(path), where=path)
+    return {"seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - c0,
+            "peak_rss_bytes": _rss(), "problems": len(problems)}
+
+
 def main(argv: list[str]) -> int:
+    if len(argv) == 2 and argv[0] == "validate":
+        print(json.dumps(validate(argv[1])))
+        return 0
     if len(argv) >= 4 and argv[0] == "start":
         domain = int(argv[4]) if len(argv) > 4 else None
         print(json.dumps(rank_start(argv[1], argv[2], int(argv[3]), domain)))

@@ -227,18 +227,26 @@ def _with_deps(keyed: Sequence[tuple[tuple[int, ...], Message]], rank: int | Non
     # only the local tensors forwards read from: a receiver's own phase-1 messages are many
     read = {(t.src_rank, t.src_tensor) for _, m in keyed if m.phase == 2 and (rank is None or m.src == rank)
             for t in m.transfers}
-    landed: dict[tuple[int, str], list[tuple[Box, int]]] = defaultdict(list)
+    # (start, stop) per dim of each landed region: overlap tests without making boxes
+    landed: dict[tuple[int, str], list[tuple[tuple[int, ...], tuple[int, ...], int]]] = defaultdict(list)
     for uid, (_, m) in enumerate(keyed):
         if m.phase == 1 and (rank is None or m.dst == rank):
             for t in m.transfers:
                 if (t.dst_rank, t.dst_tensor) in read:
-                    landed[(t.dst_rank, t.dst_tensor)].append((t.dst_box, uid))
+                    o = t.dst_offsets
+                    landed[(t.dst_rank, t.dst_tensor)].append(
+                        (o, tuple([a + z for a, z in zip(o, t.region.sizes)]), uid))
     out = []
     for uid, (_, m) in enumerate(keyed):
         deps: tuple[int, ...] = ()
         if m.phase == 2 and (rank is None or m.src == rank):
-            deps = tuple(sorted({u for t in m.transfers for box, u in landed.get((t.src_rank, t.src_tensor), ())
-                                 if box.intersect(t.src_box) is not None}))
+            got: set[int] = set()
+            for t in m.transfers:
+                o = t.src_offsets
+                e = tuple([a + z for a, z in zip(o, t.region.sizes)])
+                got.update(u for lo, hi, u in landed.get((t.src_rank, t.src_tensor), ())
+                           if all(a < d and c < b for a, b, c, d in zip(lo, hi, o, e)))
+            deps = tuple(sorted(got))
             if deps and deps[-1] > uid:
                 raise RuntimeError(f"internal error: rank {m.src} would forward to rank {m.dst} bytes that arrive "
                                    "later in the schedule (please report this)")

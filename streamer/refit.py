@@ -51,7 +51,7 @@ from .local import check_local, collect_local
 from .quant_refit import ReceiverQuant, RefitQuant, SenderQuant, refit_quant, refit_quant_report
 from .rankstart import input_digests, input_problems, plan_own
 from .replicas import replica_digests, replica_problems
-from .staging import staging_problems
+from .staging import device_name, staging_problems
 from .transport.base import Transport
 
 __all__ = ["RefitSession", "RefusedError", "StepStats", "make_transport"]
@@ -94,6 +94,8 @@ class StepStats:
     encodings: dict[str, int] = field(default_factory=dict)
     #: seconds this rank spent quantizing FP8 weights (senders while packing, receivers after)
     quantize_seconds: float = 0.0
+    #: bytes copied between device tensors and the pinned host buckets (device tensors on mpi/gloo)
+    staged_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -355,20 +357,24 @@ class RefitSession:
         quantize_s = self._recv_quant.finish(local) if self._recv_quant is not None else 0.0
         if self._send_quant is not None:
             quantize_s = self._send_quant.seconds
-        st = StepStats(len(self.steps), es.seconds, es.bytes_sent, es.bytes_received, es.messages,
-                       es.peak_buffer_bytes, es.verified_regions, self.strategy, es.cast_bytes,
-                       self._attempted if self.delta else 0, es.full_bytes_sent, es.full_bytes_received,
-                       es.changed_elements / es.delta_elements if es.delta_elements else None,
-                       es.encode_seconds, es.decode_seconds, es.verify_seconds,
-                       self._delta_state.base_bytes if self._delta_state else 0, es.encodings, quantize_s)
+        st = StepStats(step=len(self.steps), seconds=es.seconds, bytes_sent=es.bytes_sent,
+                       bytes_received=es.bytes_received, messages=es.messages,
+                       peak_buffer_bytes=es.peak_buffer_bytes, verified_regions=es.verified_regions,
+                       strategy=self.strategy, cast_bytes=es.cast_bytes,
+                       version=self._attempted if self.delta else 0, full_bytes_sent=es.full_bytes_sent,
+                       full_bytes_received=es.full_bytes_received,
+                       changed_fraction=es.changed_elements / es.delta_elements if es.delta_elements else None,
+                       encode_seconds=es.encode_seconds, decode_seconds=es.decode_seconds,
+                       verify_seconds=es.verify_seconds,
+                       base_bytes=self._delta_state.base_bytes if self._delta_state else 0,
+                       encodings=es.encodings, quantize_seconds=quantize_s, staged_bytes=es.staged_bytes)
         self.steps.append(st)
         return st
 
     def _device_problems(self, local: Mapping[str, Any], who: str) -> list[str]:
         """Device tensors on a host transport: what the stager cannot take (refused on every rank
         before any byte moves); only the reshard executor stages."""
-        on_device = sorted({str(v.device) for v in local.values()
-                            if getattr(getattr(v, "device", None), "type", "cpu") != "cpu"})
+        on_device = sorted({device_name(v) for v in local.values()} - {"cpu"})
         if self.device_ops is None and (not on_device or getattr(self._t, "device", None) is not None):
             return []
         problems = staging_problems(self._t, [local], self.device_ops)

@@ -65,13 +65,11 @@ one ``plan_transfers`` over the full manifests (exact).
 
 from __future__ import annotations
 
-import gc
 import math
 import re
 import time
 from collections import Counter, defaultdict
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -81,6 +79,7 @@ from formats.layouts.rules import layer_index, stage_of_layer
 from formats.manifest import Manifest
 
 from .args import emit, parse_size, positive_int
+from .gcpause import paused_gc
 from .plan import Plan, plan_transfers
 
 __all__ = [
@@ -306,19 +305,6 @@ def broadcast_cost(*, gather_local_bytes: int, gather_network_bytes: int, gather
 # ---------------------------------------------------------------- simulate
 
 
-@contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Plans allocate millions of acyclic objects; the cyclic collector only slows that down
-    (about 2x), and reference counting frees them anyway."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
-
-
 def _stage(li: int, num_layers: int, pp: int) -> int:
     return stage_of_layer(li, num_layers, pp) if pp > 1 else 0
 
@@ -417,7 +403,7 @@ def _plan_groups(arrays: Mapping[str, tuple[Sequence[int], str]], groups: _Group
         dst = manifest_from_parallel(sub, generation, num_layers=num_layers)
         acc.manifest_seconds += time.perf_counter() - t0
         for dst_ds, into in ((domain_size, acc), (1, acc_direct)) if direct else ((domain_size, acc),):
-            with _gc_paused():
+            with paused_gc():
                 t0 = time.perf_counter()
                 plan = plan_transfers(src, dst, src_domain_size=domain_size, dst_domain_size=dst_ds)
                 into.plan_seconds += time.perf_counter() - t0

@@ -296,7 +296,7 @@ class Stager:
         self.staged_bytes += n
 
 
-def _where(v: Any) -> str:
+def device_name(v: Any) -> str:
     """The device a local tensor is on, as torch names it ("cpu" for host memory and numpy)."""
     dev = getattr(v, "device", None)
     return "cpu" if getattr(dev, "type", "cpu") == "cpu" else str(dev)
@@ -312,15 +312,15 @@ def staging_problems(transport: Any, tensors: Sequence[Mapping[str, Any]], devic
     if device_ops is not None:
         return [f"local tensor {n!r} is not on the {device_ops.name} device the other local tensors are on: hand "
                 "every local tensor on one device, or all in host memory" for n, v in every if not device_ops.owns(v)]
-    devices = sorted({_where(v) for _, v in every} - {"cpu"})
-    other = [f"local tensor {n!r} is on {_where(v)}: host transports stage CUDA tensors only (hand host memory or "
-             "CUDA tensors)" for n, v in every if _where(v) != "cpu" and not _where(v).startswith("cuda")]
+    devices = sorted({device_name(v) for _, v in every} - {"cpu"})
+    other = [f"local tensor {n!r} is on {device_name(v)}: host transports stage CUDA tensors only (hand host memory or "
+             "CUDA tensors)" for n, v in every if device_name(v) != "cpu" and not device_name(v).startswith("cuda")]
     if other or not devices:
         return other
     if len(devices) > 1:
         return [f"local tensors on several devices ({', '.join(devices)}): one rank stages through one device"]
     return [f"local tensor {n!r} is in host memory, the others on {devices[0]}: hand every local tensor on one "
-            "device, or all in host memory" for n, v in every if _where(v) == "cpu"]
+            "device, or all in host memory" for n, v in every if device_name(v) == "cpu"]
 
 
 def device_ops_for(transport: Any, tensors: Sequence[Mapping[str, Any]], device_ops: DeviceOps | None,
@@ -336,5 +336,5 @@ def device_ops_for(transport: Any, tensors: Sequence[Mapping[str, Any]], device_
         raise ValidationError(problems=[f"rank {rank}: {p}" for p in problems[:50]])
     if getattr(transport, "device", None) is not None or device_ops is not None:
         return device_ops
-    devices = sorted({_where(v) for ts in tensors for v in ts.values()} - {"cpu"})
+    devices = sorted({device_name(v) for ts in tensors for v in ts.values()} - {"cpu"})
     return CudaOps(devices[0]) if devices else None

@@ -404,10 +404,12 @@ def test_session_pulls_in_place_on_the_fake_device() -> None:
                 if s.role == "send":
                     for n, t in mine[r].items():
                         torch_byte_view(t).copy_(torch.from_numpy(byte_view(src_np[k][r][n])))
-                    s.push(mine[r])
+                    st = s.push(mine[r])
                 else:
-                    s.pull(theirs[r])
+                    st = s.pull(theirs[r])
                     got[k][r] = {n: byte_view(a).copy() for n, a in dst_np[r].items()}
+                # the push's stats say what went through the pinned buckets: every byte moved
+                assert st.staged_bytes == st.bytes_sent + st.bytes_received > 0, st
                 seen.append((s.device_ops.allocations, {n: t.data_ptr() for n, t in (mine if s.role == "send"
                                                                                       else theirs)[r].items()}))
         finally:

@@ -388,3 +388,40 @@ def test_array_vars_reads_names_as_the_documented_pattern() -> None:
         for m in pattern.finditer(name):
             want.setdefault(var_of[m.group(1)], int(m.group(2)))
         assert dict(array_vars(name)) == want, name
+
+
+def test_fill_pattern_equals_the_token_by_token_definition() -> None:
+    """``fill_pattern``'s ``str.format`` fast path gives what filling token by token gives (or
+    the same error) on patterns with literal braces, shifts and missing or negative numbers."""
+    import random
+
+    from formats.compact import _tokens, array_vars, fill_pattern
+
+    def reference(pattern: str, fqn: str) -> str:
+        vs = array_vars(fqn)
+        out = []
+        for t in _tokens(pattern):
+            if isinstance(t, str):
+                out.append(t)
+                continue
+            if t[1] is None or t[1] not in vs or vs[t[1]] + t[2] < 0:
+                raise ValueError(pattern)
+            out.append(str(vs[t[1]] + t[2]))
+        return "".join(out)
+
+    pieces = ["decoder.", "layers.", "{layer}", "{layer-3}", "{layer+1}", "{expert}", "{expert-32}", "{{", "}}",
+              ".w13", "x", "}", "{"]
+    names = ["model.layers.5.mlp.experts.40.w", "model.layers.1.w", "lm_head.weight", "a.experts.2.b"]
+    rng = random.Random(1)
+    for _ in range(3000):
+        pattern = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 6)))
+        fqn = rng.choice(names)
+        try:
+            want: str | None = reference(pattern, fqn)
+        except ValueError:
+            want = None
+        if want is None:
+            with pytest.raises(ValueError):
+                fill_pattern(pattern, fqn)
+        else:
+            assert fill_pattern(pattern, fqn) == want, (pattern, fqn)
