@@ -34,13 +34,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .box import Box
 from .dtypes import DTYPES
 from .layouts.mesh import LayoutError, Mesh, Pin, Placement, Replicate, Shard, check_placements, chunk_regions
+from .sidecar import ChecksumTable, ChecksumWriter
 from .spec import FORMAT, Chunk, Source
 
 if TYPE_CHECKING:
@@ -52,7 +53,7 @@ __all__ = ["ArrayRef", "Layout", "MeshDecl", "array_vars", "compact_dict", "fill
 _LAYOUT_KEYS = {"mesh", "placements", "shape", "data_type", "tensor", "file", "shard_order"}
 _MESH_KEYS = {"axes", "shape", "ranks"}
 _RANGE_KEYS = {"start", "stop", "step"}
-_REF_KEYS = {"layout", "block"}
+_REF_KEYS = {"layout", "block", "checksums"}
 _RUN_KEYS = {"experts", "members"}
 _SEGMENT_KEYS = {"layout", "stop", "block", "step"}
 #: an expert array's name: (prefix ending in ``experts``, expert, member suffix)
@@ -313,9 +314,17 @@ class ArrayRef:
 
     layout: Layout
     block: tuple[int, ...] | None = None
+    #: the index of its first chunk checksum in ``table`` (the manifest's sidecar); None: none
+    checksums: int | None = None
+    table: ChecksumTable | None = None
 
     def expand(self, fqn: str) -> tuple[Chunk, ...]:
-        return self.layout.chunks(fqn, self.block)
+        base = self.layout.chunks(fqn, self.block)
+        if self.checksums is None or self.table is None:
+            return base
+        texts = self.table.texts(self.checksums, len(base))
+        return tuple(Chunk(c.region, c.holders, replace(c.source, checksum=ck) if c.source is not None
+                           else Source(checksum=ck)) for c, ck in zip(base, texts))
 
     def local_stops(self, fqn: str, rank: int) -> list[tuple[str, tuple[int, ...]]]:
         """(local tensor, stop of the local box) of each region ``rank`` holds, without expanding."""
@@ -328,9 +337,14 @@ class ArrayRef:
         return [(tensor, tuple([o + z for o, z in zip(off, sz)])) for sz in sizes]
 
     def to_wire(self, name: str) -> str | dict[str, Any]:
-        if self.block is None:
+        if self.block is None and self.checksums is None:
             return name
-        return {"layout": name, "block": list(self.block)}
+        out: dict[str, Any] = {"layout": name}
+        if self.block is not None:
+            out["block"] = list(self.block)
+        if self.checksums is not None:
+            out["checksums"] = self.checksums
+        return out
 
 
 # ---------------------------------------------------------------- parsing
@@ -490,8 +504,10 @@ def parse_compact(p: _Problems, meshes_v: object, layouts_v: object) -> dict[str
     return layouts
 
 
-def parse_ref(p: _Problems, fqn: str, v: str | dict[str, Any], layouts: Mapping[str, Layout]) -> ArrayRef | None:
-    """An array given by a layout: ``"NAME"`` or ``{"layout": "NAME", "block": [...]}``."""
+def parse_ref(p: _Problems, fqn: str, v: str | dict[str, Any], layouts: Mapping[str, Layout],
+              table: ChecksumTable | None = None) -> ArrayRef | None:
+    """An array given by a layout: ``"NAME"`` or ``{"layout": "NAME", "block": [...], "checksums":
+    N}`` (N: its first chunk checksum in the manifest's sidecar ``table``)."""
     if isinstance(v, str):
         name: object = v
         block = None
@@ -507,7 +523,22 @@ def parse_ref(p: _Problems, fqn: str, v: str | dict[str, Any], layouts: Mapping[
         block = p.ints(v["block"], fqn, "block", ndim=len(lay.shape))
         if block is None:
             return None
-    return ArrayRef(lay, block)
+    start = None
+    if isinstance(v, dict) and "checksums" in v:
+        if table is None:
+            p.bad(fqn, "'checksums' needs the top-level 'checksums' object naming the sidecar file")
+            return None
+        start = _int(p, v["checksums"], fqn, "checksums", 0)
+        if start is None:
+            return None
+        try:
+            n = len(lay.regions)
+        except ValueError:
+            n = 0  # a bad layout: reported by validation, by name
+        if start + n > table.count:
+            p.bad(fqn, f"checksums {start}..{start + n - 1} run past the sidecar's {table.count} checksums")
+            return None
+    return ArrayRef(lay, block, start, table if start is not None else None)
 
 
 def is_run(key: str) -> bool:
@@ -611,16 +642,35 @@ class Fitter:
         self._patterns: dict[tuple[str | int | None, ...], str] = {}
         self._tensor_vars: dict[str, tuple[str, ...]] = {}
 
-    def fit_chunks(self, fqn: str, spec: ArraySpec) -> ArrayRef | None:
+    def fit_chunks(self, fqn: str, spec: ArraySpec, checksums: ChecksumWriter | None = None) -> ArrayRef | None:
+        """``spec``'s layout reference; with ``checksums`` (a sidecar being written), chunks that
+        differ only in their checksums fit too, their checksums going to the sidecar."""
         chunks = spec.chunks
         if not chunks:
             return None
         src = chunks[0].source
-        for c in chunks:
-            if c.source is not src and c.source != src:
+        texts: list[str] | None = None
+        if checksums is not None and src is not None and src.checksum is not None:
+            if any(c.source is None or c.source.checksum is None for c in chunks):
                 return None
+            texts = [c.source.checksum for c in chunks if c.source is not None and c.source.checksum is not None]
+            src = replace(src, checksum=None)
+            for c in chunks:
+                if c.source is not None and replace(c.source, checksum=None) != src:
+                    return None
+        else:
+            for c in chunks:
+                if c.source is not src and c.source != src:
+                    return None
         regions = [(c.region.offsets, c.region.sizes, c.holders) for c in chunks]
-        return self.fit(fqn, spec.shape, spec.data_type, regions, src)
+        ref = self.fit(fqn, spec.shape, spec.data_type, regions, src)
+        if ref is None or texts is None or checksums is None:
+            return ref
+        # the sidecar lists the checksums in expansion order: it must be the chunks' order
+        if [c.region for c in ref.layout.chunks(fqn, ref.block)] != [c.region for c in chunks]:
+            return None
+        start = checksums.add(texts)
+        return None if start is None else ArrayRef(ref.layout, ref.block, start)
 
     def fit(self, fqn: str, shape: tuple[int, ...], data_type: str, regions: Sequence[Region],
             src: Source | None) -> ArrayRef | None:
@@ -760,9 +810,11 @@ class Fitter:
         return tuple(pl)
 
 
-def compact_dict(m: Manifest) -> dict[str, Any]:
+def compact_dict(m: Manifest, checksums: ChecksumWriter | None = None) -> dict[str, Any]:
     """The v2 wire form of ``m``: every array a layout describes exactly is written as a
-    reference to it (layouts deduplicated), the others keep their explicit chunks."""
+    reference to it (layouts deduplicated), the others keep their explicit chunks. With
+    ``checksums`` (the sidecar written beside it), chunk checksums go there; without, arrays
+    with checksums keep explicit chunks (nothing is dropped)."""
     fitter = Fitter(_main_mesh(m))
     meshes: dict[str, MeshDecl] = {}
     layouts: dict[tuple[Any, ...], tuple[str, Layout, str]] = {}
@@ -778,7 +830,8 @@ def compact_dict(m: Manifest) -> dict[str, Any]:
         return name
 
     for fqn, spec in m.arrays.items():
-        ref = spec.ref if spec.ref is not None else fitter.fit_chunks(fqn, spec)
+        plain = spec.ref is not None and getattr(spec.ref, "checksums", None) is None
+        ref = spec.ref if plain else fitter.fit_chunks(fqn, spec, checksums)
         if ref is None:
             arrays[fqn] = spec.to_dict()
             continue
@@ -788,8 +841,10 @@ def compact_dict(m: Manifest) -> dict[str, Any]:
         hit = layouts.get(key)
         if hit is None:
             hit = layouts[key] = (f"L{len(layouts)}", lay, mname)
-        arrays[fqn] = ArrayRef(lay, ref.block).to_wire(hit[0])
-        refs[fqn] = (hit[0], ref.block)
+        start = getattr(ref, "checksums", None)
+        arrays[fqn] = ArrayRef(lay, ref.block, start).to_wire(hit[0])
+        if start is None:  # runs of expert arrays carry no checksum indices
+            refs[fqn] = (hit[0], ref.block)
     d: dict[str, Any] = {"format": FORMAT, "format_version": 2}
     head = m.to_dict(arrays=False)
     for k, v in head.items():
@@ -799,6 +854,8 @@ def compact_dict(m: Manifest) -> dict[str, Any]:
         d["meshes"] = {n: md.to_dict() for n, md in meshes.items()}
     if layouts:
         d["layouts"] = {n: dict(lay.to_dict(), mesh=mn) for n, lay, mn in layouts.values()}
+    if checksums:
+        d["checksums"] = checksums.table_dict()
     d["arrays"] = _with_runs(arrays, refs)
     return d
 

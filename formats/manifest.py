@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from .compact import Layout, compact_dict, parse_compact, parse_ref, parse_run
 from .dtypes import DTYPES
 from .errors import ManifestError, ShardNotFoundError
 from .limits import INT64_MAX
+from .sidecar import ChecksumTable, ChecksumWriter, sidecar_name
 from .spec import (
     COMPACT_FORMAT_VERSION,
     FORMAT,
@@ -46,6 +48,7 @@ __all__ = [
     "loads_manifest",
     "load_manifest",
     "save_manifest",
+    "without_checksums",
     "dumps_manifest",
     "atomic_write_bytes",
 ]
@@ -57,7 +60,7 @@ MAX_MANIFEST_BYTES = 2 << 30  # refuse to json-parse more than 2 GiB
 
 _TOP_KEYS = {"format", "format_version", "name", "world_size", "mesh", "topology", "partial",
              "tensors", "arrays"}
-_COMPACT_TOP_KEYS = _TOP_KEYS | {"meshes", "layouts"}
+_COMPACT_TOP_KEYS = _TOP_KEYS | {"meshes", "layouts", "checksums"}
 _ARRAY_KEYS = {"shape", "data_type", "chunks"}
 _CHUNK_KEYS = {"region", "holders", "source"}
 _REGION_KEYS = {"offsets", "sizes"}
@@ -264,7 +267,8 @@ class _Parser:
             return None
         return None if shp is None else TensorSpec(shp, dt)
 
-    def arrays(self, av: object, layouts: Mapping[str, Layout] | None) -> dict[str, ArraySpec]:
+    def arrays(self, av: object, layouts: Mapping[str, Layout] | None,
+               table: ChecksumTable | None = None) -> dict[str, ArraySpec]:
         arrays: dict[str, ArraySpec] = {}
         if not isinstance(av, dict):
             self.bad("", f"missing or invalid 'arrays' (expected an object), got {_short(av)}")
@@ -274,7 +278,7 @@ class _Parser:
                 self.expert_run(fqn, a, layouts, arrays)
                 continue
             if isinstance(a, str) or (isinstance(a, dict) and "layout" in a):
-                spec = self.compact_array(fqn, a, layouts)
+                spec = self.compact_array(fqn, a, layouts, table)
             else:
                 spec = self.array(fqn, a)
             if spec is not None:
@@ -290,12 +294,12 @@ class _Parser:
                 continue
             arrays[fqn] = ArraySpec(ref.layout.shape, ref.layout.data_type, ref=ref, fqn=fqn)
 
-    def compact_array(self, fqn: str, a: str | dict[str, Any],
-                      layouts: Mapping[str, Layout] | None) -> ArraySpec | None:
+    def compact_array(self, fqn: str, a: str | dict[str, Any], layouts: Mapping[str, Layout] | None,
+                      table: ChecksumTable | None = None) -> ArraySpec | None:
         if layouts is None:
             self.bad(fqn, "an array given by a layout needs format_version 2")
             return None
-        ref = parse_ref(self, fqn, a, layouts)
+        ref = parse_ref(self, fqn, a, layouts, table)
         if ref is None:
             return None
         return ArraySpec(ref.layout.shape, ref.layout.data_type, ref=ref, fqn=fqn)
@@ -368,9 +372,12 @@ def parse_manifest(obj: object, *, where: str = "<manifest>", base_dir: Path | N
         partial = False
     tensors = p.tensors(obj.get("tensors"))
     layouts: dict[str, Layout] | None = None
+    table = None
     if compact:
         layouts = parse_compact(p, obj.get("meshes"), obj.get("layouts"))
-    arrays = p.arrays(obj.get("arrays"), layouts)
+        if "checksums" in obj:
+            table = ChecksumTable.parse(p, obj["checksums"], base_dir, where)
+    arrays = p.arrays(obj.get("arrays"), layouts, table)
     if p.problems:
         raise ManifestError(problems=p.problems)
     return Manifest(world_size=ws, arrays=arrays, name=name, mesh=mesh, topology=topo,
@@ -413,6 +420,25 @@ def load_manifest(path: str | os.PathLike[str]) -> Manifest:
     return loads_manifest(data, where=str(p), base_dir=p.parent.resolve())
 
 
+def without_checksums(m: Manifest) -> Manifest:
+    """``m`` with no chunk checksums (explicit or in a sidecar): the layout alone, for peers that
+    never read the files (a refit's manifest exchange), so its compact form needs no sidecar."""
+    from .compact import ArrayRef as CompactRef
+
+    arrays: dict[str, ArraySpec] = {}
+    for fqn, spec in m.arrays.items():
+        ref = spec.ref
+        if isinstance(ref, CompactRef) and ref.checksums is not None and not spec.expanded:
+            spec = ArraySpec(spec.shape, spec.data_type, ref=CompactRef(ref.layout, ref.block), fqn=fqn)
+        elif (spec.expanded or ref is None) and any(c.source is not None and c.source.checksum is not None
+                                                    for c in spec.chunks):
+            spec = ArraySpec(spec.shape, spec.data_type, tuple(
+                Chunk(c.region, c.holders, replace(c.source, checksum=None) if c.source is not None else None)
+                for c in spec.chunks))
+        arrays[fqn] = spec
+    return replace(m, arrays=arrays)
+
+
 def dumps_manifest(m: Manifest, *, format_version: int = FORMAT_VERSION) -> str:
     """The wire form: version 1 lists every chunk, version 2 is the compact form (arrays a
     layout describes exactly refer to it, the rest keep explicit chunks)."""
@@ -445,4 +471,14 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
 
 
 def save_manifest(m: Manifest, path: str | os.PathLike[str], *, format_version: int = FORMAT_VERSION) -> None:
-    atomic_write_bytes(path, dumps_manifest(m, format_version=format_version).encode())
+    """Write ``m`` atomically. Version 2 puts chunk checksums in a sidecar beside it
+    (``formats.sidecar``), written (atomically) before the manifest that names it."""
+    p = Path(path)
+    if format_version != COMPACT_FORMAT_VERSION:
+        atomic_write_bytes(p, dumps_manifest(m, format_version=format_version).encode())
+        return
+    writer = ChecksumWriter(sidecar_name(p.name))
+    text = json.dumps(compact_dict(m, writer), separators=(",", ":"), sort_keys=False) + "\n"
+    if writer:
+        atomic_write_bytes(p.with_name(writer.file), writer.data())
+    atomic_write_bytes(p, text.encode())

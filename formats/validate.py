@@ -494,9 +494,21 @@ def validate_manifest(m: Manifest, *, where: str = "<manifest>", check_paths: bo
         _validate_local(m, rep, local)
         if check_paths:
             _validate_paths(m, rep, files)
+            _validate_sidecar(m, rep)
     except Exception as e:  # noqa: BLE001 - pragma: no cover - safety net
         rep.add("", "internal errors", f"internal error while validating ({type(e).__name__}: {e})")
     return rep.finish()
+
+
+def _validate_sidecar(m: Manifest, rep: _Report) -> None:
+    """A compact manifest's checksum sidecar: present, of the size and sha256 it names."""
+    if m.base_dir is None:
+        return
+    table = next((t for spec in m.arrays.values() if spec.ref is not None
+                  and (t := getattr(spec.ref, "table", None)) is not None), None)
+    if table is not None:
+        for line in table.problems():
+            rep.add("", "checksum sidecar problems", line)
 
 
 def _validate_array(m: Manifest, fqn: str, shape: tuple[int, ...], data_type: str,

@@ -13,7 +13,7 @@ import numpy as np
 from formats.box import Box, contiguous_slabs
 from formats.checksum import DEFAULT_ALGO, new_hasher
 from formats.dtypes import by_name, np_storage
-from formats.manifest import ArraySpec, Chunk, Manifest, Source, save_manifest
+from formats.manifest import COMPACT_FORMAT_VERSION, ArraySpec, Chunk, Manifest, Source, save_manifest
 from formats.store import SourceStore
 
 from .convert import plan_files
@@ -94,5 +94,5 @@ def finish_save(out_dir: str | os.PathLike[str], m: Manifest, checksums: dict[st
                        for ci, c in enumerate(a.chunks))
         arrays[fqn] = ArraySpec(a.shape, a.data_type, chunks)
     final = replace(filled, arrays=arrays)
-    save_manifest(final, Path(out_dir) / "manifest.json")
+    save_manifest(final, Path(out_dir) / "manifest.json", format_version=COMPACT_FORMAT_VERSION)  # + sidecar
     return final

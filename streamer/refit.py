@@ -39,7 +39,14 @@ from pathlib import Path
 from typing import Any
 
 from formats.errors import PlanError, TransportError, UsageError, ValidationError
-from formats.manifest import COMPACT_FORMAT_VERSION, Manifest, dumps_manifest, load_manifest, loads_manifest
+from formats.manifest import (
+    COMPACT_FORMAT_VERSION,
+    Manifest,
+    dumps_manifest,
+    load_manifest,
+    loads_manifest,
+    without_checksums,
+)
 
 from .baseline import gather_broadcast
 from .convert.quantize import FP8_BLOCK
@@ -246,7 +253,8 @@ class RefitSession:
         S = self.group.n_send
         # the two roots send the compact form (format_version 2: megabytes, not hundreds of them at
         # DeepSeek-V3 scale); the other ranks serialise nothing
-        mine = dumps_manifest(self.manifest, format_version=COMPACT_FORMAT_VERSION).encode() \
+        # (without chunk checksums: a refit reads no file's checksum, and peers have no sidecar)
+        mine = dumps_manifest(without_checksums(self.manifest), format_version=COMPACT_FORMAT_VERSION).encode() \
             if t.rank in (0, S) else None
         src_txt = t.bcast_bytes(mine if t.rank == 0 else None, 0, self.timeout)
         dst_txt = t.bcast_bytes(mine if t.rank == S else None, S, self.timeout)

@@ -65,7 +65,10 @@ def _with_files(dst: Manifest, hf: dict[str, str]) -> Manifest:
             if src.file is None:
                 f = hf.get(c.tensor(fqn), HF_SINGLE) if dst.world_size == 1 else DEFAULT_PATTERN
                 src = replace(src, file=f)
-            src = replace(src, tensor=c.tensor(fqn), offsets=c.local_offsets, byte_range=None,
+            # a tensor named as its array is left implicit (None), as layouts expand it: the
+            # output manifest then fits the compact form, checksums in its sidecar
+            tensor = c.tensor(fqn)
+            src = replace(src, tensor=None if tensor == fqn else tensor, offsets=c.local_offsets, byte_range=None,
                           stored_shape=None, checksum=None)
             chunks.append(Chunk(c.region, c.holders, src))
         arrays[fqn] = ArraySpec(a.shape, a.data_type, tuple(chunks))

@@ -162,7 +162,7 @@ def test_round_trip_random_layouts_byte_identical(case: Any, seed: int, memory_l
         convert(a, lay_out(a, mesh_b, rules_b), t / "b", opts)
         b = load_manifest(t / "b")
         convert(b, hf_layout(b), t / "back", opts)
-        assert sorted(p.name for p in (t / "back").iterdir()) == ["manifest.json", "model.safetensors"]
+        assert sorted(p.name for p in (t / "back").iterdir()) == ["manifest.checksums", "manifest.json", "model.safetensors"]
         assert_same_checkpoint(t / "hf" / "model.safetensors", t / "back" / "model.safetensors")
 
 
@@ -328,16 +328,43 @@ def tp2(tmp_path: Path, capsys: Any) -> Path:
 
 
 def test_output_manifest_has_checksums_and_validates(tp2: Path, capsys: Any) -> None:
+    """The output manifest is compact: every array refers to a layout, its chunk checksums in the
+    sidecar beside it (no per-chunk JSON), and they read back as each chunk's checksum."""
     obj = json.loads((tp2 / "manifest.json").read_text())
+    assert obj["format_version"] == 2 and obj["checksums"]["file"] == "manifest.checksums"
+    assert all(isinstance(a, dict) and "layout" in a and "chunks" not in a for a in obj["arrays"].values())
+    assert (tp2 / "manifest.checksums").stat().st_size == 8 * obj["checksums"]["count"]
     n = 0
-    for fqn, a in obj["arrays"].items():
-        for c in a["chunks"]:
-            assert re.fullmatch(r"(xxh64|crc32c):[0-9a-f]+", c["source"]["checksum"]), fqn
+    for fqn, a in load_manifest(tp2).arrays.items():
+        for c in a.chunks:
+            assert c.source is not None and re.fullmatch(r"(xxh64|crc32c):[0-9a-f]+", c.source.checksum or ""), fqn
             n += 1
-    assert n > 25
+    assert n == obj["checksums"]["count"] > 25
     rc, out, err = run_cli(capsys, "validate", "--data", tp2 / "manifest.json")
     assert rc == 0, err
     assert out.startswith("ok") and "data checked" in out
+
+
+def test_a_changed_or_missing_checksum_sidecar_is_named(tp2: Path, tmp_path: Path, capsys: Any) -> None:
+    """One line, exit 1: a sidecar changed by one byte, cut short, or gone."""
+    import shutil
+
+    for damage, said in (("flip", "does not match the sha256"), ("cut", "the manifest says"),
+                         ("gone", "cannot read the checksum sidecar")):
+        out = tmp_path / damage
+        shutil.copytree(tp2, out)
+        side = out / "manifest.checksums"
+        data = bytearray(side.read_bytes())
+        if damage == "flip":
+            data[3] ^= 1
+            side.write_bytes(bytes(data))
+        elif damage == "cut":
+            side.write_bytes(bytes(data[:-8]))
+        else:
+            side.unlink()
+        rc, _, err = run_cli(capsys, "validate", out / "manifest.json")
+        assert rc == 1 and said in err and "manifest.checksums" in err, (damage, err)
+        assert "Traceback" not in err
 
 
 def test_flipped_byte_fails_validate_data_naming_the_array(tp2: Path, capsys: Any) -> None:
@@ -388,7 +415,7 @@ def test_max_shard_size_writes_hf_shards_and_index(tp2: Path, tmp_path: Path, ca
     assert index["metadata"]["total_size"] == sum(read_header(hf_orig).tensors[t].nbytes for t in want)
     # a finished output: its shards, the index and the manifest, no lock or records
     assert sorted(p.name for p in out.iterdir()) == sorted([*shards, "model.safetensors.index.json",
-                                                            "manifest.json"])
+                                                            "manifest.json", "manifest.checksums"])
     # the manifest agrees with the index, and validates with data
     assert run_cli(capsys, "validate", "--data", out)[0] == 0
     m = load_manifest(out)
@@ -440,7 +467,7 @@ def _finished_listing(out: Path) -> list[str]:
     return sorted(p.name for p in out.iterdir())
 
 
-FINISHED_8 = sorted([PATTERN.format(rank=r) for r in range(8)] + ["manifest.json"])
+FINISHED_8 = sorted([PATTERN.format(rank=r) for r in range(8)] + ["manifest.checksums", "manifest.json"])
 
 
 def _resume_and_check(out: Path, src: Path, dst: Path, ref: Path, capsys: Any) -> dict[str, Any]:
