@@ -54,7 +54,7 @@ _LAYOUT_KEYS = {"mesh", "placements", "shape", "data_type", "tensor", "file", "s
 _MESH_KEYS = {"axes", "shape", "ranks"}
 _RANGE_KEYS = {"start", "stop", "step"}
 _REF_KEYS = {"layout", "block", "checksums"}
-_RUN_KEYS = {"experts", "members"}
+_RUN_KEYS = {"experts", "members", "checksums"}
 _SEGMENT_KEYS = {"layout", "stop", "block", "step"}
 #: an expert array's name: (prefix ending in ``experts``, expert, member suffix)
 _EXPERT_RE = re.compile(r"(.*(?<![^.])(?:local_)?experts)\.(\d+)\.(.+)\Z")
@@ -546,8 +546,10 @@ def is_run(key: str) -> bool:
     return key.endswith(RUN_MARK)
 
 
-def parse_run(p: _Problems, key: str, v: object, layouts: Mapping[str, Layout]) -> list[tuple[str, ArrayRef]]:
-    """A run of expert arrays, in order: for each expert, each member (see :func:`compact_dict`)."""
+def parse_run(p: _Problems, key: str, v: object, layouts: Mapping[str, Layout],
+              table: ChecksumTable | None = None) -> list[tuple[str, ArrayRef]]:
+    """A run of expert arrays, in order: for each expert, each member (see :func:`compact_dict`);
+    with ``checksums``, their chunk checksums follow each other in the sidecar in that order."""
     if not isinstance(v, dict):
         p.bad(key, f"a run of expert arrays must be an object {{\"experts\", \"members\"}}, got {v!r}")
         return []
@@ -568,7 +570,27 @@ def parse_run(p: _Problems, key: str, v: object, layouts: Mapping[str, Layout]) 
         if refs is None:
             return []
         per[suffix] = refs
-    return [(f"{prefix}.{e}.{suffix}", refs[e - e0]) for e in range(e0, e1) for suffix, refs in per.items()]
+    out = [(f"{prefix}.{e}.{suffix}", refs[e - e0]) for e in range(e0, e1) for suffix, refs in per.items()]
+    if "checksums" not in v:
+        return out
+    if table is None:
+        p.bad(key, "'checksums' needs the top-level 'checksums' object naming the sidecar file")
+        return []
+    at = _int(p, v["checksums"], key, "checksums", 0)
+    if at is None:
+        return []
+    with_ck = []
+    for fqn, ref in out:
+        try:
+            n = len(ref.layout.regions)
+        except ValueError:
+            n = 0  # a bad layout: reported by validation, by name
+        with_ck.append((fqn, ArrayRef(ref.layout, ref.block, at, table)))
+        at += n
+    if at > table.count:
+        p.bad(key, f"checksums run to index {at - 1}, past the sidecar's {table.count} checksums")
+        return []
+    return with_ck
 
 
 def _parse_segments(p: _Problems, ctx: str, segs: object, e0: int, e1: int,
@@ -820,6 +842,7 @@ def compact_dict(m: Manifest, checksums: ChecksumWriter | None = None) -> dict[s
     layouts: dict[tuple[Any, ...], tuple[str, Layout, str]] = {}
     arrays: dict[str, Any] = {}
     refs: dict[str, tuple[str, tuple[int, ...] | None]] = {}  # compact arrays: layout name, block
+    starts: dict[str, tuple[int, int]] = {}  # checksummed ones: first sidecar index, chunks
 
     def mesh_name(d: MeshDecl) -> str:
         name = d.name
@@ -843,8 +866,9 @@ def compact_dict(m: Manifest, checksums: ChecksumWriter | None = None) -> dict[s
             hit = layouts[key] = (f"L{len(layouts)}", lay, mname)
         start = getattr(ref, "checksums", None)
         arrays[fqn] = ArrayRef(lay, ref.block, start).to_wire(hit[0])
-        if start is None:  # runs of expert arrays carry no checksum indices
-            refs[fqn] = (hit[0], ref.block)
+        refs[fqn] = (hit[0], ref.block)
+        if start is not None:
+            starts[fqn] = (start, len(lay.regions))
     d: dict[str, Any] = {"format": FORMAT, "format_version": 2}
     head = m.to_dict(arrays=False)
     for k, v in head.items():
@@ -856,19 +880,22 @@ def compact_dict(m: Manifest, checksums: ChecksumWriter | None = None) -> dict[s
         d["layouts"] = {n: dict(lay.to_dict(), mesh=mn) for n, lay, mn in layouts.values()}
     if checksums:
         d["checksums"] = checksums.table_dict()
-    d["arrays"] = _with_runs(arrays, refs)
+    d["arrays"] = _with_runs(arrays, refs, starts)
     return d
 
 
-def _with_runs(arrays: dict[str, Any], refs: Mapping[str, tuple[str, tuple[int, ...] | None]]) -> dict[str, Any]:
+def _with_runs(arrays: dict[str, Any], refs: Mapping[str, tuple[str, tuple[int, ...] | None]],
+               starts: Mapping[str, tuple[int, int]] | None = None) -> dict[str, Any]:
     """``arrays`` with each run of consecutive compact expert arrays (expert ``e0..e1``, each with
     the same member suffixes in the same order) written as one ``PREFIX.{expert}`` entry: per
-    member, segments of consecutive experts with one layout and a block growing by ``step``."""
+    member, segments of consecutive experts with one layout and a block growing by ``step``.
+    Checksummed arrays (``starts``: first sidecar index, chunk count) form a run only when their
+    checksums follow each other in the sidecar in run order: the run gives the first index."""
     items = list(arrays.items())
     out: dict[str, Any] = {}
     i = 0
     while i < len(items):
-        run = _run_at(items, i, refs)
+        run = _run_at(items, i, refs, starts or {})
         if run is None:
             out[items[i][0]] = items[i][1]
             i += 1
@@ -879,8 +906,8 @@ def _with_runs(arrays: dict[str, Any], refs: Mapping[str, tuple[str, tuple[int, 
     return out
 
 
-def _run_at(items: list[tuple[str, Any]], i: int,
-            refs: Mapping[str, tuple[str, tuple[int, ...] | None]]) -> tuple[str, dict[str, Any], int] | None:
+def _run_at(items: list[tuple[str, Any]], i: int, refs: Mapping[str, tuple[str, tuple[int, ...] | None]],
+            starts: Mapping[str, tuple[int, int]]) -> tuple[str, dict[str, Any], int] | None:
     m = _EXPERT_RE.match(items[i][0])
     if m is None or items[i][0] not in refs or RUN_MARK in items[i][0]:
         return None
@@ -904,13 +931,26 @@ def _run_at(items: list[tuple[str, Any]], i: int,
         e += 1
     if e - e0 < 2:
         return None
+    names = [items[k][0] for k in range(i, j)]
+    first: int | None = None
+    if any(n in starts for n in names):  # all checksummed, back to back in the sidecar
+        if not all(n in starts for n in names):
+            return None
+        first = at = starts[names[0]][0]
+        for n in names:
+            if starts[n][0] != at:
+                return None
+            at += starts[n][1]
     mv: dict[str, Any] = {}
     for s in members:
         segs = _segments([refs[f"{prefix}.{x}.{s}"] for x in range(e0, e)], e0)
         if segs is None:
             return None
         mv[s] = segs
-    return prefix + RUN_MARK, {"experts": {"start": e0, "stop": e}, "members": mv}, j - i
+    run: dict[str, Any] = {"experts": {"start": e0, "stop": e}, "members": mv}
+    if first is not None:
+        run["checksums"] = first
+    return prefix + RUN_MARK, run, j - i
 
 
 def _segments(seq: list[tuple[str, tuple[int, ...] | None]], e0: int) -> list[dict[str, Any]] | None:

@@ -275,7 +275,7 @@ class _Parser:
             return arrays
         for fqn, a in av.items():
             if layouts is not None and fqn.endswith(".{expert}"):
-                self.expert_run(fqn, a, layouts, arrays)
+                self.expert_run(fqn, a, layouts, arrays, table)
                 continue
             if isinstance(a, str) or (isinstance(a, dict) and "layout" in a):
                 spec = self.compact_array(fqn, a, layouts, table)
@@ -287,8 +287,9 @@ class _Parser:
                 arrays[fqn] = spec
         return arrays
 
-    def expert_run(self, key: str, a: object, layouts: Mapping[str, Layout], arrays: dict[str, ArraySpec]) -> None:
-        for fqn, ref in parse_run(self, key, a, layouts):
+    def expert_run(self, key: str, a: object, layouts: Mapping[str, Layout], arrays: dict[str, ArraySpec],
+                   table: ChecksumTable | None = None) -> None:
+        for fqn, ref in parse_run(self, key, a, layouts, table):
             if fqn in arrays:
                 self.bad(key, f"array {fqn!r} is given twice")
                 continue

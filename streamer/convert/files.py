@@ -65,11 +65,12 @@ def _with_files(dst: Manifest, hf: dict[str, str]) -> Manifest:
             if src.file is None:
                 f = hf.get(c.tensor(fqn), HF_SINGLE) if dst.world_size == 1 else DEFAULT_PATTERN
                 src = replace(src, file=f)
-            # a tensor named as its array is left implicit (None), as layouts expand it: the
-            # output manifest then fits the compact form, checksums in its sidecar
-            tensor = c.tensor(fqn)
-            src = replace(src, tensor=None if tensor == fqn else tensor, offsets=c.local_offsets, byte_range=None,
-                          stored_shape=None, checksum=None)
+            # a tensor named as its array and zero offsets are left implicit (None), as layouts
+            # expand them: the output manifest then fits the compact form (expert runs too),
+            # checksums in its sidecar
+            tensor, offsets = c.tensor(fqn), c.local_offsets
+            src = replace(src, tensor=None if tensor == fqn else tensor, offsets=offsets if any(offsets) else None,
+                          byte_range=None, stored_shape=None, checksum=None)
             chunks.append(Chunk(c.region, c.holders, src))
         arrays[fqn] = ArraySpec(a.shape, a.data_type, tuple(chunks))
     return replace(dst, arrays=arrays, base_dir=None)

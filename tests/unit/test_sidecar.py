@@ -37,7 +37,8 @@ def _with_checksums(m: Manifest, texts: dict[str, list[str]] | None = None, seed
     for fqn, spec in m.arrays.items():
         cks = (texts or {}).get(fqn) or [f"xxh64:{rng.getrandbits(64):016x}" for _ in spec.chunks]
         arrays[fqn] = ArraySpec(spec.shape, spec.data_type, tuple(
-            Chunk(c.region, c.holders, Source(file="rank-{rank}.safetensors", offsets=c.local_offsets, checksum=ck))
+            Chunk(c.region, c.holders, Source(file="rank-{rank}.safetensors", offsets=c.local_offsets
+                                              if any(c.local_offsets) else None, checksum=ck))
             for c, ck in zip(spec.chunks, cks)))
     return Manifest(world_size=m.world_size, arrays=arrays, mesh=m.mesh)
 
@@ -56,6 +57,8 @@ def test_round_trip_equals_the_explicit_form(tmp_path: Path, seed: int) -> None:
     obj = json.loads((tmp_path / "manifest.json").read_text())
     assert obj["checksums"]["count"] == sum(len(s.chunks) for s in m.arrays.values())
     assert all("chunks" not in a for a in obj["arrays"].values())  # no per-chunk JSON
+    run = obj["arrays"]["model.layers.0.mlp.experts.{expert}"]  # the experts stay one run entry
+    assert run["checksums"] == obj["arrays"]["c"]["checksums"] + len(m.arrays["c"].chunks)
     back = load_manifest(tmp_path)
     assert back.arrays == m.arrays  # every chunk's checksum, file and offsets as written
     assert dumps_manifest(back) == dumps_manifest(m)  # and as v1, byte for byte
@@ -106,6 +109,8 @@ def _compact_obj(tmp_path: Path) -> dict:
     (lambda o: o.pop("checksums"), "'checksums' needs the top-level 'checksums' object"),
     (lambda o: o["arrays"]["a.weight"].update(checksums=10**6), "run past the sidecar's"),
     (lambda o: o["arrays"]["a.weight"].update(checksums=-2), "checksums"),
+    (lambda o: o["arrays"]["model.layers.0.mlp.experts.{expert}"].update(checksums=10**6), "past the sidecar's"),
+    (lambda o: o["checksums"].update(count=3), "run past the sidecar's 3 checksums"),
 ])
 def test_bad_references_are_parse_errors_naming_the_place(tmp_path: Path, edit, said: str) -> None:
     obj = _compact_obj(tmp_path)
