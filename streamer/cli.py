@@ -347,7 +347,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     opts = ConvertOptions(memory_limit=args.memory_limit, resume=args.resume, max_shard_size=args.max_shard_size,
                           allow_extra=args.allow_extra, progress=None if not args.json else False,
                           cast=args.cast, format="safetensors" if torch_dist else args.format,
-                          zarr_compressor=args.zarr_compressor or "none", fp8_block=args.fp8_block, ue8m0=args.ue8m0)
+                          zarr_compressor=args.zarr_compressor or "none", fp8_block=args.fp8_block, ue8m0=args.ue8m0,
+                          manifest_version=args.format_version)
     rep = convert(src, dst, out, opts, comm=comm, src_where=_where(args.src), dst_where=_where(args.dst))
     if torch_dist:  # a Megatron save root: the one-rank megatron layout packed into torch_dist chunks
         from .megatron_export import pack_torch_dist
@@ -648,6 +649,9 @@ def _add_convert(sub: Any) -> None:
                    help="store floating-point arrays as DTYPE (e.g. fp32 master weights -> bfloat16)")
     _add_quant_flags(p)
     p.add_argument("--allow-extra", action="store_true")
+    p.add_argument("--format-version", type=int, choices=(1, 2), default=2,
+                   help="the output manifest: 2 compact, chunk checksums in manifest.checksums beside it "
+                        "(default); 1 lists every chunk with its checksum")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_convert)
 

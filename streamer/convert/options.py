@@ -38,6 +38,8 @@ class ConvertOptions:
     fp8_block: tuple[int, int] = (128, 128)
     #: quantize on write: block-FP8 scales rounded up to a power of two (DeepGEMM use_ue8m0)
     ue8m0: bool = False
+    #: the output manifest's format_version: 2 (compact, checksums in a sidecar) or 1 (every chunk)
+    manifest_version: int = 2
 
     @property
     def buffer_bytes(self) -> int:

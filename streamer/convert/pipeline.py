@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from formats.errors import FormatError, PlanError, ShardstreamError, UsageError, ValidationError
-from formats.manifest import COMPACT_FORMAT_VERSION, Manifest, load_manifest, save_manifest
+from formats.manifest import Manifest, load_manifest, save_manifest
 from formats.store import SourceStore
 from formats.validate import validate_manifest
 
@@ -115,7 +115,7 @@ def _run(src: Manifest, sink: Sink[J], out: Path, opts: ConvertOptions, workers:
         if lock is not None:
             final = sink.manifest(checksums)
             sink.finish(out, final, jobs)
-            save_manifest(final, out / MANIFEST, format_version=COMPACT_FORMAT_VERSION)  # + checksum sidecar
+            save_manifest(final, out / MANIFEST, format_version=opts.manifest_version)  # v2: + checksum sidecar
             remove_state(out, lock)  # every worker is past _gather: all records are written
         workers.barrier()
     finally:

@@ -345,6 +345,17 @@ def test_output_manifest_has_checksums_and_validates(tp2: Path, capsys: Any) -> 
     assert out.startswith("ok") and "data checked" in out
 
 
+def test_format_version_1_output_lists_every_chunk_with_its_checksum(tp2: Path, tmp_path: Path,
+                                                                     capsys: Any) -> None:
+    """``convert --format-version 1``: the explicit form, no sidecar, the same chunks."""
+    assert run_cli(capsys, "convert", tmp_path / "hf", tmp_path / "tp2.json", "--out", tmp_path / "v1",
+                   "--format-version", "1")[0] == 0
+    obj = json.loads((tmp_path / "v1" / "manifest.json").read_text())
+    assert obj["format_version"] == 1 and not (tmp_path / "v1" / "manifest.checksums").exists()
+    assert all(c["source"]["checksum"] for a in obj["arrays"].values() for c in a["chunks"])
+    assert load_manifest(tmp_path / "v1").arrays == load_manifest(tp2).arrays
+
+
 def test_a_changed_or_missing_checksum_sidecar_is_named(tp2: Path, tmp_path: Path, capsys: Any) -> None:
     """One line, exit 1: a sidecar changed by one byte, cut short, or gone."""
     import shutil
