@@ -429,7 +429,7 @@ def without_checksums(m: Manifest) -> Manifest:
     arrays: dict[str, ArraySpec] = {}
     for fqn, spec in m.arrays.items():
         ref = spec.ref
-        if isinstance(ref, CompactRef) and ref.checksums is not None and not spec.expanded:
+        if isinstance(ref, CompactRef) and ref.checksums is not None:  # expanded or not: the layout alone
             spec = ArraySpec(spec.shape, spec.data_type, ref=CompactRef(ref.layout, ref.block), fqn=fqn)
         elif (spec.expanded or ref is None) and any(c.source is not None and c.source.checksum is not None
                                                     for c in spec.chunks):

@@ -192,15 +192,18 @@ def _records_from_manifest(out: Path, sink: Sink[J], jobs: Sequence[J]) -> None:
     except (OSError, ShardstreamError):
         return
     known: dict[str, str] = {}
-    for fqn, a in sink.manifest({}).arrays.items():
-        b = old.arrays.get(fqn)
-        if b is None or (b.shape, b.data_type, len(b.chunks)) != (a.shape, a.data_type, len(a.chunks)):
-            continue
-        for ci, (mine, theirs) in enumerate(zip(a.chunks, b.chunks)):
-            src = theirs.source
-            if src is not None and src.checksum is not None and replace(theirs, source=replace(
-                    src, checksum=None)) == mine:
-                known[f"{fqn}|{ci}"] = src.checksum
+    try:
+        for fqn, a in sink.manifest({}).arrays.items():
+            b = old.arrays.get(fqn)
+            if b is None or (b.shape, b.data_type, len(b.chunks)) != (a.shape, a.data_type, len(a.chunks)):
+                continue
+            for ci, (mine, theirs) in enumerate(zip(a.chunks, b.chunks)):
+                src = theirs.source
+                if src is not None and src.checksum is not None and replace(theirs, source=replace(
+                        src, checksum=None)) == mine:
+                    known[f"{fqn}|{ci}"] = src.checksum
+    except ShardstreamError:  # its checksum sidecar is gone or damaged: nothing is reused on trust
+        return
     records = Records(out)
     for job in jobs:
         keys = sink.chunk_keys(job)

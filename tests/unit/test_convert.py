@@ -552,6 +552,19 @@ def test_resume_rewrites_a_corrupted_finished_file(tp2: Path, tmp_path: Path, ca
     assert {p.name: p.read_bytes() for p in tp2.glob("*.safetensors")} == ref
 
 
+def test_resume_without_the_checksum_sidecar_rewrites_everything(tp2: Path, tmp_path: Path, capsys: Any) -> None:
+    """A finished output whose sidecar is gone: nothing is reused on trust, every file is
+    rewritten, and the output is whole again (sidecar included)."""
+    ref = {p.name: p.read_bytes() for p in tp2.glob("*.safetensors")}
+    (tp2 / "manifest.checksums").unlink()
+    rc, o, err = run_cli(capsys, "convert", tmp_path / "hf", tmp_path / "tp2.json", "--out", tp2, "--resume", "--json")
+    assert rc == 0, err
+    rep = json.loads(o)
+    assert (rep["files_written"], rep["files_skipped"]) == (len(ref), 0)
+    assert {p.name: p.read_bytes() for p in tp2.glob("*.safetensors")} == ref
+    assert validate_manifest(load_manifest(tp2)) == [] and validate_data(load_manifest(tp2)) == []
+
+
 def test_kill_between_manifest_and_cleanup_resumes(tp2: Path, tmp_path: Path, capsys: Any,
                                                    monkeypatch: Any) -> None:
     """Killed after the manifest landed but before the state went: the output is complete, and a
