@@ -233,6 +233,10 @@ def _connect_mpi_port(role: str, path: Path, timeout: float) -> Group:
     return Group.from_mpi(merged, role_comm, role, roles.count(0), roles.count(1), str(path))
 
 
+#: seconds a receiver rank accepts a rendezvous file written before it started (see _connect_store)
+FRESH_SLACK = 60.0
+
+
 def _connect_store(role: str, path: Path, timeout: float) -> Group:
     """Join through a TCPStore served by receiver rank 0 (see the module docstring)."""
     from .transport.store import StoreControl, open_store
@@ -246,8 +250,11 @@ def _connect_store(role: str, path: Path, timeout: float) -> Group:
         store = open_store(host, port, server=True, timeout=timeout)
         atomic_write_bytes(path, f"{_TCP}{host}:{port}\n".encode())
     else:
-        # receiver ranks wait for the file their rank 0 writes now, not a stale one
-        store = _dial(path, deadline, timeout, fresh_from=t_start - 1 if role == "recv" else None)
+        # receiver ranks wait for the file their rank 0 writes now, not a stale one; "now" with
+        # slack: the ranks of one job start seconds apart on a loaded node (CI once saw rank 1
+        # start after rank 0 had written it, and wait out its timeout), and a stale file names a
+        # dead store that _dial reads again (a finished job's rank 0 removes the file)
+        store = _dial(path, deadline, timeout, fresh_from=t_start - FRESH_SLACK if role == "recv" else None)
     store.set(f"job/{role}/size", str(size))
     store.add(f"job/{role}/joined", 1)
     sizes = {}
