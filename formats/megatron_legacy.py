@@ -7,15 +7,16 @@ next to ``latest_checkpointed_iteration.txt``. Each archive is
 with the rank's *local* tensors under the local module spec's names (``input_layernorm.weight``,
 ``pre_mlp_layernorm.weight``), layers numbered within the stage.
 
-``data.pkl`` is read by a restricted unpickler: tensor rebuilds and storages are recorded, not
-run (as in :mod:`formats.dcp_io`); ``argparse.Namespace`` becomes a plain record; classes and
-functions of ``megatron.*`` and numpy's array reconstruction (enums in ``args``, NumPy RNG
-state) become inert placeholders whose calls are recorded and never made. Any other global is
-refused. The tensors' bytes are then addressed in place: ``source.byte_range`` into the
-archive's stored (uncompressed) storage entries.
+``data.pkl`` is read by :class:`formats.unpickle.LegacyUnpickler`: tensor rebuilds and storages
+are recorded, not run; ``argparse.Namespace`` becomes a plain record; NumPy's RNG state (and the
+protocol-2 ``bytes`` in it, ``_codecs.encode(text, "latin1")``) and ``megatron.*`` enums become
+inert records. Any other global is refused by name. The tensors' bytes are then addressed in
+place: ``source.byte_range`` into the archive's stored (uncompressed) storage entries.
 
 The mapping to HF arrays is the megatron preset on the checkpoint's own ``pp × tp`` mesh with
-the local spec's names. No MPI, no torch.
+the local spec's names and the save's own padded vocabulary: ``args.padded_vocab_size``, else
+the stored embedding (or output layer) rows × tp, else ``make_vocab_size_divisible_by`` × tp
+padding (:func:`padded_vocab`). No MPI, no torch.
 """
 
 from __future__ import annotations
@@ -32,8 +33,11 @@ from .box import Box, is_row_major, row_major_strides
 from .dtypes import DTYPES
 from .errors import FormatError
 from .manifest import ArraySpec, Chunk, Manifest, Source
+from .torch_archive import ArchiveWindow, clip, open_archive, payload_offset, read_data_pkl
+from .unpickle import TORCH_ALIASES, LegacyUnpickler, Record, Refused, ScanRefused, TensorRef, restricted_load
 
-__all__ = ["LegacyTensor", "find_rank_files", "is_megatron_legacy", "read_legacy_tensors", "read_megatron_legacy"]
+__all__ = ["LegacyArchive", "LegacyTensor", "find_rank_files", "is_megatron_legacy", "read_legacy_archive",
+           "read_legacy_tensors", "read_megatron_legacy"]
 
 _RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?")
 FILE_NAME = "model_optim_rng.pt"
@@ -85,63 +89,27 @@ def find_rank_files(it: Path) -> dict[tuple[int, int], Path]:
     return out
 
 
-# ------------------------------------------------------------------ restricted data.pkl
-
-
-class _Record:
-    """``argparse.Namespace`` or an inert placeholder's result: attributes only, no behaviour."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.args, self.kwargs = args, kwargs
-
-    def __setstate__(self, state: Any) -> None:
-        self.state = state
-
-    def __reduce__(self) -> Any:  # never pickled back
-        raise TypeError("stand-in objects are not picklable")
+# ------------------------------------------------------------------ one archive
 
 
 @dataclass(frozen=True, slots=True)
-class _Placeholder:
-    """A ``megatron.*`` or numpy global: calling it records the call, runs nothing."""
+class LegacyArchive:
+    """One ``model_optim_rng.pt``: its model tensors by local name and the plain values of its
+    ``args`` (ints, floats, strings, bools; a Namespace missing means ``{}``)."""
 
-    module: str
-    name: str
-
-    def __call__(self, *args: Any, **kwargs: Any) -> _Record:
-        return _Record(*args, **kwargs)
-
-
-#: numpy globals of ``np.random.get_state()`` in Megatron's rng_state
-_NUMPY = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
-          ("numpy", "ndarray"), ("numpy", "dtype"), ("numpy.core.multiarray", "scalar"),
-          ("numpy._core.multiarray", "scalar")}
-
-
-def _unpickler() -> type[Any]:
-    import pickle
-
-    from . import dcp_io
-
-    class _LegacyUnpickler(dcp_io._DataPklUnpickler):
-        def find_class(self, module: str, name: str) -> Any:
-            if (module, name) == ("argparse", "Namespace"):
-                return _Record
-            if module == "megatron" or module.startswith("megatron.") or (module, name) in _NUMPY:
-                return _Placeholder(module, name)
-            if (module, name) in (("builtins", "set"), ("builtins", "frozenset")):
-                return set if name == "set" else frozenset
-            return super().find_class(module, name)
-
-    assert issubclass(_LegacyUnpickler, pickle.Unpickler)
-    return _LegacyUnpickler
+    tensors: dict[str, LegacyTensor]
+    args: dict[str, Any]
 
 
 def read_legacy_tensors(path: Path) -> dict[str, LegacyTensor]:
-    """The model tensors of one ``model_optim_rng.pt`` (``_extra_state`` and other non-tensors
-    left out), each addressed by byte range. Raises ``FormatError`` (one line per problem)."""
-    from . import dcp_io
+    """The model tensors of one ``model_optim_rng.pt`` (see :func:`read_legacy_archive`)."""
+    return read_legacy_archive(path).tensors
 
+
+def read_legacy_archive(path: Path) -> LegacyArchive:
+    """The model tensors of one ``model_optim_rng.pt`` (``_extra_state`` and other non-tensors
+    left out), each addressed by byte range, and its ``args``. Raises ``FormatError`` (one line
+    per problem)."""
     where = str(path)
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -149,22 +117,25 @@ def read_legacy_tensors(path: Path) -> dict[str, LegacyTensor]:
         raise FormatError(f"{where}: cannot open ({e.strerror})") from None
     try:
         size = os.fstat(fd).st_size
-        win = dcp_io._Window(fd, 0, size)
+        win = ArchiveWindow(fd, 0, size)
         try:
-            zf = dcp_io._open_archive(win)
+            zf = open_archive(win)
             infos = {i.filename: i for i in zf.infolist()}
-            prefix, pkl = dcp_io._read_data_pkl(zf, infos, MAX_LEGACY_PKL_BYTES)
-            obj = dcp_io._restricted_load(_unpickler(), pkl, allow_persistent=True)
-        except dcp_io._Refused as e:
+            prefix, pkl = read_data_pkl(zf, infos, MAX_LEGACY_PKL_BYTES)
+            obj = restricted_load(LegacyUnpickler, pkl, allow_persistent=True)
+        except Refused as e:
+            if e.detail:
+                raise FormatError(f"{where}: data.pkl refers to {e.module}.{e.name}{e.detail}, which a legacy save "
+                                  "never holds; refusing to load it") from None
             raise FormatError(f"{where}: data.pkl refers to {e.module}.{e.name}, which is not a tensor, storage, "
                               "argparse.Namespace or megatron class; refusing to load it") from None
-        except dcp_io._ScanRefused as e:
+        except ScanRefused as e:
             raise FormatError(f"{where}: data.pkl is not one torch.save writes ({e}); refusing to load it") from None
         except FormatError:
             raise
         except Exception as e:  # noqa: BLE001 - every failure of a hostile file is one line
             raise FormatError(f"{where}: not a readable torch.save archive ({type(e).__name__}: "
-                              f"{dcp_io._clip(str(e))})") from None
+                              f"{clip(str(e))})") from None
         model = obj.get("model") if isinstance(obj, dict) else None
         if not isinstance(model, dict):
             raise FormatError(f"{where}: no 'model' state dict (virtual pipeline stages 'model0', 'model1', ... are "
@@ -173,7 +144,7 @@ def read_legacy_tensors(path: Path) -> dict[str, LegacyTensor]:
         problems: list[str] = []
         offsets: dict[str, int] = {}
         for name, t in model.items():
-            if not isinstance(name, str) or not isinstance(t, dcp_io._TensorRef):
+            if not isinstance(name, str) or not isinstance(t, TensorRef):
                 continue  # _extra_state (None or bytes)
             try:
                 out[name] = _locate(win, infos, prefix, t, size, offsets)
@@ -181,15 +152,17 @@ def read_legacy_tensors(path: Path) -> dict[str, LegacyTensor]:
                 problems.append(f"{where}: {name}: {e}")
         if problems:
             raise FormatError(problems=problems)
-        return out
+        args = obj.get("args")
+        plain = {k: v for k, v in args.fields.items() if type(v) in (int, float, str, bool)} \
+            if isinstance(args, Record) else {}
+        return LegacyArchive(out, plain)
     finally:
         os.close(fd)
 
 
-def _locate(win: Any, infos: Mapping[str, Any], prefix: str, t: Any, size: int, offsets: dict[str, int]) -> LegacyTensor:
-    from . import dcp_io
-
-    dname = dcp_io._TORCH_ALIASES.get(t.dtype or "", t.dtype or "")
+def _locate(win: ArchiveWindow, infos: Mapping[str, Any], prefix: str, t: TensorRef, size: int,
+            offsets: dict[str, int]) -> LegacyTensor:
+    dname = TORCH_ALIASES.get(t.dtype or "", t.dtype or "")
     dt = DTYPES.get(dname)
     if dt is None:
         raise ValueError(f"dtype {t.dtype} has no shardstream data_type")
@@ -202,7 +175,7 @@ def _locate(win: Any, infos: Mapping[str, Any], prefix: str, t: Any, size: int, 
         raise ValueError(f"storage entry data/{t.storage.key} is missing, compressed or encrypted")
     key = t.storage.key
     if key not in offsets:
-        offsets[key] = dcp_io._payload_offset(win, dinfo, size)
+        offsets[key] = payload_offset(win, dinfo, size)
     need = prod(sizes) * dt.itemsize
     start = offsets[key] + t.storage_offset * dt.itemsize
     if t.storage_offset < 0 or start + need > offsets[key] + dinfo.file_size:
@@ -213,20 +186,62 @@ def _locate(win: Any, infos: Mapping[str, Any], prefix: str, t: Any, size: int, 
 # ------------------------------------------------------------------ HF view
 
 
+def padded_vocab(archives: Mapping[tuple[int, int], LegacyArchive], files: Mapping[tuple[int, int], Path],
+                 vocab: int, tp: int, config: str = "--model") -> int:
+    """The padded vocabulary the save holds: ``args.padded_vocab_size`` (checked against the stored
+    rows), else the stored ``embedding.word_embeddings.weight`` / ``output_layer.weight`` rows × tp,
+    else ``args.make_vocab_size_divisible_by`` (default 128) × tp padding of ``vocab``. Raises
+    ``FormatError`` naming the config's ``vocab_size`` when it does not fit."""
+    key = min(archives)
+    args = archives[key].args
+    stored: tuple[int, Path, str] | None = None
+    for k in sorted(archives):
+        for name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            t = archives[k].tensors.get(name)
+            if t is not None and t.shape:
+                stored = (t.shape[0] * tp, files[k], name)
+                break
+        if stored is not None:
+            break
+    div = args.get("make_vocab_size_divisible_by")
+    div_txt = f"make_vocab_size_divisible_by {div} × tp {tp}" if type(div) is int else f"tp {tp}"
+    given = args.get("padded_vocab_size")
+    if type(given) is int:
+        if stored is not None and stored[0] != given:
+            raise FormatError(f"{files[key]}: args.padded_vocab_size is {given}, but {stored[2]} in {stored[1]} holds "
+                              f"{stored[0] // tp} rows per tensor-parallel rank (× tp {tp} = {stored[0]})")
+        padded, how = given, f"args.padded_vocab_size ({div_txt})"
+    elif stored is not None:
+        padded, how = stored[0], f"{stored[2]} rows × tp {tp}"
+    else:
+        from .layouts.presets import megatron_padded_vocab
+
+        padded = megatron_padded_vocab(vocab, tp, div if type(div) is int and div > 0 else 128)
+        how = f"vocab_size padded to a multiple of {div_txt}"
+    if vocab > padded or padded % tp:
+        raise FormatError(f"{config}: vocab_size {vocab} does not fit the checkpoint's padded vocabulary of {padded} "
+                          f"({how}); does --model match the checkpoint?")
+    return padded
+
+
 def read_megatron_legacy(path: str | os.PathLike[str], cfg: Mapping[str, Any] | str | os.PathLike[str]) -> Manifest:
     """The HF-named manifest of the legacy checkpoint at ``path`` (save root or iteration
     directory), its chunks addressing the ``model_optim_rng.pt`` bytes. ``base_dir`` is the
     iteration directory."""
     from .layouts.mesh import Mesh
-    from .layouts.presets import preset_manifest
+    from .layouts.presets import model_info, preset_manifest
     from .megatron_dist import resolve_iteration_dir
 
     it = resolve_iteration_dir(path)
     files = find_rank_files(it)
     P = 1 + max(pp for pp, _ in files)
     T = 1 + max(tp for _, tp in files)
-    view = preset_manifest(cfg, "megatron", Mesh(("pp", "tp"), (P, T)), megatron_spec="local")
-    tables = {k: read_legacy_tensors(f) for k, f in files.items()}
+    archives = {k: read_legacy_archive(f) for k, f in files.items()}
+    tables = {k: a.tensors for k, a in archives.items()}
+    info = model_info(cfg)
+    padded = padded_vocab(archives, files, info.vocab, T, "--model" if isinstance(cfg, Mapping) else str(cfg))
+    view = preset_manifest(cfg, "megatron", Mesh(("pp", "tp"), (P, T)), megatron_spec="local",
+                           megatron_padded_vocab=padded)
     shapes = {r: {n: t.shape for n, t in view.local_tensors(r).items()} for r in range(P * T)}
     problems: list[str] = []
     arrays: dict[str, ArraySpec] = {}
@@ -243,8 +258,7 @@ def read_megatron_legacy(path: str | os.PathLike[str], cfg: Mapping[str, Any] | 
             if lt is None:
                 problems.append(f"{f}: {fqn}: no tensor {name}")
                 break
-            if lt.shape != tuple(want) and not (local in view.tensors.get(c.holders[0], {})
-                                                and lt.shape[1:] == tuple(want)[1:] and lt.shape[0] >= want[0]):
+            if lt.shape != tuple(want):
                 problems.append(f"{f}: {fqn}: {name} has shape {list(lt.shape)}, the config needs {list(want)}; "
                                 "does --model match the checkpoint?")
                 break

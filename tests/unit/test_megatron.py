@@ -224,11 +224,11 @@ def test_hostile_pickle_in_megatron_metadata_is_refused(tmp_path: Path, capsys: 
 
 def test_write_item_type_must_be_a_plain_value(tmp_path: Path) -> None:
     """WriteItemType is rebuilt from its value; the call takes an int and nothing else."""
-    from formats import dcp_io
+    from formats import unpickle
 
-    assert dcp_io._write_item_type(2) == dcp_io._WriteItemType(2)
+    assert unpickle.write_item_type(2) == unpickle.WriteItemType(2)
     with pytest.raises(TypeError):
-        dcp_io._write_item_type("SHARD")
+        unpickle.write_item_type("SHARD")
 
 
 def test_legacy_needs_model_and_refuses_hostile_args(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

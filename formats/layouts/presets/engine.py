@@ -172,6 +172,8 @@ class Options:
     last_stage_layers: int | None = None
     #: megatron: "te" (Transformer Engine: norms fused into linear_qkv / linear_fc1) or "local"
     megatron_spec: str = "te"
+    #: megatron: the saved padded vocabulary (``args.padded_vocab_size``); None: 128 × tp padding
+    megatron_padded_vocab: int | None = None
 
 
 @dataclass(frozen=True)
