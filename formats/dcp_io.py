@@ -113,7 +113,7 @@ def _storage_index(md: DcpMetadata, where: str) -> dict[tuple[str, tuple[int, ..
     """(fqn, chunk offsets) -> item, or a problem text for a malformed entry."""
     sd = md.storage_data
     if not isinstance(sd, dict):
-        raise FormatError(f"{where}: storage_data must be a dict of MetadataIndex -> StorageInfo (got {_kind(sd)}); "
+        raise FormatError(f"{where}: storage_data must be a dict of MetadataIndex -> _StorageInfo (got {_kind(sd)}); "
                           "only FileSystemWriter checkpoints are supported")
     out: dict[tuple[str, tuple[int, ...] | None], _Item | str] = {}
     for k, v in sd.items():
@@ -124,7 +124,7 @@ def _storage_index(md: DcpMetadata, where: str) -> dict[tuple[str, tuple[int, ..
             raise FormatError(f"{where}: {k.fqn}: storage_data offset {off!r:.80} is not a list of integers")
         key = (k.fqn, off)
         if not isinstance(v, StorageInfo):
-            out[key] = f"storage_data entry is {_kind(v)}, expected StorageInfo"
+            out[key] = f"storage_data entry is {_kind(v)}, expected _StorageInfo"
             continue
         rel = _safe_rel(v.relative_path)
         if rel is None:
