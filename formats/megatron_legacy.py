@@ -221,6 +221,12 @@ def padded_vocab(archives: Mapping[tuple[int, int], LegacyArchive], files: Mappi
     if vocab > padded or padded % tp:
         raise FormatError(f"{config}: vocab_size {vocab} does not fit the checkpoint's padded vocabulary of {padded} "
                           f"({how}); does --model match the checkpoint?")
+    if type(div) is int and div > 0 and -(-vocab // (div * tp)) * div * tp != padded:
+        # Megatron pads the tokenizer's vocabulary to a multiple of divisor × tp: a config whose
+        # vocab_size pads to another size was not the one this save was trained with
+        raise FormatError(f"{config}: vocab_size {vocab} pads to {-(-vocab // (div * tp)) * div * tp} (a multiple of "
+                          f"{div_txt}), but the checkpoint holds a padded vocabulary of {padded} ({how}); does "
+                          "--model match the checkpoint?")
     return padded
 
 

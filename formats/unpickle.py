@@ -33,7 +33,7 @@ __all__ = [
     "DataPklUnpickler", "DcpMetadata", "Layout", "LegacyUnpickler", "MetadataIndex", "MetadataUnpickler",
     "NumpyArray", "NumpyDType", "NumpyScalar", "Placeholder", "Record", "Refused", "ScanError", "ScanRefused",
     "StorageInfo", "StorageRef", "StorageType", "TensorProperties", "TensorRef", "TensorStorageMetadata",
-    "TorchDType", "WriteItemType", "restricted_load", "scan_pickle", "write_item_type",
+    "TorchDType", "WriteItemType", "py3_name", "restricted_load", "scan_pickle", "write_item_type",
 ]
 
 
@@ -247,6 +247,17 @@ class Refused(Exception):
         self.module, self.name, self.detail = module, name, detail
 
 
+def py3_name(module: str, name: str) -> tuple[str, str]:
+    """The Python 3 name of a pickled global: protocols 0-2 write Python 2's (``__builtin__.bytes``),
+    which ``pickle.Unpickler.find_class`` maps with ``_compat_pickle``; an overriding ``find_class``
+    must do the same, so that one allow-list entry covers both spellings."""
+    import _compat_pickle
+
+    if (module, name) in _compat_pickle.NAME_MAPPING:
+        return _compat_pickle.NAME_MAPPING[(module, name)]
+    return _compat_pickle.IMPORT_MAPPING.get(module, module), name
+
+
 def _fresh(obj: Any) -> Any:
     """Value stand-ins are handed out as copies: a pickle may BUILD onto what it is given, and
     must not be able to change the allow-list's own objects for later loads."""
@@ -255,6 +266,7 @@ def _fresh(obj: Any) -> Any:
 
 class MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
+        module, name = py3_name(module, name)
         obj = _META_ALLOWED.get((module, name))
         if obj is None:
             raise Refused(module, name)
@@ -347,6 +359,7 @@ _PKL_ALLOWED.update({("torch", n): TorchDType(n) for n in TORCH_DTYPE_NAMES})
 
 class DataPklUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
+        module, name = py3_name(module, name)
         obj = _PKL_ALLOWED.get((module, name))
         if obj is None:
             raise Refused(module, name)
@@ -516,7 +529,10 @@ class Placeholder:
     name: str
 
     def __call__(self, *args: Any, **kwargs: Any) -> Record:
-        return Record(*args, **kwargs)
+        # an Enum pickles as a call of its class with the member's value; anything else is refused
+        if kwargs or len(args) != 1 or type(args[0]) not in (int, str):
+            raise Refused(self.module, self.name, " called with other than one int or str (not an enum member)")
+        return Record(*args)
 
 
 class NumpyDType(Record):
@@ -574,14 +590,16 @@ def _empty_bytes(*args: Any) -> bytes:
     return b""
 
 
-#: what a real Megatron-LM legacy ``data.pkl`` names beyond a tensor's: found in the archives
-#: megatron-core 0.16 writes (tests/data/megatron/make_fixtures.py), not guessed
+#: what a Megatron-LM legacy ``data.pkl`` names beyond a tensor's, as found in the archives made
+#: with megatron-core 0.16.1 (tests/data/megatron/make_fixtures.py): ``argparse.Namespace``,
+#: ``_codecs.encode``, ``numpy.dtype``, ``numpy.ndarray``, ``numpy._core.multiarray._reconstruct``
+#: (and ``megatron.core.transformer.enums.AttnBackend``, see ``LegacyUnpickler``). NumPy 1.x writes
+#: ``numpy.core.multiarray``; ``scalar`` and protocol 2's ``bytes()`` (empty bytes) are the two
+#: other ways the same values pickle
 LEGACY_GLOBALS: dict[tuple[str, str], Any] = {
     ("argparse", "Namespace"): Record,
     ("_codecs", "encode"): _latin1_bytes,
     ("builtins", "bytes"): _empty_bytes,
-    ("builtins", "set"): set,
-    ("builtins", "frozenset"): frozenset,
     ("numpy", "ndarray"): _NumpyType("ndarray"),
     ("numpy", "dtype"): _np_dtype,
 }
@@ -594,6 +612,7 @@ class LegacyUnpickler(DataPklUnpickler):
     """``DataPklUnpickler`` + :data:`LEGACY_GLOBALS` + ``megatron.*`` as inert placeholders."""
 
     def find_class(self, module: str, name: str) -> Any:
+        module, name = py3_name(module, name)
         obj = LEGACY_GLOBALS.get((module, name))
         if obj is not None:
             return replace(obj) if isinstance(obj, _NumpyType) else obj
