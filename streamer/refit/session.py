@@ -53,7 +53,7 @@ from streamer.execute.quant import ReceiverQuant, RefitQuant, SenderQuant, refit
 from streamer.execute.staging import device_name, staging_problems
 from streamer.ops.quant import FP8_BLOCK
 from streamer.plan.gcpause import paused_gc
-from streamer.refit.baseline import gather_broadcast
+from streamer.refit.baseline import Baseline, gather_broadcast
 from streamer.refit.local import check_local, collect_local
 from streamer.refit.rankstart import input_digests, input_problems, plan_own
 from streamer.refit.replicas import replica_digests, replica_problems
@@ -358,7 +358,7 @@ class RefitSession:
             self._send_quant.new_push()
         if not self.delta:
             self._agree(problems, digests)
-            es = gather_broadcast(self, local) if self.strategy == "broadcast" else self._exec(local).run()
+            es = self._baseline(local) if self.strategy == "broadcast" else self._exec(local).run()
         else:
             es = self._delta_step(local, problems, digests)
         quantize_s = self._recv_quant.finish(local) if self._recv_quant is not None else 0.0
@@ -429,6 +429,11 @@ class RefitSession:
         if every:
             raise RefusedError(problems=every[:200] + ([f"... and {len(every) - 200} more"] if len(every) > 200 else []))
         return got
+
+    def _baseline(self, tensors: Mapping[str, Any]) -> ExecStats:
+        """One push by the gather-broadcast baseline (``--strategy broadcast``)."""
+        return gather_broadcast(Baseline(self._t, self.src, self.dst, self.plan.casts, self.group.n_send,
+                                         self.group.name, self.timeout, self.bucket_size), tensors)
 
     def _exec(self, tensors: Mapping[str, Any]) -> Executor:
         # a new executor only when the caller hands other memory: ``model.state_dict()`` makes new
