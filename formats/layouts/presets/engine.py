@@ -101,7 +101,7 @@ def _load_cfg(cfg: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str, Any]
 
 
 def _arrays_from_config(c: Mapping[str, Any], fp8: bool) -> tuple[Arrays, tuple[int, int] | None]:
-    from ..models import fp8_block_size, arrays_from_config
+    from ..models import arrays_from_config, fp8_block_size
 
     return arrays_from_config(c, fp8=fp8), fp8_block_size(c, "config.json", fp8)
 
