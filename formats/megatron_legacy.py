@@ -39,7 +39,7 @@ from .unpickle import TORCH_ALIASES, LegacyUnpickler, Record, Refused, ScanRefus
 __all__ = ["LegacyArchive", "LegacyTensor", "find_rank_files", "is_megatron_legacy", "read_legacy_archive",
            "read_legacy_tensors", "read_megatron_legacy"]
 
-_RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?")
+_RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?")
 FILE_NAME = "model_optim_rng.pt"
 #: a legacy data.pkl lists every tensor of model and optimizer: allow more than a DCP item's
 MAX_LEGACY_PKL_BYTES = 64 << 20
@@ -66,10 +66,12 @@ def is_megatron_legacy(path: Path) -> bool:
     return it.is_dir() and any(_RANK_DIR.fullmatch(p.name) for p in it.iterdir() if p.is_dir())
 
 
-def find_rank_files(it: Path) -> dict[tuple[int, int], Path]:
-    """``(pp, tp) -> model_optim_rng.pt`` of every ``mp_rank_TT[_PPP]`` directory of ``it``;
-    raises ``FormatError`` when the grid is incomplete."""
-    out: dict[tuple[int, int], Path] = {}
+def find_rank_files(it: Path, *, expert_named: bool = False) -> dict[tuple[int, int, int], Path]:
+    """``(pp, ep, tp) -> model_optim_rng.pt`` of every ``mp_rank_TT[_PPP][_EEE]`` directory of ``it``
+    (Megatron-LM's ``get_checkpoint_name``: ``_PPP`` with pipeline parallelism, then ``_EEE`` with
+    expert parallelism). One suffix is the pipeline rank unless ``expert_named`` (a save whose
+    ``args`` say pp = 1, ep > 1). Raises ``FormatError`` when the grid is incomplete."""
+    out: dict[tuple[int, int, int], Path] = {}
     for p in sorted(it.iterdir()):
         m = _RANK_DIR.fullmatch(p.name)
         if m is None or not p.is_dir():
@@ -77,16 +79,20 @@ def find_rank_files(it: Path) -> dict[tuple[int, int], Path]:
         f = p / FILE_NAME
         if not f.is_file():
             raise FormatError(f"{p}: no {FILE_NAME}")
-        out[(int(m.group(2) or 0), int(m.group(1)))] = f
+        t, a, b = int(m.group(1)), int(m.group(2) or 0), int(m.group(3) or 0)
+        out[(0, a, t) if expert_named and m.group(3) is None else (a, b, t)] = f
     if not out:
         raise FormatError(f"{it}: no mp_rank_XX directories (not a Megatron legacy checkpoint)")
-    P = 1 + max(pp for pp, _ in out)
-    T = 1 + max(tp for _, tp in out)
-    missing = [f"mp_rank_{t:02d}" + (f"_{p:03d}" if P > 1 else "") for p in range(P) for t in range(T)
-               if (p, t) not in out]
+    P, E, T = (1 + max(k[i] for k in out) for i in range(3))
+    missing = [_rank_dir(p, e, t, P, E) for p in range(P) for e in range(E) for t in range(T) if (p, e, t) not in out]
     if missing:
-        raise FormatError(f"{it}: the mp_rank directories span tp = {T}, pp = {P}; missing: {', '.join(missing)}")
+        grid = f"tp = {T}, pp = {P}" + (f", ep = {E}" if E > 1 else "")
+        raise FormatError(f"{it}: the mp_rank directories span {grid}; missing: {', '.join(missing)}")
     return out
+
+
+def _rank_dir(p: int, e: int, t: int, P: int, E: int) -> str:
+    return f"mp_rank_{t:02d}" + (f"_{p:03d}" if P > 1 else "") + (f"_{e:03d}" if E > 1 else "")
 
 
 # ------------------------------------------------------------------ one archive
@@ -186,7 +192,7 @@ def _locate(win: ArchiveWindow, infos: Mapping[str, Any], prefix: str, t: Tensor
 # ------------------------------------------------------------------ HF view
 
 
-def padded_vocab(archives: Mapping[tuple[int, int], LegacyArchive], files: Mapping[tuple[int, int], Path],
+def padded_vocab(archives: Mapping[tuple[int, int, int], LegacyArchive], files: Mapping[tuple[int, int, int], Path],
                  vocab: int, tp: int, config: str = "--model") -> int:
     """The padded vocabulary the save holds: ``args.padded_vocab_size`` (checked against the stored
     rows), else the stored ``embedding.word_embeddings.weight`` / ``output_layer.weight`` rows × tp,
@@ -239,28 +245,24 @@ def read_megatron_legacy(path: str | os.PathLike[str], cfg: Mapping[str, Any] | 
     from .megatron_dist import resolve_iteration_dir
 
     it = resolve_iteration_dir(path)
-    files = find_rank_files(it)
-    P = 1 + max(pp for pp, _ in files)
-    T = 1 + max(tp for _, tp in files)
-    archives = {k: read_legacy_archive(f) for k, f in files.items()}
-    tables = {k: a.tensors for k, a in archives.items()}
+    files, archives = _read_rank_files(it)
+    P, E, T = (1 + max(k[i] for k in files) for i in range(3))
     info = model_info(cfg)
     padded = padded_vocab(archives, files, info.vocab, T, "--model" if isinstance(cfg, Mapping) else str(cfg))
-    view = preset_manifest(cfg, "megatron", Mesh(("pp", "tp"), (P, T)), megatron_spec="local",
-                           megatron_padded_vocab=padded)
-    shapes = {r: {n: t.shape for n, t in view.local_tensors(r).items()} for r in range(P * T)}
+    mesh = Mesh(("pp", "ep", "tp"), (P, E, T))
+    view = preset_manifest(cfg, "megatron", mesh, megatron_spec="local", megatron_padded_vocab=padded)
+    shapes = {r: {n: t.shape for n, t in view.local_tensors(r).items()} for r in range(mesh.size)}
     problems: list[str] = []
     arrays: dict[str, ArraySpec] = {}
     for fqn, spec in view.arrays.items():
         chunks: list[Chunk] = []
         dts: set[str] = set()
         for c in spec.chunks:
-            pp, tp = divmod(c.holders[0], T)  # replicas hold the same bytes: read the first
-            table, f = tables[(pp, tp)], files[(pp, tp)]
-            local = c.tensor(fqn)
-            name = local
+            key = mesh.coords(c.holders[0])  # replicas hold the same bytes: read the first
+            table, f = archives[(key[0], key[1], key[2])].tensors, files[(key[0], key[1], key[2])]
+            name = c.tensor(fqn)
             lt = table.get(name)
-            want = shapes[c.holders[0]][local]
+            want = shapes[c.holders[0]][name]
             if lt is None:
                 problems.append(f"{f}: {fqn}: no tensor {name}")
                 break
@@ -280,3 +282,22 @@ def read_megatron_legacy(path: str | os.PathLike[str], cfg: Mapping[str, Any] | 
     if problems:
         raise FormatError(problems=problems)
     return Manifest(world_size=1, arrays=arrays, name=f"{it.parent.name}-{it.name}", base_dir=it)
+
+
+def _read_rank_files(it: Path) -> tuple[dict[tuple[int, int, int], Path], dict[tuple[int, int, int], LegacyArchive]]:
+    """Every rank's file and archive, keyed ``(pp, ep, tp)``. A single ``_XXX`` suffix is the
+    expert rank when the save's ``args`` say pp = 1 and ep > 1; the grid must match the args' sizes."""
+    files = find_rank_files(it)
+    by_path = {f: read_legacy_archive(f) for f in files.values()}
+    args = by_path[files[min(files)]].args
+    ep_n, pp_n = args.get("expert_model_parallel_size"), args.get("pipeline_model_parallel_size")
+    if type(ep_n) is int and ep_n > 1 and pp_n in (None, 1):
+        files = find_rank_files(it, expert_named=True)
+    sizes = [1 + max(k[i] for k in files) for i in range(3)]
+    names = ("pipeline", "expert", "tensor")
+    wrong = [f"args.{n}_model_parallel_size is {args[n + '_model_parallel_size']}" for n, size in zip(names, sizes)
+             if type(args.get(n + "_model_parallel_size")) is int and args[n + "_model_parallel_size"] != size]
+    if wrong:
+        raise FormatError(f"{files[min(files)]}: {', '.join(wrong)}, but the mp_rank directories span pp = {sizes[0]}, "
+                          f"ep = {sizes[1]}, tp = {sizes[2]}")
+    return files, {k: by_path[f] for k, f in files.items()}

@@ -30,8 +30,8 @@ from streamer.cli import main
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "megatron"
 LEGACY = DATA / "legacy"
-CONFIGS = {"tp2": DATA / "config.json", "tp2pp2": DATA / "config.json", "moe-tp2": DATA / "moe" / "config.json"}
-LOGITS = {"tp2": LEGACY / "logits.npy", "tp2pp2": LEGACY / "logits.npy", "moe-tp2": LEGACY / "moe-logits.npy"}
+CONFIGS = {"tp2": DATA / "config.json", "tp2pp2": DATA / "config.json", "moe-tp2ep2": DATA / "moe" / "config.json"}
+LOGITS = {"tp2": LEGACY / "logits.npy", "tp2pp2": LEGACY / "logits.npy", "moe-tp2ep2": LEGACY / "moe-logits.npy"}
 PADDED, TP = 224, 2
 
 
@@ -70,10 +70,10 @@ def _hf_logits(save: Path, cfg: Path, tmp_path: Path, capsys: pytest.CaptureFixt
 # ------------------------------------------------------------------ real saves, checked by logits
 
 
-@pytest.mark.parametrize("fixture", ["tp2", "tp2pp2", "moe-tp2"])
+@pytest.mark.parametrize("fixture", ["tp2", "tp2pp2", "moe-tp2ep2"])
 def test_legacy_save_imports_to_hf_with_megatrons_logits(fixture: str, tmp_path: Path,
                                                          capsys: pytest.CaptureFixture[str]) -> None:
-    """Measured: max |HF - Megatron| = 1.4e-6 (tp2, tp2pp2), 1.2e-6 (moe-tp2); logits up to ~4.6."""
+    """Measured: max |HF - Megatron| = 1.4e-6 (tp2, tp2pp2), 1.2e-6 (moe-tp2ep2); logits up to ~4.6."""
     torch = pytest.importorskip("torch")
     d = _copy(fixture, tmp_path)
     got = _hf_logits(d, CONFIGS[fixture], tmp_path, capsys)
@@ -111,6 +111,27 @@ def test_the_tracker_picks_iteration_2_and_iteration_1_differs(tmp_path: Path,
     got = _hf_logits(d / "iter_0000001", CONFIGS["tp2"], tmp_path, capsys)
     want = torch.from_numpy(np.load(LOGITS["tp2"]))
     assert (got - want).abs().max().item() > 1e-2
+
+
+def test_expert_parallel_directories_are_read_by_the_saves_args(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """``mp_rank_TT_EEE`` (pp = 1, ep = 2 in ``args``) is not ``mp_rank_TT_PPP``: expert 3 is local
+    expert 1 of EP rank 1, split over TP; a grid the args do not describe is refused in one line."""
+    d = _copy("moe-tp2ep2", tmp_path)
+    rc, _, err = run_cli(capsys, "import", str(d), "--model", str(CONFIGS["moe-tp2ep2"]), "--to", "hf", "-o",
+                         str(tmp_path / "hf.json"))
+    assert rc == 0, err
+    chunks = json.loads((tmp_path / "hf.json").read_text())["arrays"]["model.layers.1.mlp.experts.3.down_proj.weight"]
+    got = sorted((c["region"]["offsets"], c["source"]["file"].split("/")[-2], c["source"]["tensor"])
+                 for c in chunks["chunks"])
+    name = "decoder.layers.1.mlp.experts.local_experts.1.linear_fc2.weight"
+    assert got == [([0, 0], "mp_rank_00_001", name), ([0, 8], "mp_rank_01_001", name)]
+    for t in (0, 1):
+        shutil.rmtree(d / "iter_0000002" / f"mp_rank_{t:02d}_001")
+    rc, _, err = run_cli(capsys, "import", str(d), "--model", str(CONFIGS["moe-tp2ep2"]), "--to", "hf", "-o",
+                         str(tmp_path / "m.json"))
+    assert rc == 1 and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert "args.expert_model_parallel_size is 2, but the mp_rank directories span pp = 1, ep = 1, tp = 2" in err
 
 
 def test_real_archive_unpickles_to_inert_records(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -292,7 +313,7 @@ def test_bad_legacy_checkpoints_fail_in_one_line_each(damage: str, expect: str, 
     elif damage == "drop-rank":
         shutil.move(it / "mp_rank_01", it / "mp_rank_02")
     else:
-        cfg = CONFIGS["moe-tp2"]
+        cfg = CONFIGS["moe-tp2ep2"]
     rc, _, err = run_cli(capsys, "import", str(d), "--model", str(cfg), "--to", "hf", "-o", str(d / "m.json"))
     assert rc == 1 and "Traceback" not in err
     assert expect in err, err

@@ -13,7 +13,7 @@ Needs megatron-core (0.16.x) and a CPU torch in a *separate* venv (tests never i
     /tmp/mcore/bin/torchrun --nproc-per-node 1 make_fixtures.py legacy-ref-moe
     /tmp/mcore/bin/torchrun --nproc-per-node 2 make_fixtures.py legacy-tp2
     /tmp/mcore/bin/torchrun --nproc-per-node 4 make_fixtures.py legacy-tp2pp2
-    /tmp/mcore/bin/torchrun --nproc-per-node 2 make_fixtures.py legacy-moe-tp2
+    /tmp/mcore/bin/torchrun --nproc-per-node 4 make_fixtures.py legacy-moe-tp2ep2
     /tmp/mcore/bin/python make_fixtures.py legacy-clean
     /tmp/mcore/bin/python make_fixtures.py versions
     # a torch_dist save shardstream wrote from HF (convert --format torch_dist): load + logits
@@ -51,8 +51,10 @@ here with the fields ``parse_args`` sets). ``make_vocab_size_divisible_by`` is 1
 them to ``legacy/.scratch`` (torch_dist, removed by ``legacy-clean``) and records Megatron's own
 forward of iteration 2 in float32 (a float32 model loaded with the bf16 weights) in
 ``legacy/logits.npy`` / ``legacy/moe-logits.npy`` (tokens: ``legacy/tokens.json``);
-``legacy-tp2``, ``legacy-tp2pp2`` and ``legacy-moe-tp2`` load them into their layout with
-``dist_checkpointing.load`` and write the legacy files.
+``legacy-tp2``, ``legacy-tp2pp2`` and ``legacy-moe-tp2ep2`` (TP2 × EP2: experts split over both,
+directories ``mp_rank_TT_EEE`` as Megatron-LM names them with expert parallelism) load them into
+their layout with ``dist_checkpointing.load`` and write the legacy files (``legacy-moe-tp2`` makes
+the MoE model at TP2 alone; not committed, to keep the fixtures small: 2.2 MB in all).
 
 CPU patches (only in this script): ``torch.cuda.manual_seed*`` are no-ops (Megatron's CUDA RNG
 tracker is not seeded: ``model_parallel_cuda_manual_seed`` is skipped), ``torch.cuda.current_device``
@@ -399,8 +401,9 @@ def cmd_legacy(layout: str) -> None:
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
-    tp, pp, moe = {"tp2": (2, 1, False), "tp2pp2": (2, 2, False), "moe-tp2": (2, 1, True)}[layout]
-    _setup(tp, pp)
+    tp, pp, ep, moe = {"tp2": (2, 1, 1, False), "tp2pp2": (2, 2, 1, False), "moe-tp2": (2, 1, 1, True),
+                       "moe-tp2ep2": (2, 1, 2, True)}[layout]
+    _setup(tp, pp, ep)
     random.seed(1234)
     np.random.seed(1234)
     model = _model(pp, moe=moe, padded=LEGACY_PADDED)
@@ -408,13 +411,20 @@ def cmd_legacy(layout: str) -> None:
     if dist.get_rank() == 0:
         shutil.rmtree(root, ignore_errors=True)
     dist.barrier()
-    t, p = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
-    rank_dir = f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "")
+    t, p, e = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
+               ps.get_expert_model_parallel_rank())
+    # Megatron-LM's get_checkpoint_name: _PPP with pipeline parallelism, then _EEE with expert parallelism
+    rank_dir = f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "") + (f"_{e:03d}" if ep > 1 else "")
+    if ep > 1 and ps.get_expert_data_parallel_rank() != 0:
+        rank_dir = ""  # as Megatron-LM: only expert-data-parallel rank 0 writes a legacy file
     for it in (1, 2):
         sd = dist_checkpointing.load({"model": model.sharded_state_dict()},
                                      str(SCRATCH / f"{'moe' if moe else 'dense'}-{it}" / "iter_0000001"))
         model.load_state_dict(sd["model"])
         f = root / f"iter_{it:07d}" / rank_dir / "model_optim_rng.pt"
+        if not rank_dir:
+            dist.barrier()
+            continue
         f.parent.mkdir(parents=True, exist_ok=True)
         torch.save({"args": _legacy_args(moe, it), "checkpoint_version": 3.0, "iteration": it,
                     "model": model.state_dict_for_save_checkpoint(), "optimizer": _legacy_optimizer(model),
@@ -491,7 +501,8 @@ def cmd_versions() -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("what", choices=["tp1", "tp2pp2", "moe-ep1", "moe-ep2", "versions", "check-load", "legacy-ref",
-                                     "legacy-ref-moe", "legacy-tp2", "legacy-tp2pp2", "legacy-moe-tp2", "legacy-clean"])
+                                     "legacy-ref-moe", "legacy-tp2", "legacy-tp2pp2", "legacy-moe-tp2", "legacy-moe-tp2ep2",
+                                     "legacy-clean"])
     ap.add_argument("path", nargs="?", help="check-load: a torch_dist save root")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1)
