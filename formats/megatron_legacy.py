@@ -32,6 +32,7 @@ from typing import Any
 from .box import Box, is_row_major, row_major_strides
 from .dtypes import DTYPES
 from .errors import FormatError
+from .layouts.presets.megatron import MEGATRON_VOCAB_DIVISOR, megatron_padded_vocab
 from .manifest import ArraySpec, Chunk, Manifest, Source
 from .torch_archive import ArchiveWindow, clip, open_archive, payload_offset, read_data_pkl
 from .unpickle import TORCH_ALIASES, LegacyUnpickler, Record, Refused, ScanRefused, TensorRef, restricted_load
@@ -210,27 +211,28 @@ def padded_vocab(archives: Mapping[tuple[int, int, int], LegacyArchive], files: 
         if stored is not None:
             break
     div = args.get("make_vocab_size_divisible_by")
-    div_txt = f"make_vocab_size_divisible_by {div} × tp {tp}" if type(div) is int else f"tp {tp}"
+    if type(div) is not int or div < 1:
+        div = None
+    div_txt = (f"make_vocab_size_divisible_by {div} × tp {tp}" if div is not None
+               else f"Megatron's default make_vocab_size_divisible_by {MEGATRON_VOCAB_DIVISOR} × tp {tp}")
     given = args.get("padded_vocab_size")
     if type(given) is int:
         if stored is not None and stored[0] != given:
             raise FormatError(f"{files[key]}: args.padded_vocab_size is {given}, but {stored[2]} in {stored[1]} holds "
                               f"{stored[0] // tp} rows per tensor-parallel rank (× tp {tp} = {stored[0]})")
-        padded, how = given, f"args.padded_vocab_size ({div_txt})"
+        padded, how = given, "args.padded_vocab_size" + (f" ({div_txt})" if div is not None else "")
     elif stored is not None:
         padded, how = stored[0], f"{stored[2]} rows × tp {tp}"
     else:
-        from .layouts.presets import megatron_padded_vocab
-
-        padded = megatron_padded_vocab(vocab, tp, div if type(div) is int and div > 0 else 128)
+        padded = megatron_padded_vocab(vocab, tp, div or MEGATRON_VOCAB_DIVISOR)
         how = f"vocab_size padded to a multiple of {div_txt}"
     if vocab > padded or padded % tp:
         raise FormatError(f"{config}: vocab_size {vocab} does not fit the checkpoint's padded vocabulary of {padded} "
                           f"({how}); does --model match the checkpoint?")
-    if type(div) is int and div > 0 and -(-vocab // (div * tp)) * div * tp != padded:
+    if div is not None and megatron_padded_vocab(vocab, tp, div) != padded:
         # Megatron pads the tokenizer's vocabulary to a multiple of divisor × tp: a config whose
         # vocab_size pads to another size was not the one this save was trained with
-        raise FormatError(f"{config}: vocab_size {vocab} pads to {-(-vocab // (div * tp)) * div * tp} (a multiple of "
+        raise FormatError(f"{config}: vocab_size {vocab} pads to {megatron_padded_vocab(vocab, tp, div)} (a multiple of "
                           f"{div_txt}), but the checkpoint holds a padded vocabulary of {padded} ({how}); does "
                           "--model match the checkpoint?")
     return padded
