@@ -160,9 +160,7 @@ def read_legacy_archive(path: Path) -> LegacyArchive:
         if problems:
             raise FormatError(problems=problems)
         args = obj.get("args")
-        plain = {k: v for k, v in args.fields.items() if type(v) in (int, float, str, bool)} \
-            if isinstance(args, Record) else {}
-        return LegacyArchive(out, plain)
+        return LegacyArchive(out, args.plain() if isinstance(args, Record) else {})
     finally:
         os.close(fd)
 

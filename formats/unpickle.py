@@ -514,7 +514,13 @@ class Record:
         self.state = state
 
     def get(self, name: str) -> Any:
-        return getattr(self, "fields", {}).get(name)
+        return self.plain(all_values=True).get(name)
+
+    def plain(self, *, all_values: bool = False) -> dict[str, Any]:
+        """The fields (a Namespace without attributes pickles no state: none); by default only
+        ints, floats, strings and bools."""
+        fields: dict[str, Any] = getattr(self, "fields", {})
+        return dict(fields) if all_values else {k: v for k, v in fields.items() if type(v) in (int, float, str, bool)}
 
     def __reduce__(self) -> Any:  # never pickled back
         raise TypeError("stand-in objects are not picklable")
