@@ -2,7 +2,7 @@
 
 Needs megatron-core (0.16.x) and a CPU torch in a *separate* venv (tests never import it):
 
-    python3 -m venv /tmp/mcore && /tmp/mcore/bin/pip install torch==2.13.0 'megatron-core==0.16.*' psutil
+    python3 -m venv /tmp/mcore && /tmp/mcore/bin/pip install torch==2.13.0 megatron-core==0.16.1 psutil numpy
     cd tests/data/megatron
     /tmp/mcore/bin/torchrun --nproc-per-node 1 make_fixtures.py tp1
     /tmp/mcore/bin/torchrun --nproc-per-node 4 make_fixtures.py tp2pp2
@@ -491,10 +491,12 @@ def cmd_versions() -> None:
     import platform
 
     import megatron.core
+    import numpy
     import torch
 
     (HERE / "VERSIONS").write_text(
-        f"megatron-core {megatron.core.__version__}\ntorch {torch.__version__}\npython {platform.python_version()}\n"
+        f"megatron-core {megatron.core.__version__}\ntorch {torch.__version__}\nnumpy {numpy.__version__}\n"
+        f"python {platform.python_version()}\n"
         "made by tests/data/megatron/make_fixtures.py (see its docstring for the commands)\n")
 
 
