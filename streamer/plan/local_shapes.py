@@ -15,7 +15,7 @@ from typing import Any
 
 from formats.compact import fill_pattern
 from formats.manifest import ArraySpec, Manifest
-from streamer.plan.planner import Plan
+from streamer.plan.model import Plan
 
 __all__ = ["LocalShapes", "plan_shapes"]
 

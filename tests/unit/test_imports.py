@@ -1,8 +1,9 @@
 """The layering holds: no import cycle among the project's modules (issue: consolidation).
 
-Every import counts, also those inside functions (a lazy import that closes a cycle is still a
-cycle for a reader), except under ``if TYPE_CHECKING:``. The planner and the file formats stay
-free of MPI and torch.distributed (tested in test_plan_purity.py).
+Every import counts, also those inside functions and under ``if TYPE_CHECKING:`` (a lazy or
+type-only import that closes a cycle is still a cycle for a reader: no two modules import each
+other). The planner and the file formats stay free of MPI and torch.distributed (tested in
+test_plan_purity.py).
 """
 
 from __future__ import annotations
@@ -29,8 +30,6 @@ def _imports(path: Path, name: str, known: set[str]) -> set[str]:
 
     def visit(node: ast.AST) -> None:
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
-                continue
             if isinstance(child, ast.Import):
                 out.update(a.name for a in child.names)
             elif isinstance(child, ast.ImportFrom):
@@ -91,9 +90,29 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+#: cycles another change is removing (issue 26: RefitSession's typed options), each named by the
+#: modules on it; the test fails once one is gone, so that the entry goes too
+KNOWN_CYCLES = [
+    ["streamer.refit.baseline", "streamer.refit.session", "streamer.refit.baseline"],  # TYPE_CHECKING
+]
+
+
 def test_no_import_cycle() -> None:
-    cycle = find_cycle(import_graph())
+    graph = import_graph()
+    for cycle in KNOWN_CYCLES:
+        assert find_cycle({m: graph[m] & set(cycle) for m in cycle}) is not None, f"gone: {cycle}, drop it"
+        for a, b in zip(cycle, cycle[1:]):
+            graph[a].discard(b)
+    cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_type_checking_and_lazy_imports_count(tmp_path: Path) -> None:
+    """An import under ``if TYPE_CHECKING:`` or inside a function is an edge of the graph."""
+    a = tmp_path / "a.py"
+    a.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.b import X\n"
+                 "def f():\n    from pkg.c import Y\n")
+    assert _imports(a, "pkg.a", {"pkg.a", "pkg.b", "pkg.c"}) == {"pkg.b", "pkg.c"}
 
 
 def test_the_checker_finds_a_cycle() -> None:
