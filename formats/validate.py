@@ -23,7 +23,7 @@ from math import prod
 from typing import Any
 
 from .box import Box
-from .compact import fill_pattern
+from .compact_patterns import fill_pattern
 from .dtypes import DTYPES, DType
 from .limits import INT64_MAX
 from .manifest import ArraySpec, Chunk, Manifest, TensorSpec

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from formats.box import Box
-from formats.compact import fill_pattern
+from formats.compact_patterns import fill_pattern
 from formats.manifest import ArraySpec, Chunk
 
 __all__ = ["ArrayLayout", "LayoutMemo", "Layouts"]

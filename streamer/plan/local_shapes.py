@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
-from formats.compact import fill_pattern
+from formats.compact_patterns import fill_pattern
 from formats.manifest import ArraySpec, Manifest
 from streamer.plan.model import Plan
 
