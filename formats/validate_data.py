@@ -47,7 +47,7 @@ class _StoredLike(Protocol):
 
 def _header_reader() -> Callable[[Path], Any]:
     # imported lazily: validate_manifest never needs it, and it keeps this module's imports light
-    from .safetensors_io import read_header
+    from .safetensors_header import read_header
 
     return read_header
 

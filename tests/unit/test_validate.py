@@ -692,7 +692,7 @@ def test_data_skips_unsafe_paths(ckpt: tuple[Path, np.ndarray[Any, Any]], tmp_pa
 
 
 def test_data_header_read_once(ckpt: tuple[Path, np.ndarray[Any, Any]], monkeypatch: pytest.MonkeyPatch) -> None:
-    import formats.safetensors_io as sio
+    import formats.safetensors_header as sio
 
     base, _full = ckpt
     calls: list[str] = []
