@@ -430,15 +430,17 @@ def cmd_refit(args: argparse.Namespace) -> int:
     """
     from formats.errors import PlanError, TransportError
     from streamer.refit.job import RefitJob
+    from streamer.refit.options import RefitOptions
     from streamer.refit.session import RefusedError
     from streamer.transport.jobs import abort, launched_by_mpi, launcher_rank
 
     job = RefitJob(args.role, _load(args.manifest), rendezvous=args.rendezvous, transport=args.transport,
                    control=args.control, timeout=args.timeout, steps=args.steps, save=args.save,
-                   options={"bucket_size": args.bucket_size, "verify": args.verify, "strategy": args.strategy,
-                            "delta": args.delta, "fp8_block": args.fp8_block, "ue8m0": args.ue8m0,
-                            "src_domain_size": args.src_domain_size, "dst_domain_size": args.dst_domain_size,
-                            "allow_extra": args.allow_extra})
+                   options=RefitOptions(bucket_size=args.bucket_size, verify=args.verify, strategy=args.strategy,
+                                        delta=args.delta, fp8_block=args.fp8_block, ue8m0=args.ue8m0,
+                                        src_domain_size=args.src_domain_size,
+                                        dst_domain_size=args.dst_domain_size, allow_extra=args.allow_extra,
+                                        planned_steps=args.steps))
     try:
         report = job.run()
     except (RefusedError, PlanError, UsageError) as e:

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from formats.errors import ShardstreamError, UsageError
 from formats.manifest import Manifest
+from streamer.refit.options import RefitOptions
 from streamer.refit.session import RefitSession, StepStats
 
 __all__ = ["RefitJob", "RefitReport"]
@@ -78,7 +79,7 @@ class RefitJob:
     timeout: float = 300.0
     steps: int = 1
     save: str | None = None
-    options: dict[str, Any] = field(default_factory=dict)
+    options: RefitOptions = field(default_factory=RefitOptions)
     #: the open session (set by ``run``): the CLI posts an abort through its group on failure
     session: RefitSession | None = None
 
@@ -88,8 +89,8 @@ class RefitJob:
         if self.save and self.role != "recv":
             raise UsageError("--save is for the receiving side (refit recv)")
         session = RefitSession.open(self.manifest, self.role, rendezvous=self.rendezvous, transport=self.transport,
-                                    control=self.control, timeout=self.timeout, planned_steps=self.steps,
-                                    **self.options)
+                                    control=self.control, timeout=self.timeout,
+                                    options=replace(self.options, planned_steps=max(self.steps, self.options.planned_steps)))
         self.session = session
         with session:
             rank = session.local_rank
@@ -104,17 +105,17 @@ class RefitJob:
             except ShardstreamError as e:  # refused in the first push's agreement, on every rank
                 problems = [f"{session.group.name(session.group.rank)}: {p}" for p in e.problems or [str(e)]]
             tensors = _on_device(tensors, session.transport, session.local_tensors())
-            seconds = [self._timed_step(session, tensors, problems) for _ in range(session.planned_steps)]
+            seconds = [self._timed_step(session, tensors, problems) for _ in range(session.options.planned_steps)]
             if save is not None:
                 session.save(save, tensors)
-            delta = _delta_totals(session) if session.delta else None
+            delta = _delta_totals(session) if session.options.delta else None
             quantized = _quant_totals(session)
             # the whole-plan figures are whole-plan work: only the job's reporter computes them
             stats = session.plan.stats() if rank == 0 else None
             reshard, broadcast = (stats.moved_bytes, stats.broadcast_moved_bytes) if stats else (0, 0)
-            return RefitReport(self.role, session.strategy, getattr(session.transport, "name", "?"), seconds,
-                               list(session.steps), reshard if session.strategy == "reshard" else broadcast,
-                               reshard, broadcast, session.verify, str(save) if save else None, rank == 0, delta,
+            return RefitReport(self.role, session.options.strategy, getattr(session.transport, "name", "?"), seconds,
+                               list(session.steps), reshard if session.options.strategy == "reshard" else broadcast,
+                               reshard, broadcast, session.options.verify, str(save) if save else None, rank == 0, delta,
                                quantized)
 
     def _timed_step(self, session: RefitSession, tensors: dict[str, Any], problems: list[str]) -> float:

@@ -1,9 +1,8 @@
 """The layering holds: no import cycle among the project's modules (issue: consolidation).
 
 Every import counts, also those inside functions and under ``if TYPE_CHECKING:`` (a lazy or
-type-only import that closes a cycle is still a cycle for a reader: no two modules import each
-other). The planner and the file formats stay free of MPI and torch.distributed (tested in
-test_plan_purity.py).
+type-only import that closes a cycle is still a cycle for a reader). The planner and the file formats stay
+free of MPI and torch.distributed (tested in test_plan_purity.py).
 """
 
 from __future__ import annotations
@@ -55,6 +54,7 @@ def _imports(path: Path, name: str, known: set[str]) -> set[str]:
 
 
 def import_graph() -> dict[str, set[str]]:
+    """Module -> the project modules it imports."""
     files = [p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")]
     known = {_module_name(p) for p in files}
     graph = {_module_name(p): _imports(p, _module_name(p), known) for p in files}
@@ -90,21 +90,14 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-#: cycles another change is removing (issue 26: RefitSession's typed options), each named by the
-#: modules on it; the test fails once one is gone, so that the entry goes too
-KNOWN_CYCLES = [
-    ["streamer.refit.baseline", "streamer.refit.session", "streamer.refit.baseline"],  # TYPE_CHECKING
-]
-
-
 def test_no_import_cycle() -> None:
-    graph = import_graph()
-    for cycle in KNOWN_CYCLES:
-        assert find_cycle({m: graph[m] & set(cycle) for m in cycle}) is not None, f"gone: {cycle}, drop it"
-        for a, b in zip(cycle, cycle[1:]):
-            graph[a].discard(b)
-    cycle = find_cycle(graph)
+    cycle = find_cycle(import_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_the_checker_finds_a_cycle() -> None:
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
 
 
 def test_type_checking_and_lazy_imports_count(tmp_path: Path) -> None:
@@ -113,8 +106,3 @@ def test_type_checking_and_lazy_imports_count(tmp_path: Path) -> None:
     a.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.b import X\n"
                  "def f():\n    from pkg.c import Y\n")
     assert _imports(a, "pkg.a", {"pkg.a", "pkg.b", "pkg.c"}) == {"pkg.b", "pkg.c"}
-
-
-def test_the_checker_finds_a_cycle() -> None:
-    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
-    assert find_cycle({"a": {"b"}, "b": set()}) is None
