@@ -28,6 +28,8 @@ import shlex
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -137,45 +139,70 @@ def _env() -> dict[str, str]:
     return env
 
 
-@pytest.mark.parametrize("doc", DOCS, ids=[str(d.relative_to(REPO)) for d in DOCS])
-def test_examples_run(doc: Path, tmp_path: Path) -> None:
-    blocks = blocks_of(doc)
-    problems = [p for b in blocks for p in block_problems(b)]
-    assert not problems, "\n".join(problems)
-    runnable = [b for b in blocks if b.marker != "norun" and (b.lang in RUN_LANGS or b.marker == "file")]
+@dataclass
+class Run:
+    rc: int | None  # None: timed out
+    log: str
+    where: dict[int, tuple[Block, int]]
+
+
+def run_doc(doc: Path, tmp: Path) -> Run | None:
+    """Run a document's examples as one bash script in ``tmp/scratch`` (None: nothing to run)."""
+    runnable = [b for b in blocks_of(doc) if b.marker != "norun" and (b.lang in RUN_LANGS or b.marker == "file")]
     if not any(b.lang in RUN_LANGS and b.marker is None for b in runnable):
-        return  # nothing to run (a page of prose and output samples); its links are checked below
-    work = tmp_path / "scratch"
-    work.mkdir()
-    script, where = build_script(doc, runnable, tmp_path)
-    (tmp_path / "doc.sh").write_text(script)
-    log = tmp_path / "output.log"
+        return None  # a page of prose and output samples; its links are still checked
+    work = tmp / "scratch"
+    work.mkdir(parents=True)
+    script, where = build_script(doc, runnable, tmp)
+    (tmp / "doc.sh").write_text(script)
+    log = tmp / "output.log"
     with open(log, "wb") as out:
-        p = subprocess.Popen(["bash", str(tmp_path / "doc.sh")], cwd=work, env=_env(), stdout=out,
+        p = subprocess.Popen(["bash", str(tmp / "doc.sh")], cwd=work, env=_env(), stdout=out,
                              stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         try:
-            rc = p.wait(DOC_TIMEOUT_S)
+            rc: int | None = p.wait(DOC_TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
             rc = None
         finally:
-            try:  # background jobs an example left behind
+            try:  # the whole session: background jobs an example left behind, or all of it on a timeout
                 os.killpg(p.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-    text = log.read_text(errors="replace")
-    tail = "\n".join(text.splitlines()[-40:])
-    if rc is None:
-        pytest.fail(f"{doc.relative_to(REPO)}: the examples did not finish in {DOC_TIMEOUT_S} s\n{tail}")
-    if rc != 0:
-        fails = [ln.split(" ", 3) for ln in text.splitlines() if ln.startswith(EOF_TAG + " ")]
+            p.wait()
+    return Run(rc, log.read_text(errors="replace"), where)
+
+
+@pytest.fixture(scope="module")
+def doc_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[Path, Future[Run | None]]]:
+    """Every selected document's run, started together on ``SHARDSTREAM_DOCS_JOBS`` workers (default:
+    one per core, at most 4): pages are independent, and most of their time is process start-up."""
+    docs = [it.callspec.params["doc"] for it in request.session.items
+            if it.originalname == "test_examples_run" and hasattr(it, "callspec")]
+    jobs = int(os.environ.get("SHARDSTREAM_DOCS_JOBS", min(4, os.cpu_count() or 1)))
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        runs = {d: pool.submit(run_doc, d, tmp_path_factory.mktemp(d.stem)) for d in docs}
+        yield runs
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=[str(d.relative_to(REPO)) for d in DOCS])
+def test_examples_run(doc: Path, doc_runs: dict[Path, Future[Run | None]]) -> None:
+    problems = [p for b in blocks_of(doc) for p in block_problems(b)]
+    assert not problems, "\n".join(problems)
+    run = doc_runs[doc].result()
+    if run is None:
+        return
+    name = doc.relative_to(REPO)
+    tail = "\n".join(run.log.splitlines()[-40:])
+    if run.rc is None:
+        pytest.fail(f"{name}: the examples did not finish in {DOC_TIMEOUT_S} s\n{tail}")
+    if run.rc != 0:
+        fails = [ln.split(" ", 3) for ln in run.log.splitlines() if ln.startswith(EOF_TAG + " ")]
         if fails:
             _, lineno, status, cmd = (fails[0] + ["", "", "", ""])[:4]
-            b, doc_line = where.get(int(lineno), (None, 0))
-            place = f"{doc.relative_to(REPO)}:{doc_line}" if b else f"{doc.relative_to(REPO)} (script line {lineno})"
+            b, doc_line = run.where.get(int(lineno), (None, 0))
+            place = f"{name}:{doc_line}" if b else f"{name} (script line {lineno})"
             pytest.fail(f"{place}: exit {status}: {cmd}\n--- output (last 40 lines) ---\n{tail}")
-        pytest.fail(f"{doc.relative_to(REPO)}: the examples exited {rc}\n--- output (last 40 lines) ---\n{tail}")
+        pytest.fail(f"{name}: the examples exited {run.rc}\n--- output (last 40 lines) ---\n{tail}")
 
 
 # ---------------------------------------------------------------------------------------------- links
