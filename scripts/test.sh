@@ -38,6 +38,9 @@ if ! mypy; then  # strict, over formats and streamer (pyproject [tool.mypy])
 fi
 run_tier doctest --doctest-modules formats streamer -q
 run_tier unit tests/unit -q
+# every shell and Python example of README.md and docs/, run in order in a scratch directory per page,
+# and every relative link (tests/docs/test_examples.py; pages run concurrently, about a minute)
+run_tier docs tests/docs -q
 run_tier sim tests/sim -q
 run_tier mpi tests/mpi -q
 # one refit rank's start at DeepSeek-V3 scale (marked slow, ~30 s: two layouts, two starts)

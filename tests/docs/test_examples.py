@@ -17,7 +17,8 @@ The environment is a new user's after the install steps: the venv's ``bin`` firs
 root, which examples name when they use a file shipped in it (``$REPO/examples/...``).
 
 A failing example fails its document's test, naming the file, the line and the command, with the
-tail of the output.
+tail of the output. Pages run concurrently (``SHARDSTREAM_DOCS_JOBS`` workers, default one per core
+up to 4): they are independent, and most of their time is starting processes.
 """
 
 from __future__ import annotations
