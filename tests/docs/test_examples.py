@@ -270,3 +270,16 @@ def test_docs_found() -> None:
     names = {str(d.relative_to(REPO)) for d in DOCS}
     assert "README.md" in names and len(names) > 10, names
     assert sum(b.lang in RUN_LANGS and b.marker is None for d in DOCS for b in blocks_of(d)) > 20
+
+
+def test_every_command_has_a_page() -> None:
+    """``shardstream --help`` lists the commands; each has ``docs/cli/COMMAND.md``, linked from the index."""
+    out = subprocess.run(["shardstream", "--help"], env=_env(), capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    # the subcommands: "    NAME    help" lines under "COMMAND" (argparse's choices list)
+    commands = re.findall(r"^    ([a-z][a-z-]*)\s{2,}\S", out.stdout, re.M)
+    assert len(commands) >= 10, out.stdout
+    index = (REPO / "docs" / "README.md").read_text(encoding="utf-8")
+    missing = [c for c in commands if not (REPO / "docs" / "cli" / f"{c}.md").exists()]
+    unlinked = [c for c in commands if f"(cli/{c}.md)" not in index]
+    assert not missing and not unlinked, f"no page: {missing}; not linked from docs/README.md: {unlinked}"
