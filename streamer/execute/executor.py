@@ -255,6 +255,18 @@ def _with_deps(keyed: Sequence[tuple[tuple[int, ...], Message]], rank: int | Non
     return out
 
 
+def bucket_slots(transport: Transport, schedule: Sequence[Message], *, window: int = 2) -> list[Any]:
+    """The bucket buffers this rank packs its messages into, allocated once and written once, so
+    that their page faults happen here (``RefitSession.open``) and not during the first push."""
+    rank = transport.rank
+    mine = [m for m in schedule if m.src == rank or m.dst == rank]
+    bucket = max((m.nbytes for m in mine), default=0)
+    slots = [transport.alloc(bucket) for _ in range(min(max(1, window), len(mine)))]
+    for s in slots:
+        s.zero_() if hasattr(s, "zero_") else s.fill(0)
+    return slots
+
+
 @dataclass
 class ExecStats:
     bytes_sent: int = 0
@@ -324,7 +336,7 @@ class Executor:
                  tensors: Mapping[str, Any], *, timeout: float = 300.0, window: int = 2,
                  verify: bool = False, peer_names: Any = None,
                  dst_tensors: Mapping[str, Any] | None = None, quant: SenderQuant | None = None,
-                 device_ops: DeviceOps | None = None) -> None:
+                 device_ops: DeviceOps | None = None, slots: Sequence[Any] | None = None) -> None:
         self.t = transport
         self.quant = quant
         self.plan = plan
@@ -349,7 +361,10 @@ class Executor:
         nslots = min(self.window, len(self.mine))
         self._stager = None if ops is None else Stager(ops, transport, nslots, bucket)
         self._programs: dict[tuple[int, bool], Program] = {}
-        self._slots = [transport.alloc(bucket) for _ in range(nslots)] if ops is None else []
+        # ``slots``: made at open (``bucket_slots``), already faulted in
+        usable = slots is not None and len(slots) >= nslots and all(int(s.nbytes) >= bucket for s in slots)
+        self._slots = ([] if ops is not None else list(slots)[:nslots] if slots is not None and usable
+                       else [transport.alloc(bucket) for _ in range(nslots)])
         self._free = list(range(nslots))
         self._check_tensors()
 
