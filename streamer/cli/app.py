@@ -308,7 +308,7 @@ def _plan_rank(args: argparse.Namespace, plan: Any, src: Any, dst: Any, t0: floa
     """``plan --rank R``: that merged rank's figures, and the messages its schedule has."""
     import time
 
-    from streamer.execute.executor import build_schedule
+    from streamer.execute.schedule import build_schedule
     from streamer.plan.local_shapes import plan_shapes
     from streamer.plan.rankplan import rank_figures
 

@@ -49,8 +49,9 @@ from formats.manifest import (
     without_checksums,
 )
 from streamer.execute.delta import DeltaPush, DeltaState
-from streamer.execute.executor import SCHEDULE_VERSION, ExecStats, Executor, bucket_slots
+from streamer.execute.executor import ExecStats, Executor, bucket_slots
 from streamer.execute.quant import ReceiverQuant, RefitQuant, SenderQuant, refit_quant, refit_quant_report
+from streamer.execute.schedule import SCHEDULE_VERSION
 from streamer.execute.staging import device_name, staging_problems
 from streamer.ops.quant import FP8_BLOCK
 from streamer.plan.gcpause import paused_gc
