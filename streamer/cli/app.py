@@ -515,6 +515,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
                               serve_mesh=args.serve_mesh, steps=args.repeats or 3, lr=args.lr,
                               bucket_size=args.bucket_size)
         text = delta_table(r)
+    elif args.against:
+        from streamer.tools.bench_against import against_table, load_reference
+
+        ref = load_reference(args.against)
+        r = bench.bench_refit(work, **ref["config"])
+        text = bench.refit_table(r) + "\n" + against_table(r, ref, args.against)
     else:
         r = bench.bench_refit(work, senders=args.senders, receivers=args.receivers,
                               preset=args.preset or "qwen3-small", train_mesh=args.train_mesh,
@@ -711,6 +717,8 @@ def _add_bench(sub: Any) -> None:
     p.add_argument("--delta", action="store_true",
                    help="bench refit: full vs delta pushes after real AdamW steps of a small Llama (--repeats steps)")
     p.add_argument("--lr", type=float, default=1e-6, help="bench refit --delta: the AdamW learning rate")
+    p.add_argument("--against", metavar="FILE", help="bench refit: rerun FILE's reference configuration and print each "
+                                                     "ratio beside its reference (benchmarks/refit-reference.json)")
     p.add_argument("--bucket-size", type=parse_size, default=64 << 20)
     p.add_argument("--transport", choices=["shm", "cuda-ipc", "mpi", "gloo", "nccl"], default="shm",
                    help="bench ipc: the transport (cuda-ipc: both ranks on one GPU; shm: its CPU twin)")
