@@ -324,26 +324,40 @@ def _plan_rank(args: argparse.Namespace, plan: Any, src: Any, dst: Any, t0: floa
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from .convert import ConvertOptions, convert
-
-    if args.zarr_compressor is not None and args.format != "zarr":
-        raise UsageError("--zarr-compressor applies to --format zarr only")
-    if args.format == "zarr" and args.max_shard_size:
-        raise UsageError("--max-shard-size splits safetensors files; it does not apply to --format zarr")
+    """Under ``mpiexec -n K``: every check runs on every worker and ends in an agreement round
+    (``transport.agree``), so a refusal on any worker ends all of them with it; a failure later,
+    while writing, aborts the job (``MPI_Abort``) instead of leaving the others waiting."""
     comm = _mpi_comm()
-    src, dst = _load(args.src), _load(args.dst)
-    torch_dist = args.format == "torch_dist"
-    if args.megatron_tp is not None and not torch_dist:
-        raise UsageError("--megatron-tp goes with --format torch_dist")
-    if torch_dist and (comm is not None or args.resume or args.max_shard_size):
-        raise UsageError("--format torch_dist runs in one process and takes no --resume or --max-shard-size")
-    out = Path(args.out) / ".staging" if torch_dist else Path(args.out)
-    if torch_dist:
-        from .megatron_export import check_destination
+    if comm is None:
+        return _convert(args, None)
+    from .transport.agree import AgreedRefusal, problem_lines
+    from .watchdog import abort
 
-        check_destination(dst, _where(args.dst))
-        if Path(args.out).exists() and any(Path(args.out).iterdir()):
-            raise UsageError(f"{args.out}: output directory is not empty")
+    try:
+        return _convert(args, comm)
+    except AgreedRefusal:
+        raise  # every worker holds it: each exits with its code, one prints it
+    except Exception as e:  # noqa: BLE001 - this worker alone: the others must not wait for it
+        if os.environ.get("SHARDSTREAM_DEBUG") == "1" or args.debug:
+            raise
+        code = e.exit_code if isinstance(e, ShardstreamError) else 3
+        abort("\n".join(problem_lines(e)), code)
+        raise  # pragma: no cover - abort does not return
+
+
+def _convert(args: argparse.Namespace, comm: Any) -> int:
+    from .convert import ConvertOptions, convert
+    from .transport.agree import agreed
+
+    torch_dist = args.format == "torch_dist"
+    workers = None
+    if comm is not None:
+        from .transport.mpi import MPITransport
+
+        workers = MPITransport(comm)
+    with agreed(workers, ConvertOptions.timeout):  # a refusal on one worker is every worker's
+        src, dst = _convert_inputs(args, comm)
+    out = Path(args.out) / ".staging" if torch_dist else Path(args.out)
     opts = ConvertOptions(memory_limit=args.memory_limit, resume=args.resume, max_shard_size=args.max_shard_size,
                           allow_extra=args.allow_extra, progress=None if not args.json else False,
                           cast=args.cast, format="safetensors" if torch_dist else args.format,
@@ -380,6 +394,27 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _convert_inputs(args: argparse.Namespace, comm: Any) -> tuple[Manifest, Manifest]:
+    """Every check of ``convert``'s options and inputs that needs no plan."""
+    if args.zarr_compressor is not None and args.format != "zarr":
+        raise UsageError("--zarr-compressor applies to --format zarr only")
+    if args.format == "zarr" and args.max_shard_size:
+        raise UsageError("--max-shard-size splits safetensors files; it does not apply to --format zarr")
+    src, dst = _load(args.src), _load(args.dst)
+    torch_dist = args.format == "torch_dist"
+    if args.megatron_tp is not None and not torch_dist:
+        raise UsageError("--megatron-tp goes with --format torch_dist")
+    if torch_dist and (comm is not None or args.resume or args.max_shard_size):
+        raise UsageError("--format torch_dist runs in one process and takes no --resume or --max-shard-size")
+    if torch_dist:
+        from .megatron_export import check_destination
+
+        check_destination(dst, _where(args.dst))
+        if Path(args.out).exists() and any(Path(args.out).iterdir()):
+            raise UsageError(f"{args.out}: output directory is not empty")
+    return src, dst
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     p = Path(args.path)
     if p.is_file() and p.suffix == ".safetensors":
@@ -414,29 +449,41 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_refit(args: argparse.Namespace) -> int:
     """One side of a live refit (a thin shell over ``streamer.refit_job.RefitJob``).
 
-    Refusals that every rank agreed on (``RefusedError``, a plan mismatch, bad usage) are printed
-    once per job and end every rank with the same code. Anything else happened on this rank
-    alone: it tells the others (store plane) or aborts the MPI jobs, so no rank waits out the
-    timeout.
+    A check that refuses on some ranks only (this side's manifest, an option, the --save
+    directory) does not end them alone: it travels with the group's formation and every rank of
+    both jobs raises the same verdict (``transport.agree``), printed once per launch, with the
+    same exit code. Refusals that every rank agreed on later (``RefusedError``, a plan
+    mismatch) end the same way. Anything else happened on this rank alone: it tells the others
+    (store plane) or aborts the MPI jobs, so no rank waits out the timeout.
     """
+    from .transport.agree import LocalChecks
+
+    checks = LocalChecks()
+    manifest = None
+    with checks.capture():  # a manifest that does not load is refused on every rank, not here alone
+        manifest = _load(args.manifest)
+    return _run_refit(args.role, manifest, checks.refusal, args)
+
+
+def _run_refit(role: str | None, manifest: Manifest | None, refusal: Any, args: Any) -> int:
     from formats.errors import PlanError, TransportError
 
-    from .jobs import abort, launched_by_mpi, launcher_rank
+    from .jobs import abort, launched_by_mpi
     from .refit import RefusedError
     from .refit_job import RefitJob
+    from .transport.agree import AgreedRefusal
 
-    job = RefitJob(args.role, _load(args.manifest), rendezvous=args.rendezvous, transport=args.transport,
+    job = RefitJob(role, manifest, rendezvous=args.rendezvous, transport=args.transport,
                    control=args.control, timeout=args.timeout, steps=args.steps, save=args.save,
                    options={"bucket_size": args.bucket_size, "verify": args.verify, "strategy": args.strategy,
                             "delta": args.delta, "fp8_block": args.fp8_block, "ue8m0": args.ue8m0,
                             "src_domain_size": args.src_domain_size, "dst_domain_size": args.dst_domain_size,
-                            "allow_extra": args.allow_extra})
+                            "allow_extra": args.allow_extra},
+                   refusal=refusal, announce=_announce)
     try:
         report = job.run()
-    except (RefusedError, PlanError, UsageError) as e:
-        if launcher_rank()[0] == 0:  # every rank has the same verdict: one line per problem per job
-            for line in e.problems or [str(e)]:
-                print(line, file=sys.stderr)
+    except (AgreedRefusal, RefusedError, PlanError, UsageError) as e:
+        _announce(e)  # every rank has the same verdict: one line per problem per launch
         return e.exit_code
     except ShardstreamError as e:
         message = "\n".join(e.problems or [str(e)])
@@ -451,6 +498,23 @@ def cmd_refit(args: argparse.Namespace) -> int:
     if report.reporter:
         _out(args, report.to_dict(), report.text())
     return 0
+
+
+_announced: list[ShardstreamError] = []
+
+
+def _announce(e: ShardstreamError) -> None:
+    """Print a verdict every rank holds: once per process, and only on the launch's rank 0 (one
+    launcher, one copy of each line; two separately launched jobs print it once each)."""
+    from .jobs import launcher_rank
+
+    if _announced:
+        return
+    _announced.append(e)
+    if launcher_rank()[0] == 0:
+        for line in e.problems or [str(e)]:
+            print(line, file=sys.stderr)
+    sys.stderr.flush()
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -34,8 +34,8 @@ class Lock:
         except OSError as e:
             os.close(self.fd)
             if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise OutputLockedError(f"{out}: another shardstream convert is writing this directory "
-                                        "(lock held); wait for it or choose another --out") from e
+                raise OutputLockedError(f"{out}: another shardstream convert or refit --save is writing this "
+                                        "directory (lock held); wait for it or choose another output directory") from e
             raise
         os.ftruncate(self.fd, 0)
         os.write(self.fd, f"{os.getpid()}\n".encode())
@@ -67,13 +67,15 @@ class Records:
         (self.dir / name).unlink(missing_ok=True)
 
 
-def open_output(out: Path, resume: bool) -> Lock:
-    """Rank 0, once bad input is ruled out: make ``out`` and take its lock."""
+def open_output(out: Path, resume: bool, *, flag: str = "--out", resumable: bool = True) -> Lock:
+    """One rank, once bad input is ruled out: make ``out`` and take its lock. A directory that
+    holds anything but an interrupted run's lock is refused unless ``resume`` (``resumable``:
+    the command has ``--resume``; ``refit --save`` writes a whole output every time)."""
     if out.exists() and not out.is_dir():
-        raise UsageError(f"{out}: --out exists and is not a directory")
+        raise UsageError(f"{out}: {flag} exists and is not a directory")
     if out.exists() and not resume and any(p.name != STATE_DIR for p in out.iterdir()):
-        raise UsageError(f"{out}: output directory is not empty; pass --resume to continue an "
-                         "interrupted conversion, or choose an empty directory")
+        hint = "pass --resume to continue an interrupted conversion, or " if resumable else ""
+        raise UsageError(f"{out}: output directory is not empty; {hint}choose an empty directory")
     out.mkdir(parents=True, exist_ok=True)
     return Lock(out)
 
