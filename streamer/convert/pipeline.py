@@ -16,25 +16,24 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from contextlib import AbstractContextManager
 from typing import Any, TypeVar
 
 from formats.errors import FormatError, PlanError, ShardstreamError, UsageError, ValidationError
 from formats.manifest import Manifest, load_manifest, save_manifest
 from formats.store import SourceStore
 from formats.validate import validate_manifest
-
-from ..plan import CASTABLE, Plan, array_casts, plan_transfers
-from ..progress import Progress
-from ..transport.agree import agreed
-from .fill import Filler
-from .options import REPORT_COUNTS, ConvertOptions, ConvertReport
-from .quantize import planned_destination, quant_report, quant_targets
-from .safetensors_sink import SafetensorsSink
-from .sinks import Job, Sink
-from .state import MANIFEST, Lock, Records, mark_incomplete, open_output, remove_state
+from streamer.convert.fill import Filler
+from streamer.convert.options import REPORT_COUNTS, ConvertOptions, ConvertReport
+from streamer.convert.progress import Progress
+from streamer.convert.safetensors_sink import SafetensorsSink
+from streamer.convert.sinks import Job, Sink
+from streamer.convert.state import MANIFEST, Lock, Records, mark_incomplete, open_output, remove_state
+from streamer.ops.quant import planned_destination, quant_report, quant_targets
+from streamer.plan.planner import CASTABLE, Plan, array_casts, plan_transfers
+from streamer.transport.agree import agreed
 
 __all__ = ["convert"]
 
@@ -56,7 +55,7 @@ class _Workers:
     def of(cls, comm: Any, timeout: float) -> _Workers:
         if comm is None:
             return cls(None, timeout=timeout)
-        from ..transport.mpi import MPITransport
+        from streamer.transport.mpi import MPITransport
 
         return cls(comm, comm.Get_rank(), comm.Get_size(), timeout, MPITransport(comm))
 
@@ -99,7 +98,7 @@ def convert(src: Manifest, dst: Manifest, out_dir: str | os.PathLike[str], opts:
 
 def _sink(dst: Manifest, planned: Manifest, targets: Any, opts: ConvertOptions, dst_where: str) -> Sink[Any]:
     if opts.format == "zarr":
-        from .zarr_sink import ZarrSink  # zarr is an optional dependency
+        from streamer.convert.zarr_sink import ZarrSink  # zarr is an optional dependency
 
         return ZarrSink(planned, opts, dst_where, stored=dst, quantize=targets)
     if opts.format == "safetensors":

@@ -30,8 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from formats.errors import ShardstreamError
-
-from .base import Transport
+from streamer.transport.base import Transport
 
 __all__ = ["AgreedRefusal", "LocalChecks", "Refusal", "agree", "agreed", "problem_lines"]
 

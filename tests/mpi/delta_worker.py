@@ -16,9 +16,9 @@ import numpy as np
 from mpi4py import MPI
 
 from formats.layouts import apply_layout, manifest_from_arrays, parse_mesh, parse_rule
-from streamer.jobs import Group
-from streamer.persist import alloc_local
-from streamer.refit import RefitSession
+from streamer.refit.persist import alloc_local
+from streamer.refit.session import RefitSession
+from streamer.transport.jobs import Group
 
 ARRAYS = {"w": ((203, 64), "float32"), "v": ((64, 45), "float32"), "n": ((64,), "float32")}
 SERVE = {"w": "bfloat16", "v": "bfloat16", "n": "float32"}

@@ -20,7 +20,7 @@ from mpi4py import MPI
 
 from formats.dtypes import DTYPES, np_storage
 from formats.layouts import apply_layout, manifest_from_arrays, parse_mesh, parse_rule
-from streamer.refit import RefitSession
+from streamer.refit.session import RefitSession
 
 # w: 1 KiB rows (large shards go in place); v split by columns on one side (packed)
 ARRAYS = {"w": ((1024, 256), "float32"), "v": ((96, 64), "bfloat16"), "n": ((96,), "bfloat16"), "s": ((), "int64")}

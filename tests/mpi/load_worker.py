@@ -16,9 +16,9 @@ import numpy as np
 from mpi4py import MPI
 
 from formats.manifest import load_manifest
-from streamer.jobs import Group
-from streamer.persist import alloc_local, load_local
-from streamer.refit import RefitSession
+from streamer.refit.persist import alloc_local, load_local
+from streamer.refit.session import RefitSession
+from streamer.transport.jobs import Group
 
 
 def rss() -> int:

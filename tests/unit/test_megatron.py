@@ -20,7 +20,7 @@ import pytest
 
 from formats.errors import FormatError
 from formats.megatron_dist import read_megatron_dist, resolve_iteration_dir
-from streamer.cli import main
+from streamer.cli.app import main
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "megatron"
 CONFIG = DATA / "config.json"

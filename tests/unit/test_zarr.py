@@ -37,10 +37,10 @@ from formats.zarr_io import (
     read_box,
     streamable,
 )
-from streamer.cli import main
+from streamer.cli.app import main
 from streamer.convert import ConvertOptions, cast_bytes, convert
-from streamer.importer import import_checkpoint
-from streamer.synth import PRESETS, QWEN3_TP_RULES, qwen3_arrays, tensor_data, write_checkpoint
+from streamer.convert.importer import import_checkpoint
+from streamer.tools.synth import PRESETS, QWEN3_TP_RULES, qwen3_arrays, tensor_data, write_checkpoint
 
 TINY = qwen3_arrays(PRESETS["qwen3-tiny"])  # vocab 1000: TP3 splits it unevenly
 MIXED = {

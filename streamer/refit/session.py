@@ -1,0 +1,545 @@
+"""RefitSession: plan once, push new weights every RL step over the same connection.
+
+    # trainer rank (torchrun or mpiexec)             # inference rank
+    with RefitSession.open(train_manifest, "send",  with RefitSession.open(serve_manifest, "recv",
+                           rendezvous="rv.txt",                            rendezvous="rv.txt",
+                           transport="gloo") as s:                         transport="gloo") as s:
+        for step in ...:                                for step in ...:
+            s.push(model)  # DTensors: local shards         s.pull(local_tensors)  # in place
+
+``open`` is the one collective entry point: it joins the two jobs (``jobs.connect``), builds the
+transport, exchanges manifests (sender rank 0 and receiver rank 0 broadcast their compact form),
+agrees on options, and compares the digests of the inputs (both manifests, the plan-affecting
+options, the planner's version) on every rank before any byte moves: ranks that disagree are
+refused, naming what differs. Each rank then plans on its own, with no communication, and expands
+only its own transfers (``streamer.refit.rankstart``). Constructing the object does no communication.
+
+Every push starts with one small agreement round: each rank checks what it was handed (names,
+dtypes, shapes; with ``verify``, the checksums of replicated regions) and all ranks exchange
+their findings. A refusal anywhere is then raised on every rank of both jobs with the same
+message, before any byte moves, so receivers are never left half-updated by a refused push.
+
+Quantize on refit (``streamer.execute.quant``): an FP8 destination array with a scale sibling, fed
+from a bf16/fp32 trainer array, is quantized by the senders when their shards are whole blocks,
+else by the receivers after the push (``fp8_block``, ``ue8m0``: the scheme, agreed by both jobs).
+
+Delta sessions (``delta=True``) number their pushes. The agreement round also carries each rank's
+version (the last push it completed, or unknown), so every rank takes the same decision: a pair
+of ranks at the previous version exchanges encoded changes (``streamer.execute.delta``); any other pair
+moves full bytes, which the sender keeps as its next base.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from formats.errors import PlanError, TransportError, UsageError, ValidationError
+from formats.manifest import (
+    COMPACT_FORMAT_VERSION,
+    Manifest,
+    dumps_manifest,
+    load_manifest,
+    loads_manifest,
+    without_checksums,
+)
+from streamer.execute.delta import DeltaPush, DeltaState
+from streamer.execute.executor import DEFAULT_BUCKET, SCHEDULE_VERSION, ExecStats, Executor
+from streamer.execute.quant import ReceiverQuant, RefitQuant, SenderQuant, refit_quant, refit_quant_report
+from streamer.execute.staging import device_name, staging_problems
+from streamer.ops.quant import FP8_BLOCK
+from streamer.plan.gcpause import paused_gc
+from streamer.refit.baseline import gather_broadcast
+from streamer.refit.local import check_local, collect_local
+from streamer.refit.rankstart import input_digests, input_problems, plan_own
+from streamer.refit.replicas import replica_digests, replica_problems
+from streamer.transport.agree import AgreedRefusal, LocalChecks, Refusal, agree
+from streamer.transport.base import Transport
+from streamer.transport.jobs import Group, connect
+
+__all__ = ["RefitSession", "RefusedError", "StepStats", "make_transport", "transport_kind"]
+
+TRANSPORTS = ("mpi", "gloo", "nccl", "shm", "cuda-ipc")
+STRATEGIES = ("reshard", "broadcast")
+
+
+class RefusedError(ValidationError):
+    """A push refused by the agreement round: raised on every rank with the same problems."""
+
+
+@dataclass
+class StepStats:
+    step: int
+    seconds: float
+    bytes_sent: int
+    bytes_received: int
+    messages: int
+    peak_buffer_bytes: int
+    verified_regions: int = 0
+    strategy: str = "reshard"
+    #: destination-sized bytes this rank cast while packing (a float32 source, a bfloat16 destination)
+    cast_bytes: int = 0
+    #: the push's number in its session (1, 2, ...); delta sessions only, else 0
+    version: int = 0
+    #: what this rank's messages would carry un-encoded (bytes_sent/received are what went on the wire)
+    full_bytes_sent: int = 0
+    full_bytes_received: int = 0
+    #: of the elements this rank sent as deltas, the fraction that changed (None: no delta sent)
+    changed_fraction: float | None = None
+    #: CPU seconds spent encoding (XOR, base copy, codec) and decoding (codec, XOR into the tensors)
+    encode_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    #: the time verify spent checksumming and comparing regions
+    verify_seconds: float = 0.0
+    #: this rank's copy of the bytes it last sent (the memory price of delta)
+    base_bytes: int = 0
+    #: messages per encoding ("raw", "same", "sparse", "zstd"), delta pushes only
+    encodings: dict[str, int] = field(default_factory=dict)
+    #: seconds this rank spent quantizing FP8 weights (senders while packing, receivers after)
+    quantize_seconds: float = 0.0
+    #: bytes copied between device tensors and the pinned host buckets (device tensors on mpi/gloo)
+    staged_bytes: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def transport_kind(kind: str | None, group: Group) -> str:
+    """The transport ``kind`` names on ``group`` (default: mpi on the MPI plane, else gloo), or
+    the usage error that refuses it."""
+    kind = kind or ("mpi" if group.plane == "mpi" else "gloo")
+    if kind not in TRANSPORTS:
+        raise UsageError(f"unknown transport {kind!r} (one of {', '.join(TRANSPORTS)})")
+    if kind == "mpi" and group.plane != "mpi":
+        raise UsageError("--transport mpi needs jobs launched by mpiexec on the MPI control plane; "
+                         "use --transport gloo (CPU) or nccl (GPU)")
+    return kind
+
+
+def make_transport(kind: str | Transport | None, group: Group, timeout: float) -> Transport:
+    """The transport named ``kind`` over ``group`` (default: mpi on the MPI plane, else gloo)."""
+    if kind is not None and not isinstance(kind, str):
+        return kind
+    kind = transport_kind(kind, group)
+    if kind == "mpi":
+        return group.control
+    if kind in ("shm", "cuda-ipc"):  # colocated ranks: one-sided copies (transport/handles.py)
+        from streamer.transport.colocated import open_handle_transport
+
+        return open_handle_transport(kind, group, timeout)
+    from streamer.transport.torch_dist import TorchDistTransport
+
+    return TorchDistTransport(group.control, kind, store=group.store, timeout=timeout)
+
+
+def _agree_transport(group: Group, transport: str | Transport | None, timeout: float, checks: LocalChecks,
+                     prepare: Callable[[Group], None] | None) -> str | Transport | None:
+    """The first round once the group exists: this rank's transport and ``prepare`` checks, and
+    every rank's transport kind. A refusal, or kinds that differ between the jobs, end every
+    rank here, before any transport is built (their set-ups are collectives of their own)."""
+    kind: str | None = None
+    with checks.capture():
+        if transport is None or isinstance(transport, str):
+            kind = transport_kind(transport, group)
+        if prepare is not None:
+            prepare(group)
+    kinds = agree(group.control, checks.refusal, timeout, extra=kind)
+    sides = {side: sorted({str(k) for k in ks if k is not None})
+             for side, ks in (("senders", kinds[:group.n_send]), ("receivers", kinds[group.n_send:]))}
+    if len({k for ks in sides.values() for k in ks}) > 1:
+        asked = "; ".join(f"{side}: {' and '.join(ks)}" for side, ks in sides.items())
+        raise UsageError(f"the two jobs asked for different transports ({asked}); pass the same --transport to both")
+    return kind if kind is not None else transport
+
+
+@dataclass
+class RefitSession:
+    """One side of a refit. Use ``RefitSession.open``; ``group`` comes from ``jobs.connect``."""
+
+    manifest: Manifest
+    role: str
+    group: Group
+    transport: Transport | None = None
+    timeout: float = 300.0
+    bucket_size: int = DEFAULT_BUCKET
+    verify: bool = False
+    strategy: str = "reshard"
+    src_domain_size: int | None = None
+    dst_domain_size: int | None = None
+    allow_extra: bool = False
+    #: pushes the caller will run over this session; both jobs agree on the largest asked for
+    planned_steps: int = 1
+    #: after the first push, send what changed since the last one (on if either job asks)
+    delta: bool = False
+    #: quantize on refit: elements per float32 scale of block-FP8 weights (None: 128x128, or what
+    #: the other job asks), and UE8M0 power-of-two scales (on if either job asks)
+    fp8_block: tuple[int, int] | None = None
+    ue8m0: bool = False
+    #: what stages device tensors over mpi/gloo (``streamer.execute.staging``); None: CUDA tensors are
+    #: staged through pinned host buckets on their device (tests pass a ``device_ops.FakeDeviceOps``)
+    device_ops: Any = None
+    steps: list[StepStats] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.role not in ("send", "recv"):
+            raise UsageError(f"role must be send or recv, got {self.role!r}")
+        if self.strategy not in STRATEGIES:
+            raise UsageError(f"unknown strategy {self.strategy!r} (one of {', '.join(STRATEGIES)})")
+        self._started = False
+        self._executor: Executor | None = None
+        self._tensor_key: tuple[Any, ...] = ()
+        # delta sessions: the last version pushed here, and the one this rank's tensors (and,
+        # when it sends, its bases) are known to hold -- None when unknown (never pushed, new
+        # buffers handed in, or a push that failed half-way)
+        self._attempted = 0
+        self._synced: int | None = None
+        self._synced_ptrs: tuple[Any, ...] = ()
+        self._delta_state: DeltaState | None = None
+        self.quant: RefitQuant | None = None
+        self._send_quant: SenderQuant | None = None
+        self._recv_quant: ReceiverQuant | None = None
+
+    # ------------------------------------------------------------------ opening
+    @classmethod
+    def open(cls, manifest: Manifest | str | Path, role: str, *, rendezvous: str | None = None,
+             transport: str | Transport | None = None, control: str = "auto", timeout: float = 300.0,
+             group: Group | None = None, refusal: Refusal | None = None,
+             announce: Callable[[AgreedRefusal], None] | None = None,
+             prepare: Callable[[Group], None] | None = None, **options: Any) -> RefitSession:
+        """Join the refit as ``role`` ("send" or "recv") and plan it: the one collective entry point.
+
+        ``transport``: "mpi" (default under mpiexec), "gloo" (default otherwise), "nccl", "shm" or
+        "cuda-ipc" (every rank on one node), or a ``Transport``. ``control``: "auto", "mpi" or
+        "store" (see ``jobs.connect``). ``options``: ``bucket_size``, ``verify``, ``strategy``,
+        ``src_domain_size``, ``dst_domain_size``, ``allow_extra``, ``planned_steps``, ``delta``,
+        ``fp8_block``, ``ue8m0``, ``device_ops``.
+
+        Bad input on one rank ends every rank of both jobs with the same verdict (``AgreedRefusal``,
+        ``transport.agree``): a manifest that does not load here, ``refusal`` (what the caller's own
+        checks refused), and ``prepare(group)`` (checks that need the group, e.g. the receivers'
+        output directory) are agreed on before any other wait; ``announce`` gets a launch's verdict
+        as soon as its own ranks know it (see ``jobs.connect``).
+        """
+        checks = LocalChecks(refusal)
+        m: Manifest | None = None
+        with checks.capture():  # a rank whose manifest does not load still joins, to say so
+            m = manifest if isinstance(manifest, Manifest) else load_manifest(manifest)
+        if group is None:
+            group = connect(role, rendezvous=rendezvous, timeout=timeout, control=control, refusal=checks.refusal,
+                            announce=announce)
+            checks = LocalChecks()  # the group's formation carried the refusal
+        try:
+            kind = _agree_transport(group, transport, timeout, checks, prepare)
+            assert m is not None  # a rank without its manifest refused above, on every rank
+            session = cls(m, role, group, make_transport(kind, group, timeout), timeout, **options)
+            session.start()
+        except (AgreedRefusal, PlanError, UsageError):
+            group.close(timeout)  # every rank holds this verdict: they sign off together
+            raise
+        return session
+
+    def __enter__(self) -> RefitSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self) -> None:
+        """Exchange manifests and options, agree on the inputs, and plan this rank's part."""
+        if self._started:
+            return
+        if self.transport is None:
+            self.transport = make_transport(None, self.group, self.timeout)
+        with paused_gc():  # a full-size plan: ~10^6 long-lived objects (see streamer.plan.gcpause)
+            self._plan_start()
+        self._start_quant()
+        self._started = True
+
+    def _plan_start(self) -> None:
+        self.src, self.dst = self._exchange_manifests()
+        self._agree_options()
+        # FP8 destinations fed from float sources: the plan moves between the quantizing manifests
+        self.quant = refit_quant(self.src, self.dst, block=self.fp8_block or FP8_BLOCK, ue8m0=self.ue8m0)
+        self._psrc, self._pdst = (self.quant.src, self.quant.dst) if self.quant else (self.src, self.dst)
+        # every rank plans from the same inputs with the same planner: no plan is compared, and each
+        # rank expands only its own transfers and orders only its own messages
+        self.plan, self.schedule = plan_own(self._psrc, self._pdst, self._t.rank, bucket_size=self.bucket_size,
+                                            src_domain_size=self.src_domain_size,
+                                            dst_domain_size=self.dst_domain_size, allow_extra=self.allow_extra)
+        # what every push is checked against: computed once (a full-size manifest has many chunks)
+        self._specs = self.manifest.local_tensors(self.local_rank)
+
+    def _start_quant(self) -> None:
+        if self.quant is None:
+            return
+        if self.strategy != "reshard":
+            raise UsageError("quantize on refit works with --strategy reshard only")
+        if getattr(self.transport, "device", None) is not None:
+            raise UsageError("quantize on refit runs on the host: use --transport mpi or gloo (nccl: not yet)")
+        if self.role == "send":
+            self._send_quant = SenderQuant(self.quant, self.src)
+        else:
+            self._recv_quant = ReceiverQuant(self.quant, self.dst, self.local_rank)
+
+    @property
+    def staging_bytes(self) -> int:
+        """This receiver's staging buffers for weights it quantizes (0 elsewhere)."""
+        return self._recv_quant.staging_bytes if self._recv_quant is not None else 0
+
+    def quant_report(self) -> dict[str, Any] | None:
+        """Which arrays this refit quantizes, where, and the bytes saved (None: none)."""
+        return refit_quant_report(self.quant, self.dst, self.plan) if self.quant is not None else None
+
+    def _exchange_manifests(self) -> tuple[Manifest, Manifest]:
+        t = self._t
+        S = self.group.n_send
+        # the two roots send the compact form (format_version 2: megabytes, not hundreds of them at
+        # DeepSeek-V3 scale); the other ranks serialise nothing
+        # (without chunk checksums: a refit reads no file's checksum, and peers have no sidecar)
+        mine = dumps_manifest(without_checksums(self.manifest), format_version=COMPACT_FORMAT_VERSION).encode() \
+            if t.rank in (0, S) else None
+        src_txt = t.bcast_bytes(mine if t.rank == 0 else None, 0, self.timeout)
+        dst_txt = t.bcast_bytes(mine if t.rank == S else None, S, self.timeout)
+        self._texts = (src_txt, dst_txt)  # their digests are what the two jobs agree on
+        src = loads_manifest(src_txt, where="sender manifest")
+        dst = loads_manifest(dst_txt, where="receiver manifest")
+        problems = []
+        if src.world_size != S:
+            problems.append(f"sender manifest: world_size {src.world_size} but the sender job has {S} ranks")
+        if dst.world_size != self.group.n_recv:
+            problems.append(f"receiver manifest: world_size {dst.world_size} but the receiver job has "
+                            f"{self.group.n_recv} ranks")
+        if problems:
+            raise PlanError(problems=problems)
+        return src, dst
+
+    def _agree_options(self) -> None:
+        """One allgather at start. Both jobs must agree on how to move (verify if any side asks,
+        the smallest bucket, one strategy, ...: negotiated below) and on what is planned: the
+        input digests (both manifests, the options not negotiated, the planner's and the bucket
+        layout's versions), where a difference is refused on every rank, by name, before any plan."""
+        inputs = input_digests(self._texts[0], self._texts[1],
+                               {"allow_extra": self.allow_extra, "schedule": SCHEDULE_VERSION})
+        cfgs = [json.loads(c) for c in self._t.allgather_bytes(json.dumps(
+            {"verify": self.verify, "bucket": self.bucket_size, "strategy": self.strategy,
+             "steps": self.planned_steps, "src_domain": self.src_domain_size,
+             "dst_domain": self.dst_domain_size, "delta": self.delta, "ue8m0": self.ue8m0,
+             "fp8_block": list(self.fp8_block) if self.fp8_block else None,
+             "host": getattr(self.transport, "device", None) is None, "inputs": inputs}).encode(), self.timeout)]
+        strategies = sorted({c["strategy"] for c in cfgs})
+        if len(strategies) > 1:
+            raise PlanError(f"the two jobs asked for different strategies ({', '.join(strategies)}); pass the same "
+                            "--strategy to both")
+        self.verify = any(c["verify"] for c in cfgs)
+        self.bucket_size = min(c["bucket"] for c in cfgs)
+        self.planned_steps = max(c["steps"] for c in cfgs)
+        self.delta = any(c["delta"] for c in cfgs)
+        self.ue8m0 = any(c["ue8m0"] for c in cfgs)
+        blocks = sorted({tuple(c["fp8_block"]) for c in cfgs if c["fp8_block"] is not None})
+        if len(blocks) > 1:
+            raise PlanError(f"the two jobs asked for different --fp8-block values {[list(b) for b in blocks]}")
+        self.fp8_block = (blocks[0][0], blocks[0][1]) if blocks else None
+        if self.delta and strategies != ["reshard"]:
+            raise UsageError("--delta works with --strategy reshard only")
+        if self.delta and not all(c["host"] for c in cfgs):
+            raise UsageError("--delta encodes on the host: use --transport mpi or gloo (nccl: not yet)")
+        for key, attr in (("src_domain", "src_domain_size"), ("dst_domain", "dst_domain_size")):
+            vals = sorted({c[key] for c in cfgs if c[key] is not None})
+            if len(vals) > 1:
+                raise PlanError(f"the two jobs asked for different --{key.replace('_', '-')}-size values {vals}")
+            setattr(self, attr, vals[0] if vals else None)
+        problems = input_problems([c["inputs"] for c in cfgs], lambda r: f"rank {r}")
+        if problems:
+            raise PlanError(problems=problems)
+        self.inputs_digest = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
+
+    @property
+    def _t(self) -> Transport:
+        if self.transport is None:
+            raise UsageError("the session has no transport: use RefitSession.open(...)")
+        return self.transport
+
+    # ------------------------------------------------------------------ pushing
+    @property
+    def local_rank(self) -> int:
+        return self._t.rank if self.role == "send" else self._t.rank - self.group.n_send
+
+    def local_tensors(self) -> dict[str, Any]:
+        """Shapes/dtypes of this rank's local tensors (from its manifest)."""
+        return dict(self.manifest.local_tensors(self.local_rank))
+
+    def push(self, tensors: Any) -> StepStats:
+        """Send this trainer rank's regions. ``tensors``: a state dict (DTensors send their local
+        shard, never gathered; plain tensors; numpy arrays) or an ``nn.Module``."""
+        if self.role != "send":
+            raise UsageError("push() is for the sending side; receivers call pull()")
+        return self._step(tensors)
+
+    def pull(self, tensors: Any) -> StepStats:
+        """Receive into this inference rank's existing local tensors, in place."""
+        if self.role != "recv":
+            raise UsageError("pull() is for the receiving side; senders call push()")
+        return self._step(tensors)
+
+    def refuse(self, problems: list[str]) -> None:
+        """Join the next push's agreement with ``problems`` (e.g. this rank could not load its
+        weights): every rank of both jobs then raises ``RefusedError`` with them."""
+        self._agree(problems or ["refused"], {})
+        raise AssertionError("unreachable: the agreement raises")  # pragma: no cover
+
+    def _step(self, tensors: Any) -> StepStats:
+        self.start()
+        local, problems = collect_local(tensors)
+        who = self.group.name(self._t.rank)
+        problems = [f"{who}: {p}" for p in problems]
+        problems += check_local(local, self._specs, who)
+        problems += self._device_problems(local, who)
+        digests = {}
+        if self.verify and self.role == "send" and not problems:
+            digests = replica_digests(self.src, self.local_rank, local)
+        if self._send_quant is not None:
+            self._send_quant.new_push()
+        if not self.delta:
+            self._agree(problems, digests)
+            es = gather_broadcast(self, local) if self.strategy == "broadcast" else self._exec(local).run()
+        else:
+            es = self._delta_step(local, problems, digests)
+        quantize_s = self._recv_quant.finish(local) if self._recv_quant is not None else 0.0
+        if self._send_quant is not None:
+            quantize_s = self._send_quant.seconds
+        st = StepStats(step=len(self.steps), seconds=es.seconds, bytes_sent=es.bytes_sent,
+                       bytes_received=es.bytes_received, messages=es.messages,
+                       peak_buffer_bytes=es.peak_buffer_bytes, verified_regions=es.verified_regions,
+                       strategy=self.strategy, cast_bytes=es.cast_bytes,
+                       version=self._attempted if self.delta else 0, full_bytes_sent=es.full_bytes_sent,
+                       full_bytes_received=es.full_bytes_received,
+                       changed_fraction=es.changed_elements / es.delta_elements if es.delta_elements else None,
+                       encode_seconds=es.encode_seconds, decode_seconds=es.decode_seconds,
+                       verify_seconds=es.verify_seconds,
+                       base_bytes=self._delta_state.base_bytes if self._delta_state else 0,
+                       encodings=es.encodings, quantize_seconds=quantize_s, staged_bytes=es.staged_bytes)
+        self.steps.append(st)
+        return st
+
+    def _device_problems(self, local: Mapping[str, Any], who: str) -> list[str]:
+        """Device tensors on a host transport: what the stager cannot take (refused on every rank
+        before any byte moves); only the reshard executor stages."""
+        on_device = sorted({device_name(v) for v in local.values()} - {"cpu"})
+        if self.device_ops is None and (not on_device or getattr(self._t, "device", None) is not None):
+            return []
+        problems = staging_problems(self._t, [local], self.device_ops)
+        if problems:
+            return [f"{who}: {p}" for p in problems]
+        what = f"device tensors ({', '.join(on_device) or self.device_ops.name})"
+        if self.delta:
+            return [f"{who}: {what} with --delta: deltas are encoded on the host (not yet for device tensors)"]
+        if self.strategy == "broadcast":
+            return [f"{who}: {what} with --strategy broadcast: the baseline moves host memory (use reshard)"]
+        return []
+
+    def _delta_step(self, local: Mapping[str, Any], problems: list[str], digests: Mapping[str, int]) -> ExecStats:
+        """A delta push: the agreement also exchanges each rank's version, so every rank takes the
+        same full-or-delta decision per pair of ranks; this rank's version is unknown until the
+        push completes here (verified, with verify)."""
+        ptrs = _memory_key(local)
+        if self.role == "recv" and ptrs != self._synced_ptrs:
+            self._synced = None  # other buffers: nothing says they hold the last version
+        got = self._agree(problems, digests, {"attempted": self._attempted, "synced": self._synced})
+        version = max(g["attempted"] for g in got) + 1
+        stale = frozenset(r for r, g in enumerate(got) if g["synced"] != version - 1)
+        self._attempted, self._synced = version, None
+        if self._delta_state is None:
+            self._delta_state = DeltaState()
+        es = self._exec(local).run(DeltaPush(self._delta_state, version, stale))
+        self._synced, self._synced_ptrs = version, ptrs
+        return es
+
+    def forget_base(self) -> None:
+        """Say this rank's tensors no longer hold the last version pushed (e.g. the engine reloaded
+        them): its next pull receives full bytes. Buffers other than last time's count as unknown
+        without calling this."""
+        self._synced = None
+
+    def _agree(self, problems: list[str], digests: Mapping[str, int],
+               state: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
+        """One allgather: everyone's problems, replica checksums (and delta versions); raise the
+        same verdict everywhere."""
+        payload = json.dumps({"problems": problems, "replicas": digests, **(state or {})}).encode()
+        got = [json.loads(x) for x in self._t.allgather_bytes(payload, self.timeout)]
+        every: list[str] = [p for g in got for p in g["problems"]]
+        if self.verify:
+            every += replica_problems(self.src, [g["replicas"] for g in got[:self.group.n_send]], self.group.name)
+        if every:
+            raise RefusedError(problems=every[:200] + ([f"... and {len(every) - 200} more"] if len(every) > 200 else []))
+        return got
+
+    def _exec(self, tensors: Mapping[str, Any]) -> Executor:
+        # a new executor only when the caller hands other memory: ``model.state_dict()`` makes new
+        # tensor objects every call over the same storage, and the views stay valid for those
+        key = _memory_key(tensors)
+        if self._executor is None or key != self._tensor_key:
+            staging = self._recv_quant.staging if self._recv_quant is not None else {}
+            self._executor = Executor(self._t, self.plan, self.schedule, {**tensors, **staging}, timeout=self.timeout,
+                                      verify=self.verify, peer_names=self.group.name, quant=self._send_quant,
+                                      device_ops=self.device_ops)
+            self._tensor_key = key
+        return self._executor
+
+    # ------------------------------------------------------------------ after the steps
+    def save(self, out_dir: str | Path, tensors: Mapping[str, Any]) -> None:
+        """Receivers: write the received local tensors under ``out_dir`` (safetensors per rank,
+        manifest last, with checksums). A failure on any receiver fails all of them."""
+        from streamer.refit.persist import finish_save, save_local
+
+        if self.role != "recv":
+            raise UsageError("save() is for the receiving side")
+        role_t = self.group.role_control
+        out = Path(out_dir)
+        host = {n: _host(v) for n, v in tensors.items()}
+        error = ""
+        sums: dict[str, str] = {}
+        try:
+            sums = save_local(out, self.dst, self.local_rank, host)
+        except (OSError, ValueError) as e:
+            error = f"{self.group.name(self._t.rank)}: saving to {out} failed: {e}"
+        gathered = [json.loads(g) for g in role_t.allgather_bytes(
+            json.dumps({"error": error, "sums": sums}).encode(), self.timeout)]
+        errors = [g["error"] for g in gathered if g["error"]]
+        if errors:
+            raise TransportError(problems=errors)
+        if role_t.rank == 0:
+            allsums: dict[str, str] = {}
+            for g in gathered:
+                allsums.update(g["sums"])
+            finish_save(out, self.manifest, allsums)
+        role_t.barrier(self.timeout)
+
+    def close(self) -> None:
+        self._executor = None
+        t = self.transport
+        if t is not None and t is not self.group.control:
+            t.close()
+        self.group.close(self.timeout)
+
+
+def _memory_key(tensors: Mapping[str, Any]) -> tuple[Any, ...]:
+    """Which memory the caller handed in (names, addresses, shapes), not which tensor objects."""
+    return tuple((n, _data_ptr(v), tuple(v.shape)) for n, v in tensors.items())
+
+
+def _data_ptr(v: Any) -> int:
+    if hasattr(v, "data_ptr"):
+        return int(v.data_ptr())
+    return int(v.__array_interface__["data"][0]) if hasattr(v, "__array_interface__") else 0
+
+
+def _host(v: Any) -> Any:
+    """Host memory for saving: GPU tensors are copied down, CPU ones are viewed."""
+    dev = getattr(v, "device", None)
+    if dev is not None and getattr(dev, "type", "cpu") != "cpu":
+        return v.cpu()
+    return v
