@@ -19,22 +19,13 @@ from streamer import __version__
 from streamer.cli.args import emit as _out
 from streamer.cli.args import parse_block, parse_size
 from streamer.cli.args import positive_int as _positive_int
+from streamer.cli.collective import ArgvError, Parser, announce, argv_refused, mpi_comm
+from streamer.transport.agree import AgreedRefusal
 
 if TYPE_CHECKING:
     from formats.manifest import Manifest
 
 __all__ = ["main", "parse_size", "build_parser"]
-
-
-def _mpi_comm() -> Any:
-    """COMM_WORLD when launched under mpiexec with more than one rank, else None."""
-    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS"):
-        v = os.environ.get(var)
-        if v and v.isdigit() and int(v) > 1:
-            from mpi4py import MPI
-
-            return MPI.COMM_WORLD
-    return None
 
 
 def _load(path: str) -> Any:
@@ -323,10 +314,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
     """Under ``mpiexec -n K``: every check runs on every worker and ends in an agreement round
     (``transport.agree``), so a refusal on any worker ends all of them with it; a failure later,
     while writing, aborts the job (``MPI_Abort``) instead of leaving the others waiting."""
-    comm = _mpi_comm()
+    comm = mpi_comm()
     if comm is None:
         return _convert(args, None)
-    from streamer.transport.agree import AgreedRefusal, problem_lines
+    from streamer.transport.agree import problem_lines
     from streamer.transport.watchdog import abort
 
     try:
@@ -452,64 +443,14 @@ def cmd_refit(args: argparse.Namespace) -> int:
     mismatch) end the same way. Anything else happened on this rank alone: it tells the others
     (store plane) or aborts the MPI jobs, so no rank waits out the timeout.
     """
+    from streamer.cli.collective import run_refit
     from streamer.transport.agree import LocalChecks
 
     checks = LocalChecks()
     manifest = None
     with checks.capture():  # a manifest that does not load is refused on every rank, not here alone
         manifest = _load(args.manifest)
-    return _run_refit(args.role, manifest, checks.refusal, args)
-
-
-def _run_refit(role: str | None, manifest: Manifest | None, refusal: Any, args: Any) -> int:
-    from formats.errors import PlanError, TransportError
-    from streamer.refit.job import RefitJob
-    from streamer.refit.session import RefusedError
-    from streamer.transport.agree import AgreedRefusal
-    from streamer.transport.jobs import abort, launched_by_mpi
-
-    job = RefitJob(role, manifest, rendezvous=args.rendezvous, transport=args.transport,
-                   control=args.control, timeout=args.timeout, steps=args.steps, save=args.save,
-                   options={"bucket_size": args.bucket_size, "verify": args.verify, "strategy": args.strategy,
-                            "delta": args.delta, "fp8_block": args.fp8_block, "ue8m0": args.ue8m0,
-                            "src_domain_size": args.src_domain_size, "dst_domain_size": args.dst_domain_size,
-                            "allow_extra": args.allow_extra},
-                   refusal=refusal, announce=_announce)
-    try:
-        report = job.run()
-    except (AgreedRefusal, RefusedError, PlanError, UsageError) as e:
-        _announce(e)  # every rank has the same verdict: one line per problem per launch
-        return e.exit_code
-    except ShardstreamError as e:
-        message = "\n".join(e.problems or [str(e)])
-        group = job.session.group if job.session is not None else None
-        # a transport failure means a peer is gone: MPI may block sending to it, and the peers
-        # see the failure themselves; any other failure is news to them
-        if group is not None and (group.plane == "store" or not isinstance(e, TransportError)):
-            group.control.post_abort(message, e.exit_code)
-        if launched_by_mpi():
-            abort(message, e.exit_code)
-        raise
-    if report.reporter:
-        _out(args, report.to_dict(), report.text())
-    return 0
-
-
-_announced: list[ShardstreamError] = []
-
-
-def _announce(e: ShardstreamError) -> None:
-    """Print a verdict every rank holds: once per process, and only on the launch's rank 0 (one
-    launcher, one copy of each line; two separately launched jobs print it once each)."""
-    from streamer.transport.jobs import launcher_rank
-
-    if _announced:
-        return
-    _announced.append(e)
-    if launcher_rank()[0] == 0:
-        for line in e.problems or [str(e)]:
-            print(line, file=sys.stderr)
-    sys.stderr.flush()
+    return run_refit(args.role, manifest, checks.refusal, args)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -795,7 +736,7 @@ def _add_inspect(sub: Any) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="shardstream", description="Move model weights between parallelism layouts.")
+    ap = Parser(prog="shardstream", description="Move model weights between parallelism layouts.")
     ap.add_argument("--debug", action="store_true", help="show Python tracebacks")
     ap.add_argument("--version", action="version", version=f"shardstream {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
@@ -813,11 +754,26 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         args = ap.parse_args(argv)
+    except ArgvError as e:  # a rank of a multi-rank launch tells its peers; one process prints it
+        try:
+            refused = argv_refused(e, argv, build_parser)
+        except ShardstreamError as err:  # e.g. the peers never came: the usage error stands
+            print(f"{e.parser.prog}: error: {e.message}\n{err}", file=sys.stderr)
+            return 2
+        if refused is None:
+            e.print_usage()
+            return 2
+        return refused
     except SystemExit as e:
         return int(e.code or 0)
     debug = args.debug or os.environ.get("SHARDSTREAM_DEBUG") == "1"
     try:
         return int(args.func(args))
+    except AgreedRefusal as e:  # every rank holds it: one prints it
+        if debug:
+            raise
+        announce(e)
+        return e.exit_code
     except ShardstreamError as e:
         if debug:
             raise

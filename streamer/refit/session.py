@@ -205,7 +205,7 @@ class RefitSession:
 
     # ------------------------------------------------------------------ opening
     @classmethod
-    def open(cls, manifest: Manifest | str | Path, role: str, *, rendezvous: str | None = None,
+    def open(cls, manifest: Manifest | str | Path | None, role: str, *, rendezvous: str | None = None,
              transport: str | Transport | None = None, control: str = "auto", timeout: float = 300.0,
              group: Group | None = None, refusal: Refusal | None = None,
              announce: Callable[[AgreedRefusal], None] | None = None,
@@ -222,12 +222,15 @@ class RefitSession:
         ``transport.agree``): a manifest that does not load here, ``refusal`` (what the caller's own
         checks refused), and ``prepare(group)`` (checks that need the group, e.g. the receivers'
         output directory) are agreed on before any other wait; ``announce`` gets a launch's verdict
-        as soon as its own ranks know it (see ``jobs.connect``).
+        as soon as its own ranks know it (see ``jobs.connect``). ``manifest`` may be None only with
+        a ``refusal`` (the caller could not load it).
         """
         checks = LocalChecks(refusal)
         m: Manifest | None = None
         with checks.capture():  # a rank whose manifest does not load still joins, to say so
-            m = manifest if isinstance(manifest, Manifest) else load_manifest(manifest)
+            if manifest is None and refusal is None:
+                raise UsageError("RefitSession.open needs a manifest")
+            m = manifest if isinstance(manifest, Manifest) or manifest is None else load_manifest(manifest)
         if group is None:
             group = connect(role, rendezvous=rendezvous, timeout=timeout, control=control, refusal=checks.refusal,
                             announce=announce)

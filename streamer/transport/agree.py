@@ -27,10 +27,12 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from formats.errors import ShardstreamError
-from streamer.transport.base import Transport
+
+if TYPE_CHECKING:  # (importing the transports costs numpy; the CLI imports this module early)
+    from streamer.transport.base import Transport
 
 __all__ = ["AgreedRefusal", "LocalChecks", "Refusal", "agree", "agreed", "problem_lines"]
 
