@@ -169,8 +169,11 @@ def connect(role: str | None, *, rendezvous: str | None = None, timeout: float =
             raise verdict or AgreedRefusal([(launcher_rank()[0], carried or Refusal(2, ("no role",)))])
         return _connect_rendezvous(role, Path(rendezvous), clock, control, carried, verdict is not None)
     except PeerTimeoutError:
-        if verdict is not None:  # the other job never came: this job's own verdict stands
+        # the other job never came: this job's verdict stands (torchrun: this rank's own refusal)
+        if verdict is not None:
             raise verdict from None
+        if carried is not None:
+            raise AgreedRefusal([(launcher_rank()[0], carried)]) from None
         raise
 
 
@@ -295,7 +298,7 @@ FRESH_SLACK = 60.0
 
 def _connect_store(role: str, path: Path, clock: _Clock, refusal: Refusal | None) -> Group:
     """Join through a TCPStore served by receiver rank 0 (see the module docstring)."""
-    from streamer.transport.store import StoreControl, open_store
+    from streamer.transport.store import open_store
     from streamer.transport.torch_dist import free_port, host_address
 
     rank, size = launcher_rank()
@@ -311,6 +314,23 @@ def _connect_store(role: str, path: Path, clock: _Clock, refusal: Refusal | None
         # start after rank 0 had written it, and wait out its timeout), and a stale file names a
         # dead store that _dial reads again (a finished job's rank 0 removes the file)
         store = _dial(path, clock, fresh_from=t_start - FRESH_SLACK if role == "recv" else None)
+    try:
+        group = _store_group(store, role, rank, size, path, clock, server)
+        try:  # everyone is in; the first collective carries every rank's refusal
+            agree(group.control, refusal, clock.left())
+        except AgreedRefusal:
+            group.close(clock.left(5.0))  # the store's server waits for every rank to sign off
+            raise
+        return group
+    finally:
+        if server:  # everyone is in, or this job gives up: the file has served either way
+            path.unlink(missing_ok=True)
+
+
+def _store_group(store: Any, role: str, rank: int, size: int, path: Path, clock: _Clock, server: bool) -> Group:
+    """Both jobs' sizes, once each has joined the store: the group over it."""
+    from streamer.transport.store import StoreControl
+
     store.set(f"job/{role}/size", str(size))
     store.add(f"job/{role}/joined", 1)
     sizes = {}
@@ -327,15 +347,6 @@ def _connect_store(role: str, path: Path, clock: _Clock, refusal: Refusal | None
                   StoreControl(store, rank, size, f"ss/{role}"), role, n_send, n_recv, str(path),
                   store=store, plane="store")
     group._closers.append(lambda t: _close_store(store, g, n_send + n_recv, server, t))
-    try:  # everyone is in; the first collective carries every rank's refusal
-        agree(group.control, refusal, clock.left())
-    except AgreedRefusal:
-        if server:
-            path.unlink(missing_ok=True)
-        group.close(clock.left(5.0))  # the store's server waits for every rank to sign off
-        raise
-    if server:
-        path.unlink(missing_ok=True)  # everyone is in: the file has served
     return group
 
 
