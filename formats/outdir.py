@@ -59,8 +59,9 @@ def open_output(out: Path, resume: bool, *, flag: str = "--out", resumable: bool
 
 
 def remove_state(out: Path, lock: Lock) -> None:
-    """Once the manifest is written (with ``lock`` still held): the records are not needed any
-    more. The lock file goes last, so a kill on the way leaves a state a resume accepts."""
+    """When the run is over (convert: once the manifest is written; refit --save: either way),
+    with ``lock`` still held: the records are not needed any more. The lock file goes last, so a
+    kill on the way leaves a state a resume accepts."""
     state = out / STATE_DIR
     # the output is complete already: what cannot be removed stays, and is no error
     with contextlib.suppress(OSError):

@@ -99,16 +99,17 @@ class RefitJob:
         with checks.capture():
             if self.save and self.role != "recv":
                 raise UsageError("--save is for the receiving side (refit recv)")
-        session = RefitSession.open(self.manifest, self.role or "", rendezvous=self.rendezvous,
-                                    transport=self.transport, control=self.control, timeout=self.timeout,
-                                    planned_steps=self.steps, refusal=checks.refusal, announce=self.announce,
-                                    prepare=self._open_save, **self.options)
-        self.session = session
         try:
+            session = RefitSession.open(self.manifest, self.role or "", rendezvous=self.rendezvous,
+                                        transport=self.transport, control=self.control, timeout=self.timeout,
+                                        planned_steps=self.steps, refusal=checks.refusal, announce=self.announce,
+                                        prepare=self._open_save, **self.options)
+            self.session = session
             with session:
                 return self._run(session)
         finally:
-            if self._lock is not None:
+            if self._lock is not None:  # (a finished save removed its state already)
+                remove_state(Path(str(self.save)), self._lock)
                 self._lock.release()
 
     def _open_save(self, group: Group) -> None:
@@ -133,8 +134,6 @@ class RefitJob:
         save = Path(self.save) if self.save else None
         if save is not None:
             session.save(save, tensors)
-            if self._lock is not None:  # complete: the directory holds the files and the manifest only
-                remove_state(save, self._lock)
         delta = _delta_totals(session) if session.delta else None
         quantized = _quant_totals(session)
         # the whole-plan figures are whole-plan work: only the job's reporter computes them
