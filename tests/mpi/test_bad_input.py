@@ -263,9 +263,14 @@ def outcomes(world: World, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     tmp = tmp_path_factory.mktemp("bad-input-runs")
     for name in ("rv1", "rv2", "rv3", "tr1", "tr2", "tr3"):
         (tmp / name).mkdir()
-    cases = [c for c in _cases(world, tmp) if TORCHRUN is not None or not c.torch]
+    # the torchrun rows first: they are the longest (torch imports), the others fill in beside them
+    cases = sorted((c for c in _cases(world, tmp) if TORCHRUN is not None or not c.torch), key=lambda c: not c.torch)
+    t0 = time.monotonic()
     with ThreadPoolExecutor(PARALLEL) as pool:
         results = list(pool.map(lambda c: _run(c, tmp), cases))
+    print(f"\nbad-input table: {len(cases)} rows in {time.monotonic() - t0:.1f} s, {PARALLEL} at a time")
+    for c, r in zip(cases, results):
+        print(f"  {r.seconds:5.1f} s  {r.codes}  {c.name}")
     yield {c.name: (c, r) for c, r in zip(cases, results)}
 
 
