@@ -17,7 +17,7 @@ from typing import Any, NoReturn
 
 from formats.errors import PlanError, ShardstreamError, TransportError, UsageError
 from formats.manifest import Manifest
-from streamer.transport.agree import AgreedRefusal, Refusal, agree
+from streamer.transport.agree import AgreedRefusal, LocalChecks, Refusal, agree
 
 __all__ = ["ArgvError", "Parser", "announce", "argv_refused", "mpi_comm", "run_refit"]
 
@@ -66,16 +66,20 @@ def announce(e: ShardstreamError) -> None:
 def run_refit(role: str | None, manifest: Manifest | None, refusal: Refusal | None, args: Any) -> int:
     """One side of a refit (``refit.job.RefitJob``); ``refusal``: what this rank refused already."""
     from streamer.refit.job import RefitJob
+    from streamer.refit.options import RefitOptions
     from streamer.refit.session import RefusedError
     from streamer.transport.jobs import abort, launched_by_mpi
 
+    checks = LocalChecks(refusal)
+    options = RefitOptions()
+    with checks.capture():  # options this rank alone may refuse
+        options = RefitOptions(bucket_size=args.bucket_size, verify=args.verify, strategy=args.strategy,
+                               delta=args.delta, fp8_block=args.fp8_block, ue8m0=args.ue8m0,
+                               src_domain_size=args.src_domain_size, dst_domain_size=args.dst_domain_size,
+                               allow_extra=args.allow_extra, planned_steps=args.steps)
     job = RefitJob(role, manifest, rendezvous=args.rendezvous, transport=args.transport,
                    control=args.control, timeout=args.timeout, steps=args.steps, save=args.save,
-                   options={"bucket_size": args.bucket_size, "verify": args.verify, "strategy": args.strategy,
-                            "delta": args.delta, "fp8_block": args.fp8_block, "ue8m0": args.ue8m0,
-                            "src_domain_size": args.src_domain_size, "dst_domain_size": args.dst_domain_size,
-                            "allow_extra": args.allow_extra},
-                   refusal=refusal, announce=announce)
+                   options=options, refusal=checks.refusal, announce=announce)
     try:
         report = job.run()
     except (AgreedRefusal, RefusedError, PlanError, UsageError) as e:

@@ -9,17 +9,32 @@ the gather, ``bcast_buffer`` for the broadcast) so the comparison is fair on eve
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
 
+from formats.manifest import Manifest
 from streamer.execute.executor import ExecStats
 from streamer.ops.buffers import _copy
 from streamer.ops.cast_view import cast_view
+from streamer.transport.base import Transport, wait_all
 
-if TYPE_CHECKING:
-    from streamer.refit.session import RefitSession
+__all__ = ["Baseline", "gather_broadcast"]
 
-__all__ = ["gather_broadcast"]
+
+@dataclass(frozen=True)
+class Baseline:
+    """What the baseline needs of a refit session: the transport over both jobs (senders first),
+    the two manifests, the planned casts and the session's bounds."""
+
+    t: Transport
+    src: Manifest
+    dst: Manifest
+    casts: Mapping[str, tuple[str, str]]
+    n_send: int
+    names: Callable[[int], str]  # the group's rank names, for timeout messages
+    timeout: float
+    bucket: int
 
 _GATHER_TAG = 11
 
@@ -38,9 +53,9 @@ def _pack_groups(names: list[str], sizes: Mapping[str, int], bucket: int) -> lis
     return groups
 
 
-def _gather(s: RefitSession, views: Mapping[str, Any]) -> tuple[dict[str, Any], int, int]:
+def _gather(s: Baseline, views: Mapping[str, Any]) -> tuple[dict[str, Any], int, int]:
     """Every array whole on global rank 0: (arrays as byte views, bytes sent, bytes received)."""
-    t = s._t
+    t = s.t
     rank = t.rank
     full: dict[str, Any] = {}
     reqs: list[tuple[Any, str, tuple[slice, ...], Any]] = []
@@ -50,7 +65,7 @@ def _gather(s: RefitSession, views: Mapping[str, Any]) -> tuple[dict[str, Any], 
             continue
         d = s.dst.arrays[fqn]
         isz = d.dtype.itemsize  # senders cast before the gather, as a trainer would
-        cast = s.plan.casts.get(fqn)
+        cast = s.casts.get(fqn)
 
         def held(c: Any, fqn: str = fqn, cast: Any = cast) -> Any:
             v = views[c.tensor(fqn)][c.local_box.slices]
@@ -72,19 +87,17 @@ def _gather(s: RefitSession, views: Mapping[str, Any]) -> tuple[dict[str, Any], 
                 _copy(data, held(c))
                 reqs.append((t.isend(data, 0, _GATHER_TAG), fqn, sl, data))
                 sent += c.region.volume * isz
-    from streamer.transport.base import wait_all
-
-    wait_all([r for r, *_ in reqs], s.timeout, "gather", names=s.group.name, transport=t)
+    wait_all([r for r, *_ in reqs], s.timeout, "gather", names=s.names, transport=t)
     if rank == 0:
         for r, fqn, sl, tmp in reqs:
             _copy(full[fqn][sl], tmp)
     return full, sent, recvd
 
 
-def gather_broadcast(s: RefitSession, tensors: Mapping[str, Any]) -> ExecStats:
-    t = s._t
+def gather_broadcast(s: Baseline, tensors: Mapping[str, Any]) -> ExecStats:
+    t = s.t
     rank = t.rank
-    S = s.group.n_send
+    S = s.n_send
     views = {n: t.byte_view(v) for n, v in tensors.items()}
     t0 = time.perf_counter()
     full, sent, recvd = _gather(s, views)
@@ -92,7 +105,7 @@ def gather_broadcast(s: RefitSession, tensors: Mapping[str, Any]) -> ExecStats:
     members = [0] + list(range(S, t.size))
     if rank in members:
         sizes = {f: a.nbytes for f, a in s.dst.arrays.items()}
-        for group in _pack_groups(list(s.dst.arrays), sizes, s.bucket_size):
+        for group in _pack_groups(list(s.dst.arrays), sizes, s.bucket):
             size = sum(sizes[f] for f in group)
             buf = t.alloc(size)
             peak = max(peak, size)
@@ -114,7 +127,7 @@ def gather_broadcast(s: RefitSession, tensors: Mapping[str, Any]) -> ExecStats:
                      peak_buffer_bytes=peak)
 
 
-def _keep_held(s: RefitSession, buf: Any, group: list[str], sizes: Mapping[str, int], local: int,
+def _keep_held(s: Baseline, buf: Any, group: list[str], sizes: Mapping[str, int], local: int,
                views: Mapping[str, Any]) -> None:
     """Copy the regions this receiver holds out of a broadcast bucket."""
     off = 0

@@ -13,13 +13,14 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from formats.errors import ShardstreamError, UsageError
 from formats.manifest import Manifest
 from formats.outdir import Lock, open_output, remove_state
+from streamer.refit.options import RefitOptions
 from streamer.refit.session import RefitSession, StepStats
 from streamer.transport.agree import AgreedRefusal, LocalChecks, Refusal
 from streamer.transport.jobs import Group
@@ -84,7 +85,7 @@ class RefitJob:
     timeout: float = 300.0
     steps: int = 1
     save: str | None = None
-    options: dict[str, Any] = field(default_factory=dict)
+    options: RefitOptions = field(default_factory=RefitOptions)
     #: what this rank refused before the job (its manifest, an option): every rank of both jobs
     #: then ends with it (``transport.agree``)
     refusal: Refusal | None = None
@@ -100,10 +101,11 @@ class RefitJob:
             if self.save and self.role != "recv":
                 raise UsageError("--save is for the receiving side (refit recv)")
         try:
+            options = replace(self.options, planned_steps=max(self.steps, self.options.planned_steps))
             session = RefitSession.open(self.manifest, self.role or "", rendezvous=self.rendezvous,
                                         transport=self.transport, control=self.control, timeout=self.timeout,
-                                        planned_steps=self.steps, refusal=checks.refusal, announce=self.announce,
-                                        prepare=self._open_save, **self.options)
+                                        options=options, refusal=checks.refusal, announce=self.announce,
+                                        prepare=self._open_save)
             self.session = session
             with session:
                 return self._run(session)
@@ -130,19 +132,19 @@ class RefitJob:
         except ShardstreamError as e:  # refused in the first push's agreement, on every rank
             problems = [f"{session.group.name(session.group.rank)}: {p}" for p in e.problems or [str(e)]]
         tensors = _on_device(tensors, session.transport, session.local_tensors())
-        seconds = [self._timed_step(session, tensors, problems) for _ in range(session.planned_steps)]
+        seconds = [self._timed_step(session, tensors, problems) for _ in range(session.options.planned_steps)]
         save = Path(self.save) if self.save else None
         if save is not None:
             session.save(save, tensors)
-        delta = _delta_totals(session) if session.delta else None
+        delta = _delta_totals(session) if session.options.delta else None
         quantized = _quant_totals(session)
         # the whole-plan figures are whole-plan work: only the job's reporter computes them
         stats = session.plan.stats() if rank == 0 else None
         reshard, broadcast = (stats.moved_bytes, stats.broadcast_moved_bytes) if stats else (0, 0)
-        return RefitReport(str(self.role), session.strategy, getattr(session.transport, "name", "?"), seconds,
-                           list(session.steps), reshard if session.strategy == "reshard" else broadcast,
-                           reshard, broadcast, session.verify, str(save) if save else None, rank == 0, delta,
-                           quantized)
+        return RefitReport(str(self.role), session.options.strategy, getattr(session.transport, "name", "?"),
+                           seconds, list(session.steps),
+                           reshard if session.options.strategy == "reshard" else broadcast, reshard, broadcast,
+                           session.options.verify, str(save) if save else None, rank == 0, delta, quantized)
 
     def _timed_step(self, session: RefitSession, tensors: dict[str, Any], problems: list[str]) -> float:
         """One push, timed from a barrier of this job to its slowest rank."""

@@ -34,7 +34,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -48,23 +48,24 @@ from formats.manifest import (
     without_checksums,
 )
 from streamer.execute.delta import DeltaPush, DeltaState
-from streamer.execute.executor import DEFAULT_BUCKET, SCHEDULE_VERSION, ExecStats, Executor
+from streamer.execute.executor import SCHEDULE_VERSION, ExecStats, Executor
 from streamer.execute.quant import ReceiverQuant, RefitQuant, SenderQuant, refit_quant, refit_quant_report
 from streamer.execute.staging import device_name, staging_problems
 from streamer.ops.quant import FP8_BLOCK
 from streamer.plan.gcpause import paused_gc
-from streamer.refit.baseline import gather_broadcast
+from streamer.refit.baseline import Baseline, gather_broadcast
 from streamer.refit.local import check_local, collect_local
+from streamer.refit.options import RefitOptions, agree
 from streamer.refit.rankstart import input_digests, input_problems, plan_own
 from streamer.refit.replicas import replica_digests, replica_problems
-from streamer.transport.agree import AgreedRefusal, LocalChecks, Refusal, agree
+from streamer.transport.agree import AgreedRefusal, LocalChecks, Refusal
+from streamer.transport.agree import agree as agree_refusals
 from streamer.transport.base import Transport
 from streamer.transport.jobs import Group, connect
 
-__all__ = ["RefitSession", "RefusedError", "StepStats", "make_transport", "transport_kind"]
+__all__ = ["RefitOptions", "RefitSession", "RefusedError", "StepStats", "make_transport", "transport_kind"]
 
 TRANSPORTS = ("mpi", "gloo", "nccl", "shm", "cuda-ipc")
-STRATEGIES = ("reshard", "broadcast")
 
 
 class RefusedError(ValidationError):
@@ -72,40 +73,26 @@ class RefusedError(ValidationError):
 
 
 @dataclass
-class StepStats:
-    step: int
-    seconds: float
-    bytes_sent: int
-    bytes_received: int
-    messages: int
-    peak_buffer_bytes: int
-    verified_regions: int = 0
+class StepStats(ExecStats):
+    """One push or pull on this rank: the executor's figures (``ExecStats``) plus the session's."""
+
+    #: the push's index in this session (0, 1, ...)
+    step: int = 0
     strategy: str = "reshard"
-    #: destination-sized bytes this rank cast while packing (a float32 source, a bfloat16 destination)
-    cast_bytes: int = 0
     #: the push's number in its session (1, 2, ...); delta sessions only, else 0
     version: int = 0
-    #: what this rank's messages would carry un-encoded (bytes_sent/received are what went on the wire)
-    full_bytes_sent: int = 0
-    full_bytes_received: int = 0
     #: of the elements this rank sent as deltas, the fraction that changed (None: no delta sent)
     changed_fraction: float | None = None
-    #: CPU seconds spent encoding (XOR, base copy, codec) and decoding (codec, XOR into the tensors)
-    encode_seconds: float = 0.0
-    decode_seconds: float = 0.0
-    #: the time verify spent checksumming and comparing regions
-    verify_seconds: float = 0.0
     #: this rank's copy of the bytes it last sent (the memory price of delta)
     base_bytes: int = 0
-    #: messages per encoding ("raw", "same", "sparse", "zstd"), delta pushes only
-    encodings: dict[str, int] = field(default_factory=dict)
     #: seconds this rank spent quantizing FP8 weights (senders while packing, receivers after)
     quantize_seconds: float = 0.0
-    #: bytes copied between device tensors and the pinned host buckets (device tensors on mpi/gloo)
-    staged_bytes: int = 0
 
-    def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+    @classmethod
+    def of(cls, es: ExecStats, **session: Any) -> StepStats:
+        """``es`` with the session's fields; the fraction changed comes from its element counts."""
+        changed = es.changed_elements / es.delta_elements if es.delta_elements else None
+        return cls(**{f.name: getattr(es, f.name) for f in fields(ExecStats)}, changed_fraction=changed, **session)
 
 
 def transport_kind(kind: str | None, group: Group) -> str:
@@ -147,7 +134,7 @@ def _agree_transport(group: Group, transport: str | Transport | None, timeout: f
             kind = transport_kind(transport, group)
         if prepare is not None:
             prepare(group)
-    kinds = agree(group.control, checks.refusal, timeout, extra=kind)
+    kinds = agree_refusals(group.control, checks.refusal, timeout, extra=kind)
     sides = {side: sorted({str(k) for k in ks if k is not None})
              for side, ks in (("senders", kinds[:group.n_send]), ("receivers", kinds[group.n_send:]))}
     if len({k for ks in sides.values() for k in ks}) > 1:
@@ -165,20 +152,8 @@ class RefitSession:
     group: Group
     transport: Transport | None = None
     timeout: float = 300.0
-    bucket_size: int = DEFAULT_BUCKET
-    verify: bool = False
-    strategy: str = "reshard"
-    src_domain_size: int | None = None
-    dst_domain_size: int | None = None
-    allow_extra: bool = False
-    #: pushes the caller will run over this session; both jobs agree on the largest asked for
-    planned_steps: int = 1
-    #: after the first push, send what changed since the last one (on if either job asks)
-    delta: bool = False
-    #: quantize on refit: elements per float32 scale of block-FP8 weights (None: 128x128, or what
-    #: the other job asks), and UE8M0 power-of-two scales (on if either job asks)
-    fp8_block: tuple[int, int] | None = None
-    ue8m0: bool = False
+    #: this job's options; after ``start``, the ones both jobs agreed on
+    options: RefitOptions = field(default_factory=RefitOptions)
     #: what stages device tensors over mpi/gloo (``streamer.execute.staging``); None: CUDA tensors are
     #: staged through pinned host buckets on their device (tests pass a ``device_ops.FakeDeviceOps``)
     device_ops: Any = None
@@ -187,8 +162,6 @@ class RefitSession:
     def __post_init__(self) -> None:
         if self.role not in ("send", "recv"):
             raise UsageError(f"role must be send or recv, got {self.role!r}")
-        if self.strategy not in STRATEGIES:
-            raise UsageError(f"unknown strategy {self.strategy!r} (one of {', '.join(STRATEGIES)})")
         self._started = False
         self._executor: Executor | None = None
         self._tensor_key: tuple[Any, ...] = ()
@@ -207,16 +180,15 @@ class RefitSession:
     @classmethod
     def open(cls, manifest: Manifest | str | Path | None, role: str, *, rendezvous: str | None = None,
              transport: str | Transport | None = None, control: str = "auto", timeout: float = 300.0,
-             group: Group | None = None, refusal: Refusal | None = None,
-             announce: Callable[[AgreedRefusal], None] | None = None,
-             prepare: Callable[[Group], None] | None = None, **options: Any) -> RefitSession:
+             group: Group | None = None, options: RefitOptions | None = None, device_ops: Any = None,
+             refusal: Refusal | None = None, announce: Callable[[AgreedRefusal], None] | None = None,
+             prepare: Callable[[Group], None] | None = None) -> RefitSession:
         """Join the refit as ``role`` ("send" or "recv") and plan it: the one collective entry point.
 
         ``transport``: "mpi" (default under mpiexec), "gloo" (default otherwise), "nccl", "shm" or
         "cuda-ipc" (every rank on one node), or a ``Transport``. ``control``: "auto", "mpi" or
-        "store" (see ``jobs.connect``). ``options``: ``bucket_size``, ``verify``, ``strategy``,
-        ``src_domain_size``, ``dst_domain_size``, ``allow_extra``, ``planned_steps``, ``delta``,
-        ``fp8_block``, ``ue8m0``, ``device_ops``.
+        "store" (see ``jobs.connect``). ``options``: how to move (``RefitOptions``; the two jobs
+        agree on them). ``device_ops``: what stages device tensors on a host transport (tests).
 
         Bad input on one rank ends every rank of both jobs with the same verdict (``AgreedRefusal``,
         ``transport.agree``): a manifest that does not load here, ``refusal`` (what the caller's own
@@ -238,7 +210,8 @@ class RefitSession:
         try:
             kind = _agree_transport(group, transport, timeout, checks, prepare)
             assert m is not None  # a rank without its manifest refused above, on every rank
-            session = cls(m, role, group, make_transport(kind, group, timeout), timeout, **options)
+            session = cls(m, role, group, make_transport(kind, group, timeout), timeout, options or RefitOptions(),
+                          device_ops)
             session.start()
         except (AgreedRefusal, PlanError, UsageError):
             group.close(timeout)  # every rank holds this verdict: they sign off together
@@ -266,20 +239,20 @@ class RefitSession:
         self.src, self.dst = self._exchange_manifests()
         self._agree_options()
         # FP8 destinations fed from float sources: the plan moves between the quantizing manifests
-        self.quant = refit_quant(self.src, self.dst, block=self.fp8_block or FP8_BLOCK, ue8m0=self.ue8m0)
+        self.quant = refit_quant(self.src, self.dst, block=self.options.fp8_block or FP8_BLOCK, ue8m0=self.options.ue8m0)
         self._psrc, self._pdst = (self.quant.src, self.quant.dst) if self.quant else (self.src, self.dst)
         # every rank plans from the same inputs with the same planner: no plan is compared, and each
         # rank expands only its own transfers and orders only its own messages
-        self.plan, self.schedule = plan_own(self._psrc, self._pdst, self._t.rank, bucket_size=self.bucket_size,
-                                            src_domain_size=self.src_domain_size,
-                                            dst_domain_size=self.dst_domain_size, allow_extra=self.allow_extra)
+        self.plan, self.schedule = plan_own(self._psrc, self._pdst, self._t.rank, bucket_size=self.options.bucket_size,
+                                            src_domain_size=self.options.src_domain_size,
+                                            dst_domain_size=self.options.dst_domain_size, allow_extra=self.options.allow_extra)
         # what every push is checked against: computed once (a full-size manifest has many chunks)
         self._specs = self.manifest.local_tensors(self.local_rank)
 
     def _start_quant(self) -> None:
         if self.quant is None:
             return
-        if self.strategy != "reshard":
+        if self.options.strategy != "reshard":
             raise UsageError("quantize on refit works with --strategy reshard only")
         if getattr(self.transport, "device", None) is not None:
             raise UsageError("quantize on refit runs on the host: use --transport mpi or gloo (nccl: not yet)")
@@ -325,36 +298,13 @@ class RefitSession:
         the smallest bucket, one strategy, ...: negotiated below) and on what is planned: the
         input digests (both manifests, the options not negotiated, the planner's and the bucket
         layout's versions), where a difference is refused on every rank, by name, before any plan."""
+        o = self.options
         inputs = input_digests(self._texts[0], self._texts[1],
-                               {"allow_extra": self.allow_extra, "schedule": SCHEDULE_VERSION})
+                               {"allow_extra": o.allow_extra, "schedule": SCHEDULE_VERSION})
+        host = getattr(self.transport, "device", None) is None
         cfgs = [json.loads(c) for c in self._t.allgather_bytes(json.dumps(
-            {"verify": self.verify, "bucket": self.bucket_size, "strategy": self.strategy,
-             "steps": self.planned_steps, "src_domain": self.src_domain_size,
-             "dst_domain": self.dst_domain_size, "delta": self.delta, "ue8m0": self.ue8m0,
-             "fp8_block": list(self.fp8_block) if self.fp8_block else None,
-             "host": getattr(self.transport, "device", None) is None, "inputs": inputs}).encode(), self.timeout)]
-        strategies = sorted({c["strategy"] for c in cfgs})
-        if len(strategies) > 1:
-            raise PlanError(f"the two jobs asked for different strategies ({', '.join(strategies)}); pass the same "
-                            "--strategy to both")
-        self.verify = any(c["verify"] for c in cfgs)
-        self.bucket_size = min(c["bucket"] for c in cfgs)
-        self.planned_steps = max(c["steps"] for c in cfgs)
-        self.delta = any(c["delta"] for c in cfgs)
-        self.ue8m0 = any(c["ue8m0"] for c in cfgs)
-        blocks = sorted({tuple(c["fp8_block"]) for c in cfgs if c["fp8_block"] is not None})
-        if len(blocks) > 1:
-            raise PlanError(f"the two jobs asked for different --fp8-block values {[list(b) for b in blocks]}")
-        self.fp8_block = (blocks[0][0], blocks[0][1]) if blocks else None
-        if self.delta and strategies != ["reshard"]:
-            raise UsageError("--delta works with --strategy reshard only")
-        if self.delta and not all(c["host"] for c in cfgs):
-            raise UsageError("--delta encodes on the host: use --transport mpi or gloo (nccl: not yet)")
-        for key, attr in (("src_domain", "src_domain_size"), ("dst_domain", "dst_domain_size")):
-            vals = sorted({c[key] for c in cfgs if c[key] is not None})
-            if len(vals) > 1:
-                raise PlanError(f"the two jobs asked for different --{key.replace('_', '-')}-size values {vals}")
-            setattr(self, attr, vals[0] if vals else None)
+            {"options": o.wire(), "host": host, "inputs": inputs}).encode(), self.timeout)]
+        self.options = agree([c["options"] for c in cfgs], [c["host"] for c in cfgs])
         problems = input_problems([c["inputs"] for c in cfgs], lambda r: f"rank {r}")
         if problems:
             raise PlanError(problems=problems)
@@ -402,29 +352,22 @@ class RefitSession:
         problems += check_local(local, self._specs, who)
         problems += self._device_problems(local, who)
         digests = {}
-        if self.verify and self.role == "send" and not problems:
+        if self.options.verify and self.role == "send" and not problems:
             digests = replica_digests(self.src, self.local_rank, local)
         if self._send_quant is not None:
             self._send_quant.new_push()
-        if not self.delta:
+        if not self.options.delta:
             self._agree(problems, digests)
-            es = gather_broadcast(self, local) if self.strategy == "broadcast" else self._exec(local).run()
+            es = self._baseline(local) if self.options.strategy == "broadcast" else self._exec(local).run()
         else:
             es = self._delta_step(local, problems, digests)
         quantize_s = self._recv_quant.finish(local) if self._recv_quant is not None else 0.0
         if self._send_quant is not None:
             quantize_s = self._send_quant.seconds
-        st = StepStats(step=len(self.steps), seconds=es.seconds, bytes_sent=es.bytes_sent,
-                       bytes_received=es.bytes_received, messages=es.messages,
-                       peak_buffer_bytes=es.peak_buffer_bytes, verified_regions=es.verified_regions,
-                       strategy=self.strategy, cast_bytes=es.cast_bytes,
-                       version=self._attempted if self.delta else 0, full_bytes_sent=es.full_bytes_sent,
-                       full_bytes_received=es.full_bytes_received,
-                       changed_fraction=es.changed_elements / es.delta_elements if es.delta_elements else None,
-                       encode_seconds=es.encode_seconds, decode_seconds=es.decode_seconds,
-                       verify_seconds=es.verify_seconds,
-                       base_bytes=self._delta_state.base_bytes if self._delta_state else 0,
-                       encodings=es.encodings, quantize_seconds=quantize_s, staged_bytes=es.staged_bytes)
+        st = StepStats.of(es, step=len(self.steps), strategy=self.options.strategy,
+                          version=self._attempted if self.options.delta else 0,
+                          base_bytes=self._delta_state.base_bytes if self._delta_state else 0,
+                          quantize_seconds=quantize_s)
         self.steps.append(st)
         return st
 
@@ -438,9 +381,9 @@ class RefitSession:
         if problems:
             return [f"{who}: {p}" for p in problems]
         what = f"device tensors ({', '.join(on_device) or self.device_ops.name})"
-        if self.delta:
+        if self.options.delta:
             return [f"{who}: {what} with --delta: deltas are encoded on the host (not yet for device tensors)"]
-        if self.strategy == "broadcast":
+        if self.options.strategy == "broadcast":
             return [f"{who}: {what} with --strategy broadcast: the baseline moves host memory (use reshard)"]
         return []
 
@@ -474,11 +417,16 @@ class RefitSession:
         payload = json.dumps({"problems": problems, "replicas": digests, **(state or {})}).encode()
         got = [json.loads(x) for x in self._t.allgather_bytes(payload, self.timeout)]
         every: list[str] = [p for g in got for p in g["problems"]]
-        if self.verify:
+        if self.options.verify:
             every += replica_problems(self.src, [g["replicas"] for g in got[:self.group.n_send]], self.group.name)
         if every:
             raise RefusedError(problems=every[:200] + ([f"... and {len(every) - 200} more"] if len(every) > 200 else []))
         return got
+
+    def _baseline(self, tensors: Mapping[str, Any]) -> ExecStats:
+        """One push by the gather-broadcast baseline (``--strategy broadcast``)."""
+        return gather_broadcast(Baseline(self._t, self.src, self.dst, self.plan.casts, self.group.n_send,
+                                         self.group.name, self.timeout, self.options.bucket_size), tensors)
 
     def _exec(self, tensors: Mapping[str, Any]) -> Executor:
         # a new executor only when the caller hands other memory: ``model.state_dict()`` makes new
@@ -487,7 +435,7 @@ class RefitSession:
         if self._executor is None or key != self._tensor_key:
             staging = self._recv_quant.staging if self._recv_quant is not None else {}
             self._executor = Executor(self._t, self.plan, self.schedule, {**tensors, **staging}, timeout=self.timeout,
-                                      verify=self.verify, peer_names=self.group.name, quant=self._send_quant,
+                                      verify=self.options.verify, peer_names=self.group.name, quant=self._send_quant,
                                       device_ops=self.device_ops)
             self._tensor_key = key
         return self._executor

@@ -421,6 +421,7 @@ def refit_worker(argv: list[str]) -> int:
     from mpi4py import MPI
 
     from formats.manifest import load_manifest
+    from streamer.refit.options import RefitOptions
     from streamer.refit.persist import alloc_local, load_local
     from streamer.refit.session import RefitSession
     from streamer.transport.jobs import Group
@@ -442,8 +443,8 @@ def refit_worker(argv: list[str]) -> int:
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     sess = {}
     for strategy in ("reshard", "broadcast"):
-        sess[strategy] = RefitSession.open(m, role, group=group, bucket_size=a.bucket_size, strategy=strategy,
-                                           timeout=600)
+        sess[strategy] = RefitSession.open(m, role, group=group, timeout=600,
+                                           options=RefitOptions(bucket_size=a.bucket_size, strategy=strategy))
     plan = sess["reshard"].plan
     floor = _alltoallv_floor(world, plan.pair_bytes())
 

@@ -109,6 +109,7 @@ def delta_worker(argv: list[str]) -> int:
     from mpi4py import MPI
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from streamer.refit.options import RefitOptions
     from streamer.refit.persist import alloc_local
     from streamer.refit.session import RefitSession
     from streamer.transport.jobs import Group
@@ -144,8 +145,8 @@ def delta_worker(argv: list[str]) -> int:
         model(input_ids=ids, labels=ids).loss.backward()
         opt.step()
 
-    sessions = {kind: RefitSession.open(m, role, group=group, bucket_size=a.bucket_size, timeout=600,
-                                        delta=kind == "delta") for kind in ("delta", "full")}
+    sessions = {kind: RefitSession.open(m, role, group=group, timeout=600,
+                                        options=RefitOptions(bucket_size=a.bucket_size, delta=kind == "delta")) for kind in ("delta", "full")}
     rows: list[dict[str, Any]] = []
     for step in range(a.steps + 1):
         if role == "send":

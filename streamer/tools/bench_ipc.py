@@ -79,12 +79,13 @@ def worker(args: argparse.Namespace) -> int:
     import torch
     from mpi4py import MPI
 
+    from streamer.refit.options import RefitOptions
     from streamer.refit.session import RefitSession
 
     role = "send" if MPI.COMM_WORLD.Get_rank() == 0 else "recv"
     m = _layout(args.size)
     with RefitSession.open(m, role, transport=args.transport, timeout=args.timeout,
-                           bucket_size=args.bucket_size) as s:
+                           options=RefitOptions(bucket_size=args.bucket_size)) as s:
         t = s._t
         device = t.device
         mine = _payload(m, device, seed=1) if role == "send" else {
@@ -105,7 +106,7 @@ def worker(args: argparse.Namespace) -> int:
             refit = sorted(times[1:])[len(times[1:]) // 2]
             name = torch.cuda.get_device_name(device) if device is not None else "host"
             print(json.dumps({"transport": t.name, "device": name, "bytes": nbytes, "repeats": args.repeats,
-                              "bucket_bytes": s.bucket_size, "first_push_s": times[0], "refit_s": refit,
+                              "bucket_bytes": s.options.bucket_size, "first_push_s": times[0], "refit_s": refit,
                               "refit_gbps": nbytes / refit / 1e9, "floor_s": floor,
                               "floor_gbps": nbytes / floor / 1e9, "ratio_to_floor": floor / refit,
                               "identical": bool(same)}))

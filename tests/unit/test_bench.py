@@ -25,6 +25,7 @@ def test_bench_validate_counts_chunks() -> None:
     assert r["chunks"] == 2000 and r["problems"] == 0 and r["total_s"] > 0
 
 
+@pytest.mark.slow  # the scale tier
 def test_bench_convert_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """TP2 -> TP3 (uneven) at tiny size, with the DCP path: 2 gloo ranks dcp.save, 3 dcp.load."""
     pytest.importorskip("torch.distributed.checkpoint")  # the optional [torch] extra; --no-dcp is tested below

@@ -396,6 +396,7 @@ def test_hf_to_torch_dist_matches_megatrons_own_save(fixture: str, spec: str, tm
     assert not (tmp_path / "bad").exists()
 
 
+@pytest.mark.slow  # the scale tier
 def test_bench_convert_source_megatron_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """torch_dist save of a synthetic Qwen3 -> import --to hf + convert, timed against the copy
     floor; the HF output is checked byte for byte against the synthetic source."""

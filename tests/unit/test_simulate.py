@@ -257,6 +257,7 @@ def _workloads() -> list[tuple[str, str]]:
     return out
 
 
+@pytest.mark.slow  # the scale tier
 @needs_workloads
 def test_every_shipped_workload_simulates() -> None:
     work = _workloads()

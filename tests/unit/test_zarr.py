@@ -176,6 +176,7 @@ def split_rows(src: Manifest, fqn: str, rows: list[int]) -> Manifest:
     return Manifest(world_size=len(rows), arrays=arrays)
 
 
+@pytest.mark.slow  # the scale tier
 def test_irregular_regions_use_the_sharding_codec(tiny: Path, tmp_path: Path) -> None:
     """334 + 333 + 333 rows is no regular grid: gcd chunks (1 row) packed into shards."""
     src = load_manifest(tiny / "hf" / "manifest.json")
