@@ -20,7 +20,7 @@ from streamer.cli.args import emit as _out
 from streamer.cli.args import parse_block, parse_size
 from streamer.cli.args import positive_int as _positive_int
 from streamer.cli.collective import ArgvError, Parser, announce, argv_refused, mpi_comm
-from streamer.transport.agree import AgreedRefusal
+from streamer.ops.agree import AgreedRefusal
 
 if TYPE_CHECKING:
     from formats.manifest import Manifest
@@ -312,12 +312,12 @@ def _plan_rank(args: argparse.Namespace, plan: Any, src: Any, dst: Any, t0: floa
 
 def cmd_convert(args: argparse.Namespace) -> int:
     """Under ``mpiexec -n K``: every check runs on every worker and ends in an agreement round
-    (``transport.agree``), so a refusal on any worker ends all of them with it; a failure later,
+    (``ops.agree``), so a refusal on any worker ends all of them with it; a failure later,
     while writing, aborts the job (``MPI_Abort``) instead of leaving the others waiting."""
     comm = mpi_comm()
     if comm is None:
         return _convert(args, None)
-    from streamer.transport.agree import problem_lines
+    from streamer.ops.agree import problem_lines
     from streamer.transport.watchdog import abort
 
     try:
@@ -334,7 +334,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def _convert(args: argparse.Namespace, comm: Any) -> int:
     from streamer.convert import ConvertOptions, convert
-    from streamer.transport.agree import agreed
+    from streamer.ops.agree import agreed
 
     torch_dist = args.format == "torch_dist"
     workers = None
@@ -350,7 +350,8 @@ def _convert(args: argparse.Namespace, comm: Any) -> int:
                           cast=args.cast, format="safetensors" if torch_dist else args.format,
                           zarr_compressor=args.zarr_compressor or "none", fp8_block=args.fp8_block, ue8m0=args.ue8m0,
                           manifest_version=args.format_version)
-    rep = convert(src, dst, out, opts, comm=comm, src_where=_where(args.src), dst_where=_where(args.dst))
+    rep = convert(src, dst, out, opts, comm=comm, control=workers, src_where=_where(args.src),
+                  dst_where=_where(args.dst))
     if torch_dist:  # a Megatron save root: the one-rank megatron layout packed into torch_dist chunks
         from streamer.convert.megatron_export import pack_torch_dist
 
@@ -438,13 +439,13 @@ def cmd_refit(args: argparse.Namespace) -> int:
 
     A check that refuses on some ranks only (this side's manifest, an option, the --save
     directory) does not end them alone: it travels with the group's formation and every rank of
-    both jobs raises the same verdict (``transport.agree``), printed once per launch, with the
+    both jobs raises the same verdict (``ops.agree``), printed once per launch, with the
     same exit code. Refusals that every rank agreed on later (``RefusedError``, a plan
     mismatch) end the same way. Anything else happened on this rank alone: it tells the others
     (store plane) or aborts the MPI jobs, so no rank waits out the timeout.
     """
     from streamer.cli.collective import run_refit
-    from streamer.transport.agree import LocalChecks
+    from streamer.ops.agree import LocalChecks
 
     checks = LocalChecks()
     manifest = None

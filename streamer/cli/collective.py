@@ -2,7 +2,7 @@
 ``mpiexec``): how their refusals reach every rank, and who prints them.
 
 The rule (docs/failures.md): a check that refuses on some ranks only never ends them alone. It
-becomes a refusal that the group's first collective carries (``transport.agree``), so every
+becomes a refusal that the group's first collective carries (``ops.agree``), so every
 rank of both jobs ends with the same exit code, and each launch prints the lines once (its rank
 0). That holds for a command line that does not parse too: the rank joins the group with the
 usage error (exit 2) instead of exiting on its own, which would leave the others waiting.
@@ -17,7 +17,7 @@ from typing import Any, NoReturn
 
 from formats.errors import PlanError, ShardstreamError, TransportError, UsageError
 from formats.manifest import Manifest
-from streamer.transport.agree import AgreedRefusal, LocalChecks, Refusal, agree
+from streamer.ops.agree import AgreedRefusal, LocalChecks, Refusal, agree
 
 __all__ = ["ArgvError", "Parser", "announce", "argv_refused", "mpi_comm", "run_refit"]
 

@@ -2,7 +2,7 @@
 
 1. Check the inputs and plan; open every source tensor the plan reads (rank 0), so that bad
    input fails before anything is written. Under ``mpiexec`` the step ends in an agreement
-   round (``transport.agree``): a refusal on any worker ends every worker with it.
+   round (``ops.agree``): a refusal on any worker ends every worker with it.
 2. Rank 0 opens the output: takes its lock, turns a finished output back into records when
    resuming, removes the manifest and stale temp files; again agreed on by every worker.
 3. Every worker (``mpiexec -n K``: K ranks) writes its share of the sink's jobs, largest first;
@@ -31,9 +31,9 @@ from streamer.convert.progress import Progress
 from streamer.convert.safetensors_sink import SafetensorsSink
 from streamer.convert.sinks import Job, Sink
 from streamer.convert.state import MANIFEST, Lock, Records, mark_incomplete, open_output, remove_state
+from streamer.ops.agree import agreed
 from streamer.ops.quant import planned_destination, quant_report, quant_targets
 from streamer.plan.planner import CASTABLE, Plan, array_casts, plan_transfers
-from streamer.transport.agree import agreed
 
 __all__ = ["convert"]
 
@@ -48,33 +48,36 @@ class _Workers:
     rank: int = 0
     size: int = 1
     timeout: float = 300.0
-    #: the workers' small collectives, bounded by ``timeout`` (None: one worker)
-    transport: Any = None
+    #: the workers' small collectives with timeouts (an ``MPITransport`` over ``comm``; None: one worker)
+    control: Any = None
 
     @classmethod
-    def of(cls, comm: Any, timeout: float) -> _Workers:
+    def of(cls, comm: Any, control: Any, timeout: float) -> _Workers:
         if comm is None:
             return cls(None, timeout=timeout)
-        from streamer.transport.mpi import MPITransport
-
-        return cls(comm, comm.Get_rank(), comm.Get_size(), timeout, MPITransport(comm))
+        if control is None:
+            raise UsageError("convert with several workers needs their control plane (control=MPITransport(comm))")
+        return cls(comm, comm.Get_rank(), comm.Get_size(), timeout, control)
 
     def agreed(self) -> AbstractContextManager[None]:
         """Run a block on every worker; a refusal in it on any worker is raised on all of them."""
-        return agreed(self.transport, self.timeout)
+        return agreed(self.control, self.timeout)
 
 
 def convert(src: Manifest, dst: Manifest, out_dir: str | os.PathLike[str], opts: ConvertOptions | None = None,
-            *, comm: Any = None, log: Any = None, src_where: str = "SRC", dst_where: str = "DST") -> ConvertReport:
+            *, comm: Any = None, control: Any = None, log: Any = None, src_where: str = "SRC",
+            dst_where: str = "DST") -> ConvertReport:
     """Convert the checkpoint ``src`` describes into ``dst``'s layout under ``out_dir``.
 
     Raises ``ValidationError`` / ``PlanError`` / ``FormatError`` (nothing written) for bad input,
     ``OutputLockedError`` when another convert holds ``out_dir``. ``src_where`` / ``dst_where``
-    name the manifests in problem lines (the CLI passes their paths).
+    name the manifests in problem lines (the CLI passes their paths). Several workers: ``comm``
+    (mpi4py) and ``control``, their collectives with timeouts (``MPITransport(comm)``); a refusal
+    on one worker is then an ``AgreedRefusal`` on all of them (``ops.agree``).
     """
     opts = opts or ConvertOptions()
     t0 = time.perf_counter()
-    workers = _Workers.of(comm, opts.timeout)
+    workers = _Workers.of(comm, control, opts.timeout)
     with workers.agreed():  # every check that can refuse, on every worker, before anyone waits
         _check_inputs(src, dst, src_where, dst_where)
         # arrays the destination asks in another float type: the plan moves the source's type and
@@ -130,8 +133,8 @@ def _run(src: Manifest, sink: Sink[J], jobs: Sequence[J], out: Path, opts: Conve
             sink.finish(out, final, jobs)
             save_manifest(final, out / MANIFEST, format_version=opts.manifest_version)  # v2: + checksum sidecar
             remove_state(out, lock)  # every worker is past _gather: all records are written
-        if workers.transport is not None:
-            workers.transport.barrier(opts.timeout)  # rank 0 has written the manifest
+        if workers.control is not None:
+            workers.control.barrier(opts.timeout)  # rank 0 has written the manifest
     finally:
         if lock is not None:
             lock.release()

@@ -5,7 +5,7 @@ theirs. Both open a ``RefitSession``, run ``steps`` pushes (each timed from a ba
 job to its slowest rank), and receivers may save what they received (into an empty directory,
 locked while they write). Bad input on any rank (its manifest, an option, the --save
 directory, its files) ends every rank of both jobs with the reason and one exit code, in an
-agreement round (``transport.agree``), instead of leaving the others to wait out the timeout.
+agreement round (``ops.agree``), instead of leaving the others to wait out the timeout.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from typing import Any
 from formats.errors import ShardstreamError, UsageError
 from formats.manifest import Manifest
 from formats.outdir import Lock, open_output, remove_state
+from streamer.ops.agree import AgreedRefusal, LocalChecks, Refusal
 from streamer.refit.options import RefitOptions
 from streamer.refit.session import RefitSession, StepStats
-from streamer.transport.agree import AgreedRefusal, LocalChecks, Refusal
 from streamer.transport.jobs import Group
 
 __all__ = ["RefitJob", "RefitReport"]
@@ -87,7 +87,7 @@ class RefitJob:
     save: str | None = None
     options: RefitOptions = field(default_factory=RefitOptions)
     #: what this rank refused before the job (its manifest, an option): every rank of both jobs
-    #: then ends with it (``transport.agree``)
+    #: then ends with it (``ops.agree``)
     refusal: Refusal | None = None
     #: called with a launch's verdict as soon as its own ranks agree on it (the CLI prints it)
     announce: Callable[[AgreedRefusal], None] | None = None

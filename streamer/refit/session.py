@@ -51,6 +51,8 @@ from streamer.execute.delta import DeltaPush, DeltaState
 from streamer.execute.executor import SCHEDULE_VERSION, ExecStats, Executor
 from streamer.execute.quant import ReceiverQuant, RefitQuant, SenderQuant, refit_quant, refit_quant_report
 from streamer.execute.staging import device_name, staging_problems
+from streamer.ops.agree import AgreedRefusal, LocalChecks, Refusal
+from streamer.ops.agree import agree as agree_refusals
 from streamer.ops.quant import FP8_BLOCK
 from streamer.plan.gcpause import paused_gc
 from streamer.refit.baseline import Baseline, gather_broadcast
@@ -58,8 +60,6 @@ from streamer.refit.local import check_local, collect_local
 from streamer.refit.options import RefitOptions, agree
 from streamer.refit.rankstart import input_digests, input_problems, plan_own
 from streamer.refit.replicas import replica_digests, replica_problems
-from streamer.transport.agree import AgreedRefusal, LocalChecks, Refusal
-from streamer.transport.agree import agree as agree_refusals
 from streamer.transport.base import Transport
 from streamer.transport.jobs import Group, connect
 
@@ -191,7 +191,7 @@ class RefitSession:
         agree on them). ``device_ops``: what stages device tensors on a host transport (tests).
 
         Bad input on one rank ends every rank of both jobs with the same verdict (``AgreedRefusal``,
-        ``transport.agree``): a manifest that does not load here, ``refusal`` (what the caller's own
+        ``ops.agree``): a manifest that does not load here, ``refusal`` (what the caller's own
         checks refused), and ``prepare(group)`` (checks that need the group, e.g. the receivers'
         output directory) are agreed on before any other wait; ``announce`` gets a launch's verdict
         as soon as its own ranks know it (see ``jobs.connect``). ``manifest`` may be None only with

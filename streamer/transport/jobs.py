@@ -30,7 +30,7 @@ from typing import Any
 
 from formats.errors import PeerTimeoutError, UsageError
 from formats.manifest import atomic_write_bytes
-from streamer.transport.agree import AgreedRefusal, LocalChecks, Refusal, agree
+from streamer.ops.agree import AgreedRefusal, LocalChecks, Refusal, agree
 from streamer.transport.base import Transport
 from streamer.transport.watchdog import Watchdog, abort
 
@@ -150,7 +150,7 @@ def connect(role: str | None, *, rendezvous: str | None = None, timeout: float =
 
     ``refusal``: what this rank refuses with (its manifest did not load, a bad option...). It
     joins all the same, and the group's first collective carries the refusal: every rank of both
-    jobs then raises the same ``AgreedRefusal`` (``transport.agree``) instead of waiting for this
+    jobs then raises the same ``AgreedRefusal`` (``ops.agree``) instead of waiting for this
     one. Two separate launches: the ranks of this launch agree first, ``announce`` is called with
     their verdict at once, and they still join (up to ``timeout``) to tell the other job.
     """

@@ -1,4 +1,4 @@
-"""The agreement round (``streamer.transport.agree``, issue 24): a refusal on some ranks is
+"""The agreement round (``streamer.ops.agree``, issue 24): a refusal on some ranks is
 raised on every rank with the same lines and exit code; nobody is left waiting. Also a refit
 whose manifest did not load on one receiver, over loopback ranks in threads."""
 
@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from formats.errors import ManifestError, UsageError
-from streamer.transport.agree import AgreedRefusal, LocalChecks, Refusal, agree, agreed
+from streamer.ops.agree import AgreedRefusal, LocalChecks, Refusal, agree, agreed
 from streamer.transport.loopback import LoopbackHub
 
 

@@ -27,14 +27,18 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from formats.errors import ShardstreamError
 
-if TYPE_CHECKING:  # (importing the transports costs numpy; the CLI imports this module early)
-    from streamer.transport.base import Transport
+__all__ = ["AgreedRefusal", "Collective", "LocalChecks", "Refusal", "agree", "agreed", "problem_lines"]
 
-__all__ = ["AgreedRefusal", "LocalChecks", "Refusal", "agree", "agreed", "problem_lines"]
+class Collective(Protocol):
+    """What an agreement round needs of a group: an allgather of bytes with a timeout (every
+    ``Transport`` has it; so does convert's group of workers)."""
+
+    def allgather_bytes(self, data: bytes, timeout: float) -> list[bytes]: ...
+
 
 #: lines an agreed refusal keeps (a broken manifest on 1000 ranks is still one problem)
 MAX_LINES = 200
@@ -114,7 +118,7 @@ class LocalChecks:
             raise AgreedRefusal([(0, self.refusal)])
 
 
-def agree(transport: Transport, refusal: Refusal | None, timeout: float, extra: Any = None) -> list[Any]:
+def agree(transport: Collective, refusal: Refusal | None, timeout: float, extra: Any = None) -> list[Any]:
     """One allgather of every rank's refusal (or None) and ``extra`` (JSON). Raises
     ``AgreedRefusal`` on every rank if any rank refused; else returns every rank's ``extra``."""
     payload = json.dumps({"r": refusal.to_json() if refusal else None, "x": extra}).encode()
@@ -126,7 +130,7 @@ def agree(transport: Transport, refusal: Refusal | None, timeout: float, extra: 
 
 
 @contextmanager
-def agreed(transport: Transport | None, timeout: float) -> Iterator[None]:
+def agreed(transport: Collective | None, timeout: float) -> Iterator[None]:
     """Run the block on every rank, then ``agree`` on whether any rank refused in it. With no
     ``transport`` (one process) the block's own error propagates unchanged."""
     checks = LocalChecks()
