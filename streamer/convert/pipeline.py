@@ -31,7 +31,7 @@ from streamer.convert.progress import Progress
 from streamer.convert.safetensors_sink import SafetensorsSink
 from streamer.convert.sinks import Job, Sink
 from streamer.convert.state import MANIFEST, Lock, Records, mark_incomplete, open_output, remove_state
-from streamer.ops.agree import agreed
+from streamer.ops.agree import AgreedRefusal, Refusal, agreed
 from streamer.ops.quant import planned_destination, quant_report, quant_targets
 from streamer.plan.planner import CASTABLE, Plan, array_casts, plan_transfers
 
@@ -299,9 +299,9 @@ def _gather(workers: _Workers, error: str | None, rep: ConvertReport, checksums:
     if workers.comm is None:
         return rep, checksums
     results = workers.comm.allgather((error, rep.to_dict(), checksums))
-    errs = [f"worker {i}: {e}" for i, (e, _, _) in enumerate(results) if e]
-    if errs:
-        raise FormatError(problems=errs)
+    errs = [(i, Refusal(FormatError.exit_code, (f"worker {i}: {e}",))) for i, (e, _, _) in enumerate(results) if e]
+    if errs:  # every worker holds the same list: one of them prints it
+        raise AgreedRefusal(errs)
     total = ConvertReport(workers=workers.size)
     for _, d, cs in results:
         for k in REPORT_COUNTS:
