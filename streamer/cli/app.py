@@ -19,7 +19,7 @@ from streamer import __version__
 from streamer.cli.args import emit as _out
 from streamer.cli.args import parse_block, parse_size
 from streamer.cli.args import positive_int as _positive_int
-from streamer.cli.collective import ArgvError, Parser, announce, argv_refused, mpi_comm
+from streamer.cli.collective import ArgvError, Parser, announce, argv_refused, mpi_comm, on_workers
 from streamer.ops.agree import AgreedRefusal
 
 if TYPE_CHECKING:
@@ -330,19 +330,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     comm = mpi_comm()
     if comm is None:
         return _convert(args, None)
-    from streamer.ops.agree import problem_lines
-    from streamer.transport.watchdog import abort
-
-    try:
-        return _convert(args, comm)
-    except AgreedRefusal:
-        raise  # every worker holds it: each exits with its code, one prints it
-    except Exception as e:  # noqa: BLE001 - this worker alone: the others must not wait for it
-        if os.environ.get("SHARDSTREAM_DEBUG") == "1" or args.debug:
-            raise
-        code = e.exit_code if isinstance(e, ShardstreamError) else 3
-        abort("\n".join(problem_lines(e)), code)
-        raise  # pragma: no cover - abort does not return
+    return on_workers(lambda: _convert(args, comm), debug=args.debug)
 
 
 def _convert(args: argparse.Namespace, comm: Any) -> int:
@@ -771,15 +759,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = ap.parse_args(argv)
     except ArgvError as e:  # a rank of a multi-rank launch tells its peers; one process prints it
-        try:
-            refused = argv_refused(e, argv, build_parser)
-        except ShardstreamError as err:  # e.g. the peers never came: the usage error stands
-            print(f"{e.parser.prog}: error: {e.message}\n{err}", file=sys.stderr)
-            return 2
-        if refused is None:
-            e.print_usage()
-            return 2
-        return refused
+        return argv_refused(e, argv, build_parser)
     except SystemExit as e:
         return int(e.code or 0)
     debug = args.debug or os.environ.get("SHARDSTREAM_DEBUG") == "1"

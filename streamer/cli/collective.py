@@ -13,13 +13,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 from formats.errors import PlanError, ShardstreamError, TransportError, UsageError
 from formats.manifest import Manifest
 from streamer.ops.agree import AgreedRefusal, LocalChecks, Refusal, agree
 
-__all__ = ["ArgvError", "Parser", "announce", "argv_refused", "mpi_comm", "run_refit"]
+__all__ = ["ArgvError", "Parser", "announce", "argv_refused", "mpi_comm", "on_workers", "run_refit"]
 
 #: seconds an unparseable command line waits for its peers in the agreement (no --timeout parsed)
 DEFAULT_TIMEOUT = 300.0
@@ -120,15 +121,27 @@ def _float(text: str | None, default: float) -> float:
     return v if v > 0 else default
 
 
-def argv_refused(e: ArgvError, argv: list[str], build_parser: Any) -> int | None:
-    """A command line that did not parse, on a rank of a multi-rank launch: join the group with
-    the usage error (exit 2 on every rank, one line). None: one process, argparse's own output."""
+def argv_refused(e: ArgvError, argv: list[str], build_parser: Any) -> int:
+    """A command line that did not parse. On a rank of a multi-rank launch: join the group with
+    the usage error (exit 2 on every rank, one line). One process: argparse's own output."""
+    try:
+        refused = _join_refused(e, argv, build_parser)
+    except ShardstreamError as err:  # e.g. the peers never came: the usage error stands
+        print(f"{e.parser.prog}: error: {e.message}\n{err}", file=sys.stderr)
+        return 2
+    if refused is None:
+        e.print_usage()
+        return 2
+    return refused
+
+
+def _join_refused(e: ArgvError, argv: list[str], build_parser: Any) -> int | None:
     from streamer.transport.jobs import launched_by_mpi
 
     words = [a for a in argv if not a.startswith("-")]
     cmd = words[0] if words else ""
-    comm = mpi_comm()
-    if cmd == "convert" and comm is not None:
+    comm = mpi_comm() if cmd == "convert" else None
+    if comm is not None:
         from streamer.transport.mpi import MPITransport
 
         line = f"{e.parser.prog}: error: {e.message}"
@@ -148,6 +161,24 @@ def argv_refused(e: ArgvError, argv: list[str], build_parser: Any) -> int | None
     args.control = control if control in ("auto", "mpi", "store") else "auto"
     args.timeout = _float(_option(argv, "--timeout"), DEFAULT_TIMEOUT)
     return run_refit(role, None, Refusal(2, (line,)), args)
+
+
+def on_workers(body: Callable[[], int], *, debug: bool) -> int:
+    """``body`` on one of convert's workers: an agreed refusal ends each worker with its code
+    (one prints it); any other failure is this worker's alone, and aborts them all (``MPI_Abort``)
+    instead of leaving the others to wait for it."""
+    from streamer.ops.agree import problem_lines
+    from streamer.transport.watchdog import abort
+
+    try:
+        return body()
+    except AgreedRefusal:
+        raise
+    except Exception as e:  # noqa: BLE001 - this worker alone: the others must not wait for it
+        if debug or os.environ.get("SHARDSTREAM_DEBUG") == "1":
+            raise
+        abort("\n".join(problem_lines(e)), e.exit_code if isinstance(e, ShardstreamError) else 3)
+        raise  # pragma: no cover - abort does not return
 
 
 def mpi_comm() -> Any:
