@@ -124,10 +124,18 @@ def _read_rendezvous(path: Path, deadline: float, want_fresh_from: float | None 
 
 @dataclass(frozen=True)
 class _Clock:
-    """One deadline for the whole join: ``--timeout`` bounds joining, not each step of it."""
+    """A deadline ``timeout`` seconds from its start: every step of one wait shares it."""
 
     timeout: float
     deadline: float
+
+    @classmethod
+    def start(cls, timeout: float) -> _Clock:
+        return cls(timeout, time.monotonic() + timeout)
+
+    def restart(self) -> _Clock:
+        """A new wait (for the other job, once this one is ready for it): its own ``timeout``."""
+        return _Clock.start(self.timeout)
 
     def left(self, floor: float = 0.5) -> float:
         return max(floor, self.deadline - time.monotonic())
@@ -154,7 +162,7 @@ def connect(role: str | None, *, rendezvous: str | None = None, timeout: float =
     one. Two separate launches: the ranks of this launch agree first, ``announce`` is called with
     their verdict at once, and they still join (up to ``timeout``) to tell the other job.
     """
-    clock = _Clock(timeout, time.monotonic() + timeout)
+    clock = _Clock.start(timeout)
     checks = LocalChecks(refusal)
     with checks.capture():
         _check_args(role, rendezvous, control)
@@ -260,6 +268,7 @@ def _connect_mpi_port(role: str, path: Path, clock: _Clock, refusal: Refusal | N
         if role_comm.Get_rank() == 0:
             port = MPI.Open_port()
             atomic_write_bytes(path, (port + "\n").encode())
+        clock = clock.restart()  # from here on: waiting for the sender job
 
         def cleanup() -> None:
             # every rank: the first watchdog to fire aborts the job, maybe before rank 0's does
@@ -274,6 +283,7 @@ def _connect_mpi_port(role: str, path: Path, clock: _Clock, refusal: Refusal | N
             merged = inter.Merge(high=True)
     else:
         port_s = ""
+        clock = clock.restart()  # from here on: waiting for the receiver job
         if role_comm.Get_rank() == 0:
             port_s = _read_rendezvous(path, clock.deadline)
         # tell the other sender ranks, even when it never came
@@ -303,6 +313,7 @@ def _connect_store(role: str, path: Path, clock: _Clock, refusal: Refusal | None
 
     rank, size = launcher_rank()
     t_start = time.time()
+    clock = clock.restart()  # from here on: waiting for the other job
     server = role == "recv" and rank == 0
     if server:
         host, port = host_address(), free_port()
