@@ -479,6 +479,7 @@ class RefitSession:
 
     def close(self) -> None:
         self._executor = None
+        self._slots = []  # bucket buffers may be transport memory (shm segments): released before it closes
         t = self.transport
         if t is not None and t is not self.group.control:
             t.close()
