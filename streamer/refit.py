@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -155,6 +155,10 @@ class RefitSession:
     #: what stages device tensors over mpi/gloo (``streamer.staging``); None: CUDA tensors are
     #: staged through pinned host buckets on their device (tests pass a ``device_ops.FakeDeviceOps``)
     device_ops: Any = None
+    #: receivers only: picks this job's manifest once the sender's is known (every receiver rank
+    #: calls it with the same sender manifest; it must answer alike on all of them). Used where one
+    #: set of local tensors can publish two array namings (MoE experts fused or one per expert)
+    choose_manifest: Callable[[Manifest], Manifest] | None = None
     steps: list[StepStats] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -254,12 +258,15 @@ class RefitSession:
         # the two roots send the compact form (format_version 2: megabytes, not hundreds of them at
         # DeepSeek-V3 scale); the other ranks serialise nothing
         # (without chunk checksums: a refit reads no file's checksum, and peers have no sidecar)
-        mine = dumps_manifest(without_checksums(self.manifest), format_version=COMPACT_FORMAT_VERSION).encode() \
-            if t.rank in (0, S) else None
-        src_txt = t.bcast_bytes(mine if t.rank == 0 else None, 0, self.timeout)
-        dst_txt = t.bcast_bytes(mine if t.rank == S else None, S, self.timeout)
-        self._texts = (src_txt, dst_txt)  # their digests are what the two jobs agree on
+        def text(m: Manifest) -> bytes:
+            return dumps_manifest(without_checksums(m), format_version=COMPACT_FORMAT_VERSION).encode()
+
+        src_txt = t.bcast_bytes(text(self.manifest) if t.rank == 0 else None, 0, self.timeout)
         src = loads_manifest(src_txt, where="sender manifest")
+        if self.role == "recv" and self.choose_manifest is not None:
+            self.manifest = self.choose_manifest(src)
+        dst_txt = t.bcast_bytes(text(self.manifest) if t.rank == S else None, S, self.timeout)
+        self._texts = (src_txt, dst_txt)  # their digests are what the two jobs agree on
         dst = loads_manifest(dst_txt, where="receiver manifest")
         problems = []
         if src.world_size != S:
