@@ -40,7 +40,7 @@ def load_config(cfg_path: str) -> object:
 
 
 def main(cfg_path: str, rendezvous: str, steps: int, reference: str | None, transport: str = "gloo",
-         save_hf: str | None = None) -> int:
+         save_hf: str | None = None, timeout: float = 120) -> int:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
@@ -53,7 +53,7 @@ def main(cfg_path: str, rendezvous: str, steps: int, reference: str | None, tran
     manifest = manifest_from_state_dict(model.state_dict(), name="fsdp2-trainer")  # shardstream 1/3
     assert {a.data_type for a in manifest.arrays.values()} == {"float32"}, "fp32 masters stay float32"
     data = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
-    with RefitSession.open(manifest, "send", rendezvous=rendezvous, transport=transport, timeout=120,
+    with RefitSession.open(manifest, "send", rendezvous=rendezvous, transport=transport, timeout=timeout,
                            verify=True) as session:  # shardstream 2/3
         for step in range(steps):
             loss = model(input_ids=data, labels=data).loss
@@ -102,5 +102,6 @@ if __name__ == "__main__":
     ap.add_argument("--reference", metavar="DIR")
     ap.add_argument("--transport", default="gloo", help="gloo (default), or shm when both jobs share a node")
     ap.add_argument("--save-hf", metavar="DIR", help="write each step's bf16 weights as an HF checkpoint DIR/step-N")
+    ap.add_argument("--timeout", type=float, default=120, help="seconds any wait may take (default 120)")
     a = ap.parse_args()
-    sys.exit(main(a.config, a.rendezvous, a.steps, a.reference, a.transport, a.save_hf))
+    sys.exit(main(a.config, a.rendezvous, a.steps, a.reference, a.transport, a.save_hf, a.timeout))

@@ -4,13 +4,17 @@
 
 JOB: ``{"tp": 1, "prompts": [[ids]], "max_tokens": N, "logprobs": K, "runs": [RUN, ...]}``. A RUN
 is ``{"model": DIR}`` (a fresh engine loaded from DIR) or ``{"model": DIR, "refit": {"rendezvous":
-PATH, "timeout": S, "steps": N}}``: an engine with the ``shardstream`` weight-transfer backend that
-joins the trainer's session and generates after each of N updates. Greedy tokens and the top-K
-logprobs of every generated position are recorded per prompt.
+PATH, "timeout": S, "steps": N, "manifests": DIR, "then": {"rendezvous": PATH2, "timeout": S}}}``:
+an engine with the ``shardstream`` weight-transfer backend that joins the trainer's session and
+generates after each of N updates. ``manifests``: every worker's engine writes the manifests it
+described (both expert namings) and what its updates did to ``DIR/rank-R.json``. ``then``: after
+the N updates, leave the session and join another one at PATH2 for one more update. Greedy tokens
+and the top-K logprobs of every generated position are recorded per prompt.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import os
@@ -32,6 +36,28 @@ def generate(llm: Any, job: dict[str, Any]) -> list[dict[str, Any]]:
         got.append({"tokens": list(c.token_ids),
                     "logprobs": [{str(t): lp.logprob for t, lp in pos.items()} for pos in c.logprobs]})
     return got
+
+
+def dump(worker: Any, out: str) -> None:
+    """In each worker (collective_rpc): what its shardstream engine described and did."""
+    from formats.manifest import Manifest, dumps_manifest
+
+    eng = worker.weight_transfer_engine
+    d = eng.described
+    body = {"rank": d.rank, "naming": eng.naming, "last": eng.last,
+            "manifests": {k: json.loads(dumps_manifest(m)) for k, m in d.manifests.items()},
+            "tensors": {k: [dataclasses.asdict(t) for t in ts] for k, ts in d.tensors.items()}}
+    assert all(isinstance(m, Manifest) for m in d.manifests.values())
+    Path(out).mkdir(parents=True, exist_ok=True)
+    Path(out, f"rank-{d.rank}.json").write_text(json.dumps(body))
+
+
+def update(llm: Any, version: str, job: dict[str, Any]) -> dict[str, Any]:
+    t = time.perf_counter()
+    llm.start_weight_update()
+    llm.update_weights({"update_info": {}})
+    llm.finish_weight_update(weight_version=version)
+    return {"update_seconds": time.perf_counter() - t, "version": llm.get_weight_version(), "out": generate(llm, job)}
 
 
 def engine(model: str, job: dict[str, Any], refit: bool) -> Any:
@@ -60,12 +86,16 @@ def run(job: dict[str, Any]) -> list[dict[str, Any]]:
             entry["before"] = generate(llm, job)
             entry["steps"] = []
             for step in range(rf["steps"]):
-                t2 = time.perf_counter()
-                llm.start_weight_update()
-                llm.update_weights({"update_info": {}})
-                llm.finish_weight_update(weight_version=str(step))
-                entry["steps"].append({"update_seconds": time.perf_counter() - t2,
-                                       "version": llm.get_weight_version(), "out": generate(llm, job)})
+                entry["steps"].append(update(llm, str(step), job))
+                if rf.get("manifests"):
+                    llm.collective_rpc(dump, args=(str(Path(rf["manifests"], f"step-{step}")),))
+            then = rf.get("then")
+            if then:
+                llm.shutdown_weight_transfer_engine()
+                llm.init_weight_transfer_engine({"init_info": then})
+                entry["then"] = update(llm, "then", job)
+                if rf.get("manifests"):
+                    llm.collective_rpc(dump, args=(str(Path(rf["manifests"], "then")),))
         else:
             entry["out"] = generate(llm, job)
         results.append(entry)
@@ -76,6 +106,7 @@ def run(job: dict[str, Any]) -> list[dict[str, Any]]:
 
 if __name__ == "__main__":
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc with a function (dump)
     job = json.loads(Path(sys.argv[1]).read_text())
     if job["tp"] == 1:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: starts in seconds
