@@ -23,7 +23,7 @@ while [ $# -gt 0 ]; do
 done
 rm -rf "$OUT"; mkdir -p "$OUT"
 RULES=()
-while read -r r; do RULES+=(--rule "$r"); done < <(python -c 'from streamer.synth import QWEN3_TP_RULES; print("\n".join(QWEN3_TP_RULES))')
+while read -r r; do RULES+=(--rule "$r"); done < <(python -c 'from streamer.tools.synth import QWEN3_TP_RULES; print("\n".join(QWEN3_TP_RULES))')
 
 step() { echo; echo "== $*" >&2; }
 step "1. synthetic $PRESET checkpoint"
@@ -32,7 +32,7 @@ step "2. describe it"
 shardstream import "$OUT/hf" -o "$OUT/hf/manifest.json"
 shardstream validate --data "$OUT/hf/manifest.json"
 RULES2=()
-while read -r r; do RULES2+=(--rule "$r"); done < <(python -c 'from streamer.synth import QWEN3_TP_RULES; print("\n".join(g + "=R," + p for g, p in (r.split("=", 1) for r in QWEN3_TP_RULES)))')
+while read -r r; do RULES2+=(--rule "$r"); done < <(python -c 'from streamer.tools.synth import QWEN3_TP_RULES; print("\n".join(g + "=R," + p for g, p in (r.split("=", 1) for r in QWEN3_TP_RULES)))')
 step "live refit: trainer job TP2xPP2 ($N ranks) -> inference job TP$N ($N ranks), two launches + rendezvous"
 shardstream layout --like "$OUT/hf/manifest.json" --mesh pp=2,tp=$((N / 2)) "${RULES2[@]}" -o "$OUT/train.json"
 shardstream convert "$OUT/hf/manifest.json" "$OUT/train.json" --out "$OUT/trainer"   # the trainer's rank files

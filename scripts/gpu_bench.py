@@ -1,6 +1,6 @@
 """Short GPU benchmark for scripts/gpu_check.sh: one table of device memcpy GB/s (the floor),
 block-FP8 and MXFP8 quantize GB/s with torch on the GPU, colocated cuda-ipc refit GB/s (a trainer
-and a server process on one GPU, ``streamer.bench_ipc``), and NCCL send/recv and NCCL refit GB/s
+and a server process on one GPU, ``streamer.tools.bench_ipc``), and NCCL send/recv and NCCL refit GB/s
 where >= 2 GPUs.
 Run from the repository root (``python scripts/gpu_bench.py``); needs CUDA."""
 
@@ -59,9 +59,9 @@ def _first_gpu() -> str:
 
 
 def _refit_row(transport: str, label: str, floor: float, env: dict[str, str]) -> tuple[str, str, str]:
-    """A 1 + 1 rank refit of 512 MiB (``streamer.bench_ipc`` under mpiexec), against ``floor``."""
+    """A 1 + 1 rank refit of 512 MiB (``streamer.tools.bench_ipc`` under mpiexec), against ``floor``."""
     try:
-        p = subprocess.run([sys.executable, "-m", "streamer.bench_ipc", "--transport", transport, "--size", "512MiB",
+        p = subprocess.run([sys.executable, "-m", "streamer.tools.bench_ipc", "--transport", transport, "--size", "512MiB",
                             "--repeats", "5", "--json"], capture_output=True, text=True, timeout=60,
                            env=dict(os.environ, **env), cwd=ROOT)
     except subprocess.TimeoutExpired:

@@ -18,7 +18,7 @@ if [ "$ngpu" -eq 0 ]; then
     timeout 300 python -m pytest -q tests/unit/test_quant.py tests/unit/test_quant_convert.py \
         tests/unit/test_quant_refit_plan.py tests/sim/test_quant_refit.py
     # the colocated benchmark's code path, on its CPU twin (shm refit against the host memcpy floor)
-    timeout 120 python -m streamer.bench_ipc --transport shm --size 64MiB --repeats 3
+    timeout 120 python -m streamer.tools.bench_ipc --transport shm --size 64MiB --repeats 3
     echo "gpu_check: CPU-side quantization tests and the shm benchmark passed; GPU tests and GPU benchmark" \
          "not run (no GPU)" >&2
     exit 0

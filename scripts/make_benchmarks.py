@@ -5,7 +5,7 @@ figures (design §9-§10), scale tables, and the simulator's own runtimes.
     .venv/bin/python scripts/make_benchmarks.py                 # ~4-5 minutes on 2 cores (--no-scale: 2-3)
     .venv/bin/python scripts/make_benchmarks.py --full-plan     # + one whole-model DSv3 plan (seconds)
 
-Every figure comes from ``streamer.simulate`` in this run (constants: ``streamer.simulate.CLUSTERS``,
+Every figure comes from ``streamer.tools.simulate`` in this run (constants: ``streamer.tools.simulate.CLUSTERS``,
 from ../shared/workloads/README.md, never tuned to the published numbers). Never imported.
 """
 
@@ -31,8 +31,8 @@ from formats.layouts.models import (
     parse_m2n_system,
 )
 from formats.manifest import dumps_manifest
-from streamer.plan import plan_transfers
-from streamer.simulate import CLUSTERS, broadcast_cost, reshard_cost, simulate, with_overrides
+from streamer.plan.planner import plan_transfers
+from streamer.tools.simulate import CLUSTERS, broadcast_cost, reshard_cost, simulate, with_overrides
 
 WORKLOADS = ROOT / "workloads"
 MODELS = WORKLOADS / "models"
@@ -596,7 +596,7 @@ def _gpu_section() -> list[str]:
             "`scripts/gpu_check.sh` runs every `gpu`-marked test (1-GPU tests always, the NCCL ones on ≥ 2 "
             "GPUs) and then prints one table: device memcpy GB/s (the floor), block-FP8 / UE8M0 / MXFP8 "
             "quantize GB/s with torch on the GPU, colocated cuda-ipc refit GB/s (a trainer and a server "
-            "process on one GPU, 512 MiB, `streamer.bench_ipc`) and its ratio to that floor, NCCL send/recv "
+            "process on one GPU, 512 MiB, `streamer.tools.bench_ipc`) and its ratio to that floor, NCCL send/recv "
             "and NCCL refit GB/s on ≥ 2 GPUs. **It has not yet run on a GPU** (no GPU machine was available "
             "to this task); its table goes here, with the date and the GPU model, after its first run.", "",
             "Its CPU twin, `shardstream bench ipc --transport shm --size 256MiB` (the same one-sided protocol "
@@ -651,7 +651,7 @@ def main() -> int:
     if not args.no_scale:
         import tempfile
 
-        from streamer.bench_rank import bench_scale
+        from streamer.tools.bench_rank import bench_scale
 
         print("refit start at scale", file=sys.stderr)
         with tempfile.TemporaryDirectory(prefix="shardstream-scale-") as work:

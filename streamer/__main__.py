@@ -2,6 +2,6 @@ from __future__ import annotations
 
 import sys
 
-from .cli import main
+from streamer.cli.app import main
 
 sys.exit(main())

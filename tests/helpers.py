@@ -31,8 +31,8 @@ from formats.layouts import (
     build_manifest,
 )
 from formats.manifest import Manifest
-from streamer.execute import ExecStats, Executor, build_schedule
-from streamer.plan import Plan
+from streamer.execute.executor import ExecStats, Executor, build_schedule
+from streamer.plan.planner import Plan
 from streamer.transport.loopback import LoopbackHub
 
 __all__ = [
@@ -371,8 +371,9 @@ def run_sessions(src: Manifest, dst: Manifest, act: Callable[[Any, int], Any], *
     ``act(session, local rank)``; ``options_of(role)`` adds options of one side only;
     ``transport_of(endpoint)`` moves the bytes over another transport built on the loopback
     endpoint (the control plane). Returns each global rank's result and each one's exception."""
-    from streamer.jobs import Group
-    from streamer.refit import RefitSession
+    from streamer.refit.options import RefitOptions
+    from streamer.refit.session import RefitSession
+    from streamer.transport.jobs import Group
 
     S, D = src.world_size, dst.world_size
     hub = LoopbackHub(S + D)
@@ -385,9 +386,11 @@ def run_sessions(src: Manifest, dst: Manifest, act: Callable[[Any, int], Any], *
         role = "send" if g < S else "recv"
         try:
             t = transport_of(eps[g]) if transport_of else eps[g]
+            kw = {**options, **(options_of(role) if options_of else {})}
+            device_ops = kw.pop("device_ops", None)
             with RefitSession.open(src if role == "send" else dst, role, group=Group(eps[g], eps[g], role, S, D,
-                                   plane="loopback"), transport=t, timeout=10, **options,
-                                   **(options_of(role) if options_of else {})) as s:
+                                   plane="loopback"), transport=t, timeout=10, options=RefitOptions(**kw),
+                                   device_ops=device_ops) as s:
                 results[g] = act(s, g if g < S else g - S)
         except BaseException as e:  # noqa: BLE001 - collected per rank
             errors[g] = e

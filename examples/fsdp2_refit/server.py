@@ -25,7 +25,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from formats.dtypes import np_storage
 from formats.manifest import Manifest, load_manifest
 from streamer import RefitSession
-from streamer.persist import alloc_local
+from streamer.refit.persist import alloc_local
 
 
 def assemble(m: Manifest, rank: int, tensors: dict[str, np.ndarray], role: object) -> dict[str, torch.Tensor]:

@@ -31,7 +31,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from streamer import RefitSession, manifest_from_state_dict
+from streamer import RefitOptions, RefitSession, manifest_from_state_dict
 
 
 def load_config(cfg_path: str) -> object:
@@ -54,7 +54,7 @@ def main(cfg_path: str, rendezvous: str, steps: int, reference: str | None, tran
     assert {a.data_type for a in manifest.arrays.values()} == {"float32"}, "fp32 masters stay float32"
     data = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     with RefitSession.open(manifest, "send", rendezvous=rendezvous, transport=transport, timeout=timeout,
-                           verify=True) as session:  # shardstream 2/3
+                           options=RefitOptions(verify=True)) as session:  # shardstream 2/3
         for step in range(steps):
             loss = model(input_ids=data, labels=data).loss
             loss.backward()  # FSDP2's own reduce-scatters on the trainer's group

@@ -14,12 +14,12 @@ Modules: ``pipeline`` (the one job pipeline), ``sinks`` (the ``Sink`` protocol),
 
 from __future__ import annotations
 
-from .cast import FLOATS, cast_bytes, cast_manifest
-from .files import DEFAULT_PATTERN, plan_files
-from .options import ConvertOptions, ConvertReport, FileJob
-from .pipeline import convert
-from .safetensors_sink import PACK_BYTES
-from .state import STATE_DIR
+from formats.rankfiles import DEFAULT_PATTERN, plan_files
+from streamer.convert.options import ConvertOptions, ConvertReport, FileJob
+from streamer.convert.pipeline import convert
+from streamer.convert.safetensors_sink import PACK_BYTES
+from streamer.convert.state import STATE_DIR
+from streamer.ops.cast import FLOATS, cast_bytes, cast_manifest
 
 __all__ = ["ConvertOptions", "ConvertReport", "FileJob", "convert", "plan_files", "DEFAULT_PATTERN",
            "cast_bytes", "cast_manifest", "FLOATS", "PACK_BYTES", "STATE_DIR"]

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from formats.checksum import DEFAULT_ALGO
-from formats.manifest import TensorSpec
+from formats.rankfiles import FileJob
 
 __all__ = ["ConvertOptions", "ConvertReport", "FileJob", "REPORT_COUNTS"]
 
@@ -46,22 +46,6 @@ class ConvertOptions:
         """The most one slab, zarr unit or coalesced read may buffer: a quarter of the limit, so
         that the two write buffers, the read span and a scratch copy fit in it together."""
         return max(1 << 16, self.memory_limit // 4)
-
-
-@dataclass
-class FileJob:
-    """One destination file: its local tensors, in file order, each filled from ``rank``'s plan."""
-
-    rel: str
-    tensors: list[tuple[str, TensorSpec, int]] = field(default_factory=list)
-
-    @property
-    def name(self) -> str:
-        return self.rel
-
-    @property
-    def nbytes(self) -> int:
-        return sum(ts.nbytes for _, ts, _ in self.tensors)
 
 
 #: the counters of a report that add up over workers

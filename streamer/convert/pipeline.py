@@ -23,15 +23,14 @@ from formats.errors import FormatError, PlanError, ShardstreamError, UsageError,
 from formats.manifest import Manifest, load_manifest, save_manifest
 from formats.store import SourceStore
 from formats.validate import validate_manifest
-
-from ..plan import CASTABLE, Plan, array_casts, plan_transfers
-from ..progress import Progress
-from .fill import Filler
-from .options import REPORT_COUNTS, ConvertOptions, ConvertReport
-from .quantize import planned_destination, quant_report, quant_targets
-from .safetensors_sink import SafetensorsSink
-from .sinks import Job, Sink
-from .state import MANIFEST, Lock, Records, mark_incomplete, open_output, remove_state
+from streamer.convert.fill import Filler
+from streamer.convert.options import REPORT_COUNTS, ConvertOptions, ConvertReport
+from streamer.convert.progress import Progress
+from streamer.convert.safetensors_sink import SafetensorsSink
+from streamer.convert.sinks import Job, Sink
+from streamer.convert.state import MANIFEST, Lock, Records, mark_incomplete, open_output, remove_state
+from streamer.ops.quant import planned_destination, quant_report, quant_targets
+from streamer.plan.planner import CASTABLE, Plan, array_casts, plan_transfers
 
 __all__ = ["convert"]
 
@@ -78,7 +77,7 @@ def convert(src: Manifest, dst: Manifest, out_dir: str | os.PathLike[str], opts:
         raise PlanError(problems=[f"{dst_where}: {ln}" for ln in e.problems]) from e
     planned = planned_destination(dst, targets, asked)
     if opts.format == "zarr":
-        from .zarr_sink import ZarrSink  # zarr is an optional dependency
+        from streamer.convert.zarr_sink import ZarrSink  # zarr is an optional dependency
 
         rep, plan = _run(src, ZarrSink(planned, opts, dst_where, stored=dst, quantize=targets), Path(out_dir), opts,
                          _Workers.of(comm), where)

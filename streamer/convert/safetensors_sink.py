@@ -18,16 +18,16 @@ from formats.checksum import Hasher, new_hasher
 from formats.dtypes import DType, by_name
 from formats.errors import ShardstreamError
 from formats.manifest import ArraySpec, Chunk, Manifest, Source, TensorSpec
+from formats.rankfiles import INDEX_NAME, plan_files, write_index
 from formats.safetensors_io import SafetensorsWriter, layout_file, read_header
 from formats.store import SourceStore
-
-from ..plan import Plan, Transfer
-from ..progress import Progress
-from .cast import cast_bytes, cast_manifest, with_dtypes
-from .files import INDEX_NAME, plan_files, write_index
-from .fill import U8, Buffer, Filler
-from .options import ConvertOptions, FileJob
-from .quantize import STEP_ELEMENTS, Quantizer, QuantTarget
+from streamer.convert.fill import U8, Buffer, Filler
+from streamer.convert.options import ConvertOptions, FileJob
+from streamer.convert.progress import Progress
+from streamer.convert.quantize import Quantizer
+from streamer.ops.cast import cast_bytes, cast_manifest, with_dtypes
+from streamer.ops.quant import STEP_ELEMENTS, QuantTarget
+from streamer.plan.planner import Plan, Transfer
 
 __all__ = ["PACK_BYTES", "SafetensorsSink"]
 

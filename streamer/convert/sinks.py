@@ -12,10 +12,9 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from formats.manifest import Manifest
-
-from ..plan import Plan
-from ..progress import Progress
-from .fill import Filler
+from streamer.convert.fill import Filler
+from streamer.convert.progress import Progress
+from streamer.plan.planner import Plan
 
 __all__ = ["Job", "Sink"]
 

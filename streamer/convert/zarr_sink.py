@@ -19,13 +19,13 @@ from formats.checksum import new_hasher
 from formats.dtypes import by_name
 from formats.errors import ShardstreamError, UsageError, ValidationError
 from formats.manifest import ArraySpec, Chunk, Manifest, Source
-
-from ..plan import Plan, Transfer
-from ..progress import Progress
-from .cast import cast_bytes, cast_manifest, with_dtypes
-from .fill import U8, Buffer, Filler
-from .options import ConvertOptions
-from .quantize import QuantTarget, quantized_box
+from streamer.convert.fill import U8, Buffer, Filler
+from streamer.convert.options import ConvertOptions
+from streamer.convert.progress import Progress
+from streamer.convert.quantize import quantized_box
+from streamer.ops.cast import cast_bytes, cast_manifest, with_dtypes
+from streamer.ops.quant import QuantTarget
+from streamer.plan.planner import Plan, Transfer
 
 __all__ = ["ArrayJob", "ZarrSink"]
 

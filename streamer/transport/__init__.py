@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from .base import Request, Transport, wait_all
+from streamer.transport.base import Request, Transport, wait_all
 
 __all__ = ["Request", "Transport", "wait_all"]

@@ -82,7 +82,7 @@ class HostBuffers:
         return self
 
     def byte_view(self, tensor: Any) -> np.ndarray:
-        from ..buffers import byte_view
+        from streamer.ops.buffers import byte_view
 
         return byte_view(tensor)
 

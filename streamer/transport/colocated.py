@@ -12,9 +12,8 @@ import socket
 from typing import Any
 
 from formats.errors import PlanError, TransportError
-
-from .base import Transport
-from .handles import Backend, HandleTransport
+from streamer.transport.base import Transport
+from streamer.transport.handles import Backend, HandleTransport
 
 __all__ = ["open_handle_transport"]
 
@@ -51,7 +50,7 @@ def open_handle_transport(kind: str, group: Any, timeout: float) -> HandleTransp
     exit 1) when the ranks span several nodes or, for cuda-ipc, a rank sees no CUDA device."""
     control: Transport = group.control
     if group.plane != "mpi":  # the store plane carries no point-to-point messages: gloo does
-        from .torch_dist import TorchDistTransport
+        from streamer.transport.torch_dist import TorchDistTransport
 
         control = TorchDistTransport(group.control, "gloo", store=group.store, timeout=timeout,
                                      prefix=f"shardstream/{kind}")
@@ -59,11 +58,11 @@ def open_handle_transport(kind: str, group: Any, timeout: float) -> HandleTransp
     problem = ""
     try:
         if kind == "shm":
-            from .shm import ShmBackend
+            from streamer.transport.shm import ShmBackend
 
             backend = ShmBackend()
         else:
-            from .cuda_ipc import CudaIpcBackend
+            from streamer.transport.cuda_ipc import CudaIpcBackend
 
             backend = CudaIpcBackend.for_rank(group.role_rank)
     except (TransportError, RuntimeError, OSError) as e:  # every rank must reach the allgather below

@@ -23,8 +23,7 @@ import os
 from typing import Any
 
 from formats.errors import TransportError
-
-from .handles import Exposure
+from streamer.transport.handles import Exposure
 
 __all__ = ["CudaIpcBackend", "TorchCudaIpc"]
 
@@ -124,7 +123,7 @@ class CudaIpcBackend:
 
     # -- buffers
     def byte_view(self, tensor: Any) -> Any:
-        from ..buffers import torch_byte_view
+        from streamer.ops.buffers import torch_byte_view
 
         v = torch_byte_view(tensor)
         if v.device.type != self.ipc.device_type:

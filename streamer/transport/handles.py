@@ -31,8 +31,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from formats.errors import TransportError
-
-from .base import RemoteAbortError, Request, Transport, wait_all
+from streamer.transport.base import RemoteAbortError, Request, Transport, wait_all
 
 __all__ = ["ACK_TAG_BASE", "HEADER_BYTES", "HEADER_TAG_BASE", "Backend", "Exposure", "HandleTransport"]
 

@@ -15,8 +15,7 @@ from typing import Any
 import numpy as np
 
 from formats.errors import PeerTimeoutError
-
-from .base import HostBuffers
+from streamer.transport.base import HostBuffers
 
 __all__ = ["LoopbackHub", "LoopbackTransport"]
 

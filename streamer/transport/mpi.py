@@ -13,8 +13,7 @@ from typing import Any
 import numpy as np
 
 from formats.errors import PeerTimeoutError
-
-from .base import HostBuffers, RemoteAbortError, wait_all
+from streamer.transport.base import HostBuffers, RemoteAbortError, wait_all
 
 __all__ = ["ABORT_TAG", "MPIRequest", "MPITransport"]
 
@@ -124,7 +123,7 @@ class MPITransport(HostBuffers):
         No coordinator: when one rank of a job dies, its launcher kills the whole job, so any
         fixed rank may be gone. Small non-blocking sends only (never waited on; a send to a dead
         peer is left pending), and a watchdog bounds the rest."""
-        from ..watchdog import Watchdog
+        from streamer.transport.watchdog import Watchdog
 
         generic = (f"timed out after {timeout:g} s waiting for one or more of ranks 0..{self.size - 1} in {what} "
                    "(the peer died, hung or never arrived)")

@@ -27,8 +27,7 @@ from typing import Any
 import numpy as np
 
 from formats.errors import TransportError
-
-from .handles import Exposure
+from streamer.transport.handles import Exposure
 
 __all__ = ["ShmBackend", "Segment"]
 
@@ -119,7 +118,7 @@ class ShmBackend:
 
     # -- buffers
     def byte_view(self, tensor: Any) -> np.ndarray:
-        from ..buffers import byte_view
+        from streamer.ops.buffers import byte_view
 
         return byte_view(tensor)
 

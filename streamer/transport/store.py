@@ -19,8 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from formats.errors import PeerTimeoutError, UsageError
-
-from .base import HostBuffers, RemoteAbortError, Request
+from streamer.transport.base import HostBuffers, RemoteAbortError, Request
 
 __all__ = ["StoreControl", "open_store"]
 

@@ -23,9 +23,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from formats.errors import TransportError, UsageError
-
-from .base import RemoteAbortError, Transport
-from .store import open_store
+from streamer.transport.base import RemoteAbortError, Transport
+from streamer.transport.store import open_store
 
 __all__ = ["TorchDistTransport", "free_port"]
 
@@ -136,7 +135,7 @@ class TorchDistTransport:
 
     # -- buffers
     def byte_view(self, tensor: Any) -> Any:
-        from ..buffers import torch_byte_view
+        from streamer.ops.buffers import torch_byte_view
 
         return torch_byte_view(tensor)
 
@@ -171,7 +170,7 @@ class TorchDistTransport:
         """A native broadcast in a group of ``ranks`` (made once per set, by its members only)."""
         import torch.distributed as dist
 
-        from .base import wait_all
+        from streamer.transport.base import wait_all
 
         key = tuple(sorted(ranks))
         pg = self._subgroups.get(key)

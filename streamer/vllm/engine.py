@@ -43,7 +43,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from .manifest import VllmManifests, VllmTensor, manifest_from_vllm
+from streamer.vllm.manifest import VllmManifests, VllmTensor, manifest_from_vllm
 
 __all__ = ["ShardstreamInitInfo", "ShardstreamUpdateInfo", "ShardstreamWeightTransferEngine"]
 
@@ -82,7 +82,7 @@ class ShardstreamWeightTransferEngine(
 
     # ------------------------------------------------------------------ joining
     def init_transfer_engine(self, init_info: ShardstreamInitInfo) -> None:
-        from streamer import RefitSession
+        from streamer import RefitOptions, RefitSession
 
         if self.session is not None:
             self.shutdown()
@@ -94,7 +94,7 @@ class ShardstreamWeightTransferEngine(
 
         self.session = RefitSession.open(described.manifests["per_expert"], "recv",
                                          rendezvous=init_info.rendezvous, transport=init_info.transport,
-                                         timeout=init_info.timeout, verify=init_info.verify,
+                                         timeout=init_info.timeout, options=RefitOptions(verify=init_info.verify),
                                          choose_manifest=choose)
 
     # ------------------------------------------------------------------ one update

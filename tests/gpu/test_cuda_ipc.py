@@ -77,7 +77,7 @@ def test_refit_cli_on_one_gpu_matches_convert(tmp_path: Path) -> None:
 
 
 def test_bench_ipc_cuda() -> None:
-    p = _run([sys.executable, "-m", "streamer.bench_ipc", "--transport", "cuda-ipc", "--size", "64MiB",
+    p = _run([sys.executable, "-m", "streamer.tools.bench_ipc", "--transport", "cuda-ipc", "--size", "64MiB",
               "--repeats", "3", "--json"])
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(p.stdout)

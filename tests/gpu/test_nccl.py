@@ -29,7 +29,7 @@ def test_executor_packs_gpu_tensors_in_place() -> None:
     """The torch code path of the executor on a GPU, over an in-process fake transport."""
     import torch
 
-    from streamer.execute import torch_byte_view
+    from streamer.execute.executor import torch_byte_view
 
     t = torch.arange(24, dtype=torch.bfloat16, device="cuda").reshape(4, 6)
     v = torch_byte_view(t)

@@ -57,8 +57,8 @@ def test_push_keeps_a_captured_cuda_graph_valid() -> None:
     from helpers import lay_out
 
     from formats.layouts import Mesh, Replicate, Shard
-    from streamer.execute import Executor, build_schedule
-    from streamer.plan import plan_transfers
+    from streamer.execute.executor import Executor, build_schedule
+    from streamer.plan.planner import plan_transfers
     from streamer.transport.loopback import LoopbackHub
 
     arrays = {"w": ((256, 512), "bfloat16"), "n": ((512,), "float32")}

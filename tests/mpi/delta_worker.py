@@ -16,9 +16,10 @@ import numpy as np
 from mpi4py import MPI
 
 from formats.layouts import apply_layout, manifest_from_arrays, parse_mesh, parse_rule
-from streamer.jobs import Group
-from streamer.persist import alloc_local
-from streamer.refit import RefitSession
+from streamer.refit.options import RefitOptions
+from streamer.refit.persist import alloc_local
+from streamer.refit.session import RefitSession
+from streamer.transport.jobs import Group
 
 ARRAYS = {"w": ((203, 64), "float32"), "v": ((64, 45), "float32"), "n": ((64,), "float32")}
 SERVE = {"w": "bfloat16", "v": "bfloat16", "n": "float32"}
@@ -43,7 +44,8 @@ def main(kind: str) -> int:
     dst = lay(SERVE, f"tp={W - S}")
     m = src if role == "send" else dst
     rr = role_comm.Get_rank()
-    opts = {"transport": kind, "group": group, "timeout": 60, "bucket_size": 8 << 10}
+    opts = {"transport": kind, "group": group, "timeout": 60}
+    bucket = 8 << 10
     rng = np.random.default_rng(0)
     full = {n: rng.standard_normal(s).astype(np.float32) for n, (s, _) in ARRAYS.items()}
     local = alloc_local(m, rr)
@@ -56,7 +58,8 @@ def main(kind: str) -> int:
                 local[c.tensor(fqn)][dl] = full[fqn][sl]
 
     problems = []
-    with RefitSession.open(m, role, delta=True, verify=True, dst_domain_size=W - S, **opts) as s:
+    with RefitSession.open(m, role, options=RefitOptions(delta=True, verify=True, dst_domain_size=W - S,
+                                                          bucket_size=bucket), **opts) as s:
         for step in range(4):
             if step:  # the same change on every rank: replicas stay identical
                 for a in full.values():
@@ -69,7 +72,7 @@ def main(kind: str) -> int:
             wire, whole = st.bytes_sent + st.bytes_received, st.full_bytes_sent + st.full_bytes_received
             if step >= 1 and whole and not 0 < wire < whole * 0.2:
                 problems.append(f"rank {rank} step {step}: {wire} of {whole} bytes on the wire")
-    with RefitSession.open(m, role, **opts) as s:
+    with RefitSession.open(m, role, options=RefitOptions(bucket_size=bucket), **opts) as s:
         fresh = alloc_local(m, rr)
         if role == "send":
             s.push(local)

@@ -20,7 +20,8 @@ from mpi4py import MPI
 
 from formats.dtypes import DTYPES, np_storage
 from formats.layouts import apply_layout, manifest_from_arrays, parse_mesh, parse_rule
-from streamer.refit import RefitSession
+from streamer.refit.options import RefitOptions
+from streamer.refit.session import RefitSession
 
 # w: 1 KiB rows (large shards go in place); v split by columns on one side (packed)
 ARRAYS = {"w": ((1024, 256), "float32"), "v": ((96, 64), "bfloat16"), "n": ((96,), "bfloat16"), "s": ((), "int64")}
@@ -59,7 +60,8 @@ def main(kind: str) -> int:
     mine = src if role == "send" else dst
     local = rank if role == "send" else rank - S
     fails: list[str] = []
-    with RefitSession.open(mine, role, transport=kind, timeout=60, bucket_size=256 << 10) as s:
+    with RefitSession.open(mine, role, transport=kind, timeout=60,
+                           options=RefitOptions(bucket_size=256 << 10)) as s:
         dev = s._t.device or "cpu"
         tensors = {n: torch.zeros(tuple(spec.shape), dtype=getattr(torch, spec.data_type), device=dev)
                    for n, spec in mine.local_tensors(local).items()}

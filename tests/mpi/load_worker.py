@@ -16,9 +16,10 @@ import numpy as np
 from mpi4py import MPI
 
 from formats.manifest import load_manifest
-from streamer.jobs import Group
-from streamer.persist import alloc_local, load_local
-from streamer.refit import RefitSession
+from streamer.refit.options import RefitOptions
+from streamer.refit.persist import alloc_local, load_local
+from streamer.refit.session import RefitSession
+from streamer.transport.jobs import Group
 
 
 def rss() -> int:
@@ -36,7 +37,7 @@ def main(train: str, serve: str, expected: str, senders: int, steps: int) -> int
     m = load_manifest(train if role == "send" else serve)
     tensors = load_local(m, rr) if role == "send" else alloc_local(m, rr)
     want = load_local(load_manifest(expected), rr) if role == "recv" else {}
-    sess = RefitSession.open(m, role, group=group, timeout=60, bucket_size=1 << 16)
+    sess = RefitSession.open(m, role, group=group, timeout=60, options=RefitOptions(bucket_size=1 << 16))
     bad = 0
     marks: dict[int, tuple[int, int]] = {}
     for step in range(1, steps + 1):

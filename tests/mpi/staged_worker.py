@@ -23,11 +23,11 @@ from formats.box import Box
 from formats.dtypes import DTYPES, np_storage
 from formats.layouts import Replicate, Shard, build_manifest, parse_mesh
 from formats.manifest import Chunk, Source
-from streamer import staging
-from streamer.buffers import byte_view
-from streamer.device_ops import FakeDeviceOps
-from streamer.execute import Executor, build_schedule
-from streamer.plan import plan_transfers
+from streamer.execute import staging
+from streamer.execute.executor import Executor, build_schedule
+from streamer.ops.buffers import byte_view
+from streamer.ops.device_ops import FakeDeviceOps
+from streamer.plan.planner import plan_transfers
 
 EXPERTS = 8
 ARRAYS: dict[str, tuple[tuple[int, ...], str]] = {

@@ -51,7 +51,7 @@ from torch.distributed.tensor.placement_types import _StridedShard  # noqa: E402
 
 from formats.manifest import Manifest, dumps_manifest, loads_manifest  # noqa: E402
 from formats.validate import validate_manifest  # noqa: E402
-from streamer.torch_state import StateDictError, manifest_from_state_dict  # noqa: E402
+from streamer.refit.torch_state import StateDictError, manifest_from_state_dict  # noqa: E402
 
 
 def check(m: Manifest, sd: dict[str, Any], rank: int, name: str) -> dict[str, Any]:

@@ -18,8 +18,8 @@ from mpi4py import MPI
 from formats.dtypes import DTYPES, np_storage
 from formats.errors import PeerTimeoutError
 from formats.layouts import apply_layout, manifest_from_arrays, parse_mesh, parse_rule
-from streamer.execute import Executor, build_schedule
-from streamer.plan import plan_transfers
+from streamer.execute.executor import Executor, build_schedule
+from streamer.plan.planner import plan_transfers
 
 
 def oracle(shape: tuple[int, ...], dt: str) -> np.ndarray:

@@ -1,6 +1,6 @@
 """One refit rank's start at DeepSeek-V3 scale (issue 14): Megatron PP16xEP8xTP2 -> vLLM
 DP8xTP32, 256 + 256 ranks, from the two compact manifests. Each start runs in its own process
-(``python -m streamer.bench_rank start``), which reports its peak RSS through ``resource``
+(``python -m streamer.tools.bench_rank start``), which reports its peak RSS through ``resource``
 (ru_maxrss): parsing both manifests, planning and this rank's schedule stay under 1 GiB. Marked
 ``slow`` (about 30 s: the two layouts, then two starts); scripts/test.sh runs it (tier scale)."""
 
@@ -21,7 +21,7 @@ GB = 1 << 30
 
 @pytest.fixture(scope="module")
 def manifests(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    from streamer.bench_rank import _manifests
+    from streamer.tools.bench_rank import _manifests
 
     src, dst, _ = _manifests(tmp_path_factory.mktemp("dsv3"), "deepseek-v3", MODELS)
     return src, dst
@@ -29,7 +29,7 @@ def manifests(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 def _start(src: Path, dst: Path, rank: int, domain: int) -> dict[str, object]:
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    p = subprocess.run([sys.executable, "-m", "streamer.bench_rank", "start", str(src), str(dst), str(rank),
+    p = subprocess.run([sys.executable, "-m", "streamer.tools.bench_rank", "start", str(src), str(dst), str(rank),
                         str(domain)], capture_output=True, text=True, timeout=300, env=env)
     assert p.returncode == 0, p.stderr[-2000:]
     out: dict[str, object] = json.loads(p.stdout)

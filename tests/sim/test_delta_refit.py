@@ -15,9 +15,9 @@ from helpers import check_dest_tensors, empty_dest_tensors, lay_out, make_source
 from formats.box import Box
 from formats.layouts import Mesh, Replicate, Shard
 from formats.manifest import Chunk, Manifest, Source
-from streamer.convert import cast_bytes
-from streamer.delta import DeltaChecksumError
-from streamer.refit import RefitSession, StepStats
+from streamer.execute.delta import DeltaChecksumError
+from streamer.ops.cast import cast_bytes
+from streamer.refit.session import RefitSession, StepStats
 
 # fp32 masters on the trainer; bf16 on the server except "e" (bf16 on both: no cast), "b", and an
 # FP8 weight with its fp32 scales, quantized by the trainer (deltas are taken on bytes: any dtype)

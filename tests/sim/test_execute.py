@@ -1,4 +1,4 @@
-"""streamer.execute over the loopback transport: every rank of a plan in its own thread, in one
+"""streamer.execute.executor over the loopback transport: every rank of a plan in its own thread, in one
 process. Destination tensors must equal the oracle byte for byte; faults must surface as
 TransportError / PeerTimeoutError on the right ranks, never as a hang.
 """
@@ -29,8 +29,8 @@ from formats.box import Box
 from formats.errors import PeerTimeoutError, TransportError
 from formats.layouts import Mesh, Replicate, Shard, chunk_regions
 from formats.manifest import Chunk, Manifest, Source
-from streamer.execute import INPLACE_MIN_BYTES, Message
-from streamer.plan import Plan, plan_transfers, validate_plan
+from streamer.execute.executor import INPLACE_MIN_BYTES, Message
+from streamer.plan.planner import Plan, plan_transfers, validate_plan
 from streamer.transport.loopback import LoopbackHub
 
 
@@ -323,7 +323,7 @@ def test_corrupted_message_is_caught_by_verify(dds: int | None) -> None:
     src, dst = _fault_layout()
     plan = plan_transfers(src, dst, dst_domain_size=dds, split_bytes=16)
     bucket = 64
-    from streamer.execute import build_schedule
+    from streamer.execute.executor import build_schedule
 
     sched = build_schedule(plan, bucket)
     # the first phase-1 message of sender 0 to its first receiver: byte 0 is the first transfer's
@@ -486,7 +486,7 @@ def test_per_rank_schedule_matches_global_order(pair: LayoutPair, bucket: int) -
     whole on every rank) gives rank r exactly the messages of the global schedule that involve
     it, with the same contents, in the same order; the forwards it sends depend on the same
     messages (a receiver is never told, nor needs, which phase-1 messages its forwarder waits for)."""
-    from streamer.execute import build_schedule
+    from streamer.execute.executor import build_schedule
 
     plan = plan_transfers(pair.src, pair.dst, dst_domain_size=pair.dst_domain_size, split_bytes=16)
     glob = build_schedule(plan, bucket)
@@ -510,7 +510,7 @@ def test_per_rank_schedule_matches_global_order(pair: LayoutPair, bucket: int) -
 
 def test_poll_sleep_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     from formats.errors import UsageError
-    from streamer.execute import MAX_POLL_SLEEP, _poll_sleep
+    from streamer.execute.executor import MAX_POLL_SLEEP, _poll_sleep
 
     monkeypatch.delenv("SHARDSTREAM_POLL_SLEEP", raising=False)
     assert _poll_sleep() == MAX_POLL_SLEEP

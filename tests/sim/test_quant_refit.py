@@ -17,7 +17,7 @@ from quant_reference import ref_block_fp8, ref_mxfp8
 from formats.box import Box
 from formats.errors import PlanError
 from formats.manifest import ArraySpec, Chunk, Manifest, Source
-from streamer.refit import RefitSession, StepStats
+from streamer.refit.session import RefitSession, StepStats
 
 torch = pytest.importorskip("torch")
 

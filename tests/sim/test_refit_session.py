@@ -21,7 +21,7 @@ from helpers import (
 
 from formats.layouts import Mesh, Replicate, Shard
 from formats.manifest import Manifest
-from streamer.refit import RefitSession, RefusedError
+from streamer.refit.session import RefitSession, RefusedError
 
 ARRAYS = {"w": ((6, 4), "bfloat16"), "b": ((6,), "float32"), "s": ((), "float32")}
 
@@ -140,7 +140,7 @@ def test_partial_dtensor_refused_by_name() -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial
 
-    from streamer.local import collect_local
+    from streamer.refit.local import collect_local
     from streamer.transport.torch_dist import free_port
 
     mine = not dist.is_initialized()
@@ -160,7 +160,7 @@ def test_partial_dtensor_refused_by_name() -> None:
 def test_fp32_masters_cast_to_bf16_on_the_way(strategy: str) -> None:
     """Source float32, destination bfloat16: the sender casts while packing (the wire carries
     2-byte elements) and receivers hold exactly what ``convert --cast`` would write."""
-    from streamer.convert import cast_bytes
+    from streamer.ops.cast import cast_bytes
 
     arrays32 = {"w": ((6, 4), "float32"), "b": ((6,), "float32"), "s": ((), "float32")}
     arrays16 = {"w": ((6, 4), "bfloat16"), "b": ((6,), "bfloat16"), "s": ((), "float32")}
@@ -184,7 +184,7 @@ def test_fp32_masters_cast_to_bf16_on_the_way(strategy: str) -> None:
 
 def test_int_to_float_refused_at_plan_time() -> None:
     from formats.errors import PlanError
-    from streamer.plan import plan_transfers
+    from streamer.plan.planner import plan_transfers
 
     src = lay_out({"w": ((4,), "int32")}, Mesh(("tp",), (2,)), {"w": (Shard(0),)})
     dst = lay_out({"w": ((4,), "float32")}, Mesh(("tp",), (2,)), {"w": (Shard(0),)})

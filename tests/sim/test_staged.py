@@ -37,13 +37,13 @@ from formats.box import Box
 from formats.errors import UsageError, ValidationError
 from formats.layouts import Mesh, Replicate, Shard
 from formats.manifest import ArraySpec, Chunk, Manifest, Source
-from streamer import staging
-from streamer.buffers import byte_view, torch_byte_view
-from streamer.convert.cast import cast_bytes
-from streamer.device_ops import FakeDeviceOps
-from streamer.execute import ExecStats, Executor, build_schedule
-from streamer.plan import Plan, plan_transfers
-from streamer.staging import Part, build_program
+from streamer.execute import staging
+from streamer.execute.executor import ExecStats, Executor, build_schedule
+from streamer.execute.staging import Part, build_program
+from streamer.ops.buffers import byte_view, torch_byte_view
+from streamer.ops.cast import cast_bytes
+from streamer.ops.device_ops import FakeDeviceOps
+from streamer.plan.planner import Plan, plan_transfers
 from streamer.transport.loopback import LoopbackHub
 
 DELAY = 2e-4  # each fake device op runs this late: a bucket used before its copy completed is stale
@@ -366,7 +366,7 @@ def test_mixed_host_and_device_tensors_are_refused_by_name() -> None:
 
 
 def test_delta_with_device_tensors_is_refused() -> None:
-    from streamer.delta import DeltaPush, DeltaState
+    from streamer.execute.delta import DeltaPush, DeltaState
 
     plan, pair = _tp2_to_dp2tp2()
     hub = LoopbackHub(plan.world_size)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from streamer import bench
-from streamer.cli import main
+from streamer.cli.app import main
+from streamer.tools import bench
 
 
 def test_bench_plan_sweep_and_exponent() -> None:
@@ -25,6 +25,7 @@ def test_bench_validate_counts_chunks() -> None:
     assert r["chunks"] == 2000 and r["problems"] == 0 and r["total_s"] > 0
 
 
+@pytest.mark.slow  # the scale tier
 def test_bench_convert_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """TP2 -> TP3 (uneven) at tiny size, with the DCP path: 2 gloo ranks dcp.save, 3 dcp.load."""
     pytest.importorskip("torch.distributed.checkpoint")  # the optional [torch] extra; --no-dcp is tested below
@@ -59,7 +60,7 @@ def test_bench_convert_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
 
 def test_bench_convert_no_dcp(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                               monkeypatch: pytest.MonkeyPatch) -> None:
-    from streamer import bench_dcp
+    from streamer.tools import bench_dcp
 
     monkeypatch.setattr(bench_dcp, "dcp_missing",
                         lambda: "torch.distributed.checkpoint is not importable (test)")
@@ -77,7 +78,7 @@ def test_bench_convert_no_dcp(tmp_path: Path, capsys: pytest.CaptureFixture[str]
 def test_dcp_placements_from_manifest() -> None:
     """Replicate for one chunk held by all, Shard(d) for one chunk per rank; anything else refused.
     (That DTensor's torch.chunk split is the manifest's is checked by every DCP worker.)"""
-    from streamer.bench_dcp import placements
+    from streamer.tools.bench_dcp import placements
 
     man = {"world_size": 3, "mesh": {"axes": ["tp"], "shape": [3]}, "arrays": {
         "w": {"shape": [4, 10], "data_type": "bfloat16", "chunks": [
@@ -99,7 +100,7 @@ def test_dcp_compare_outputs_fails_loudly(tmp_path: Path) -> None:
     from formats.dtypes import DTYPES
     from formats.errors import ValidationError
     from formats.safetensors_io import SafetensorsWriter
-    from streamer.bench_dcp import compare_outputs
+    from streamer.tools.bench_dcp import compare_outputs
 
     def write(d: Path, data: bytes) -> None:
         d.mkdir()
@@ -120,8 +121,8 @@ def test_refit_result_reports_the_first_push_apart() -> None:
     from helpers import lay_out
 
     from formats.layouts import Mesh, Shard
-    from streamer.bench import _refit_result
-    from streamer.plan import plan_transfers
+    from streamer.plan.planner import plan_transfers
+    from streamer.tools.bench import _refit_result
 
     arrays = {"w": ((8, 4), "float32")}
     src = lay_out(arrays, Mesh(("tp",), (2,)), {"w": (Shard(0),)})

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from streamer.cli import main
+from streamer.cli.app import main
 
 
 def _ckpt(d: Path) -> dict[str, np.ndarray]:
@@ -87,7 +87,7 @@ def test_torch_fast_path_equals_the_numpy_path(src: str, dst: str) -> None:
     numpy implementation's (NaNs compared as NaNs), so convert and refit agree either way."""
     import torch
 
-    from streamer.convert.cast import _cast, cast_bytes, cast_into
+    from streamer.ops.cast import _cast, cast_bytes, cast_into
 
     rng = np.random.default_rng(5)
     f = np.concatenate([(rng.standard_normal(5000) * 10.0 ** rng.integers(-40, 39, 5000)).astype(np.float32),

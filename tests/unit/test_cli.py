@@ -2,7 +2,7 @@
 traceback, and leaves no partial output; usage errors give exit 2; the ok paths of validate,
 plan, inspect, import and layout; size parsing; and a golden list of subcommands and flags.
 
-Everything runs in-process through ``streamer.cli.main``.
+Everything runs in-process through ``streamer.cli.app.main``.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ import pytest
 from formats.errors import ManifestError
 from formats.manifest import load_manifest, save_manifest
 from formats.validate import validate_data
-from streamer.cli import build_parser, main, parse_size
-from streamer.importer import import_checkpoint
-from streamer.synth import write_checkpoint
+from streamer.cli.app import build_parser, main, parse_size
+from streamer.convert.importer import import_checkpoint
+from streamer.tools.synth import write_checkpoint
 
 ARRAYS = {"a.weight": ((6, 4), "float32"), "b.bias": ((5,), "bfloat16")}
 

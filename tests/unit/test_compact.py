@@ -19,7 +19,7 @@ from formats.layouts import Mesh, Rule, Shard, apply_layout, manifest_from_array
 from formats.layouts.presets import PRESETS, preset_manifest
 from formats.manifest import Manifest, dumps_manifest, loads_manifest
 from formats.validate import validate_manifest
-from streamer.plan import plan_transfers
+from streamer.plan.planner import plan_transfers
 
 #: (preset, mesh) pairs each preset accepts; megatron / vllm axes in their rank order
 MESHES: dict[str, list[str]] = {
@@ -279,7 +279,7 @@ def test_an_array_given_by_a_run_and_on_its_own_is_an_error() -> None:
 
 
 def test_cli_validate_bad_compact_manifest_one_line_per_problem(tmp_path: Any, capsys: Any) -> None:
-    from streamer.cli import main
+    from streamer.cli.app import main
 
     d = _v2()
     d["layouts"]["L0"]["placements"] = ["X"]
@@ -294,7 +294,7 @@ def test_cli_validate_bad_compact_manifest_one_line_per_problem(tmp_path: Any, c
 
 
 def test_a_bad_layout_fails_expansion_naming_the_array(tmp_path: Any, capsys: Any) -> None:
-    from streamer.cli import main
+    from streamer.cli.app import main
 
     d = _v2()
     name = next(k for k, v in d["arrays"].items() if v == "L0")

@@ -1,7 +1,7 @@
 """Offline conversion (design §7, §8): round trips, rank files, bounded memory, checksums, HF
 sharding, resume after SIGKILL, the output lock and the non-empty --out rule.
 
-The CLI runs in-process (``streamer.cli.main``) except where a real process matters (SIGKILL).
+The CLI runs in-process (``streamer.cli.app.main``) except where a real process matters (SIGKILL).
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ from formats.layouts import Mesh, Replicate, Rule, Shard, apply_layout
 from formats.manifest import Manifest, load_manifest, save_manifest
 from formats.safetensors_io import SafetensorsReader, read_header
 from formats.validate import validate_data, validate_manifest
-from streamer.cli import main
+from streamer.cli.app import main
 from streamer.convert import ConvertOptions, convert, plan_files
-from streamer.importer import import_checkpoint
-from streamer.synth import PRESETS, QWEN3_TP_RULES, qwen3_arrays, write_checkpoint
+from streamer.convert.importer import import_checkpoint
+from streamer.tools.synth import PRESETS, QWEN3_TP_RULES, qwen3_arrays, write_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 PATTERN = "rank-{rank:05d}.safetensors"

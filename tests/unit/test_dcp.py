@@ -38,7 +38,7 @@ from formats.errors import FormatError, ShardstreamError
 from formats.manifest import load_manifest
 from formats.safetensors_io import SafetensorsReader
 from formats.store import SourceStore
-from streamer.cli import main
+from streamer.cli.app import main
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from numcodecs import Zstd
 
-from streamer.delta import ENCODINGS, decode_into, encode
+from streamer.execute.delta import ENCODINGS, decode_into, encode
 
 
 def _roundtrip(old: np.ndarray, new: np.ndarray) -> tuple[str, int]:

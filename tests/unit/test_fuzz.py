@@ -127,6 +127,7 @@ def test_nan_and_infinity_rejected() -> None:
                            b', "arrays": {}}')
 
 
+@pytest.mark.slow  # the scale tier
 def test_a_million_arrays_is_fast_enough() -> None:
     """Many arrays (10^6 under scripts/fuzz.sh): parse + validate stays linear (seconds, not minutes)."""
     n = int(os.environ.get("SHARDSTREAM_FUZZ_BIG", "200000"))

@@ -1,7 +1,7 @@
 """The layering holds: no import cycle among the project's modules (issue: consolidation).
 
-Every import counts, also those inside functions (a lazy import that closes a cycle is still a
-cycle for a reader), except under ``if TYPE_CHECKING:``. The planner and the file formats stay
+Every import counts, also those inside functions and under ``if TYPE_CHECKING:`` (a lazy or
+type-only import that closes a cycle is still a cycle for a reader). The planner and the file formats stay
 free of MPI and torch.distributed (tested in test_plan_purity.py).
 """
 
@@ -29,8 +29,6 @@ def _imports(path: Path, name: str, known: set[str]) -> set[str]:
 
     def visit(node: ast.AST) -> None:
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
-                continue
             if isinstance(child, ast.Import):
                 out.update(a.name for a in child.names)
             elif isinstance(child, ast.ImportFrom):
@@ -56,6 +54,7 @@ def _imports(path: Path, name: str, known: set[str]) -> set[str]:
 
 
 def import_graph() -> dict[str, set[str]]:
+    """Module -> the project modules it imports."""
     files = [p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")]
     known = {_module_name(p) for p in files}
     graph = {_module_name(p): _imports(p, _module_name(p), known) for p in files}

@@ -20,7 +20,7 @@ import pytest
 
 from formats.errors import FormatError
 from formats.megatron_dist import read_megatron_dist, resolve_iteration_dir
-from streamer.cli import main
+from streamer.cli.app import main
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "megatron"
 CONFIG = DATA / "config.json"
@@ -396,6 +396,7 @@ def test_hf_to_torch_dist_matches_megatrons_own_save(fixture: str, spec: str, tm
     assert not (tmp_path / "bad").exists()
 
 
+@pytest.mark.slow  # the scale tier
 def test_bench_convert_source_megatron_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """torch_dist save of a synthetic Qwen3 -> import --to hf + convert, timed against the copy
     floor; the HF output is checked byte for byte against the synthetic source."""

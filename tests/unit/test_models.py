@@ -28,7 +28,7 @@ from formats.layouts.models import (
     parse_m2n_system,
 )
 from formats.validate import validate_manifest
-from streamer.cli import main
+from streamer.cli.app import main
 
 WORKLOADS = Path(__file__).resolve().parents[2] / "workloads"  # shipped copy (shapes only)
 MODELS = WORKLOADS / "models"

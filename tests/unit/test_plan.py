@@ -1,4 +1,4 @@
-"""streamer.plan: overlaps, coverage, byte counts, replica balance, determinism, errors.
+"""streamer.plan.planner: overlaps, coverage, byte counts, replica balance, determinism, errors.
 
 Oracles written here, independent of the planner:
 
@@ -38,7 +38,7 @@ from formats.layouts import (
     parse_rule,
 )
 from formats.manifest import ArraySpec, Chunk, Manifest
-from streamer.plan import (
+from streamer.plan.planner import (
     DEFAULT_SPLIT_BYTES,
     Plan,
     PlanStats,

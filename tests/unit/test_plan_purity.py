@@ -1,4 +1,4 @@
-"""The planner and the data model are pure (design §2): ``streamer.plan`` and ``formats.*`` import
+"""The planner and the data model are pure (design §2): ``streamer.plan.planner`` and ``formats.*`` import
 and plan with ``mpi4py`` and ``torch`` / ``torch.distributed`` blocked, and importing them does
 not load torch or mpi4py. Each check runs in a fresh interpreter so nothing is already imported.
 """
@@ -16,8 +16,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 BLOCKED = ("mpi4py", "mpi4py.MPI", "torch", "torch.distributed")
 PURE_MODULES = (
-    "streamer.plan",
-    "streamer.forwards",
+    "streamer.plan.planner",
+    "streamer.plan.forwards",
     "formats",
     "formats.box",
     "formats.manifest",
@@ -38,7 +38,7 @@ src = loads_manifest(dumps_manifest(src))
 plan = plan_transfers(src, dst, dst_domain_size=3, split_bytes=1)
 assert validate_plan(plan, src, dst) == [], validate_plan(plan, src, dst)
 assert plan.stats().moved_bytes == plan.stats().lower_bound_bytes == 7 * 5 * 2 + 3 * 8
-plan.forward_keys(None, 16)  # the message order's planning part (streamer.forwards)
+plan.forward_keys(None, 16)  # the message order's planning part (streamer.plan.forwards)
 print("PLAN-OK", plan.digest())
 """
 
@@ -70,7 +70,7 @@ def test_plan_and_formats_work_with_mpi_and_torch_blocked() -> None:
                 raise SystemExit(f"blocking {m} did not work")
     """)
     code += "".join(f"import {m}\n" for m in PURE_MODULES)
-    code += "from streamer.plan import plan_transfers, validate_plan\n"
+    code += "from streamer.plan.planner import plan_transfers, validate_plan\n"
     code += SMALL_PLAN
     r = _run(code)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -80,7 +80,7 @@ def test_plan_and_formats_work_with_mpi_and_torch_blocked() -> None:
 def test_importing_the_planner_loads_neither_torch_nor_mpi() -> None:
     code = "import sys, json\n"
     code += "".join(f"import {m}\n" for m in PURE_MODULES)
-    code += "from streamer.plan import plan_transfers, validate_plan\n"
+    code += "from streamer.plan.planner import plan_transfers, validate_plan\n"
     code += SMALL_PLAN
     code += "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'mpi4py'))))\n"
     r = _run(code)
@@ -92,7 +92,7 @@ def test_importing_the_planner_loads_neither_torch_nor_mpi() -> None:
 def test_same_digest_in_separate_interpreters() -> None:
     """Every rank computes the same plan: the digest does not depend on the process (hash
     randomisation, dict order of a fresh interpreter)."""
-    code = "from streamer.plan import plan_transfers, validate_plan\n" + SMALL_PLAN
+    code = "from streamer.plan.planner import plan_transfers, validate_plan\n" + SMALL_PLAN
     digests = set()
     for seed in ("0", "1", "12345"):
         env_code = f"import os; os.environ['PYTHONHASHSEED'] = {seed!r}\n"

@@ -28,10 +28,10 @@ from formats.errors import UsageError
 from formats.layouts import Mesh, Replicate, Shard, parse_mesh
 from formats.layouts.presets import preset_manifest
 from formats.manifest import COMPACT_FORMAT_VERSION, Manifest, dumps_manifest, loads_manifest
-from streamer.local_shapes import LocalShapes, plan_shapes
-from streamer.plan import Plan, Transfer, plan_transfers
-from streamer.rankplan import rank_figures, rank_role
-from streamer.rankstart import input_digests, input_problems
+from streamer.plan.local_shapes import LocalShapes, plan_shapes
+from streamer.plan.planner import Plan, Transfer, plan_transfers
+from streamer.plan.rankplan import rank_figures, rank_role
+from streamer.refit.rankstart import input_digests, input_problems
 
 #: the byte wave ``forward_keys`` is checked with: small, so that streams span several waves
 WAVE = 48
@@ -228,7 +228,7 @@ def test_cli_rank_figures_sum_to_the_whole_plan(tmp_path: Any, capsys: Any, same
     import json
 
     from formats.manifest import save_manifest
-    from streamer.cli import main
+    from streamer.cli.app import main
 
     src, dst = tmp_path / "src.json", tmp_path / "dst.json"
     save_manifest(preset_manifest(MOE, "megatron", parse_mesh("ep=2,tp=2")), src, format_version=COMPACT_FORMAT_VERSION)
@@ -259,7 +259,7 @@ def test_bench_rank_start_and_whole_plan_on_a_small_model(tmp_path: Any) -> None
     """The scale benchmark's two workers on small compact manifests: a rank's start schedules
     exactly its share of the bytes, and the whole plan's figures are the plan's."""
     from formats.manifest import save_manifest
-    from streamer.bench_rank import rank_start, scale_case, whole_plan
+    from streamer.tools.bench_rank import rank_start, scale_case, whole_plan
 
     src, dst = tmp_path / "src.json", tmp_path / "dst.json"
     save_manifest(preset_manifest(MOE, "megatron", parse_mesh("ep=2,tp=2")), src, format_version=COMPACT_FORMAT_VERSION)

@@ -53,7 +53,7 @@ from formats.layouts.presets import (
 )
 from formats.manifest import Manifest, TensorSpec, load_manifest, save_manifest
 from formats.validate import validate_manifest
-from streamer.cli import main
+from streamer.cli.app import main
 
 # ------------------------------------------------------------------ tiny configs
 
@@ -960,7 +960,7 @@ def test_cli_convert_hf_to_preset_and_back_with_no_flags(tmp_path: Path, capsys:
     """An HF checkpoint in the config's dtype (fp32 masters; tied: embed_tokens only, as HF stores
     it) converts to a preset's layout and back, byte for byte, with no dtype or tie flags."""
     from formats.safetensors_io import SafetensorsReader
-    from streamer.synth import write_checkpoint
+    from streamer.tools.synth import write_checkpoint
 
     cfgp = tmp_path / "config.json"
     cfgp.write_text(json.dumps(cfg))

@@ -23,7 +23,7 @@ from formats.layouts.presets import preset_manifest
 from formats.layouts.presets.builder import Builder
 from formats.manifest import Manifest, dumps_manifest, loads_manifest
 from formats.validate import validate_manifest
-from streamer.plan import plan_transfers
+from streamer.plan.planner import plan_transfers
 
 CONFIGS = {"qwen3": QWEN3, "llama_bias": LLAMA_BIAS, "moe": MOE, "dsv3": DSV3, "dsv3_fp8": DSV3_FP8,
            "dsv3_fp8_odd": DSV3_FP8_ODD}
@@ -149,7 +149,7 @@ def test_layout_at_scale_writes_a_small_manifest_in_little_memory(tmp_path: Any,
             "--no-files", "-o", str(out)]
     # peak RSS of the fresh process: VmHWM (ru_maxrss of a child carries the forking parent's peak over)
     code = ("import sys\n"
-            "from streamer.cli import main\n"
+            "from streamer.cli.app import main\n"
             "assert main(sys.argv[1:]) == 0\n"
             "print(next(ln.split()[1] for ln in open('/proc/self/status') if ln.startswith('VmHWM')))\n")
     res = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, check=True)

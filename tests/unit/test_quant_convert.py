@@ -12,7 +12,7 @@ from quant_reference import ref_block_fp8, ref_mxfp8
 
 from formats.layouts import Mesh, Rule, Shard, apply_layout, manifest_from_arrays
 from formats.manifest import load_manifest, save_manifest
-from streamer.cli import main
+from streamer.cli.app import main
 
 torch = pytest.importorskip("torch")
 safetensors_torch = pytest.importorskip("safetensors.torch")

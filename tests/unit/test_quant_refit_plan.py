@@ -12,9 +12,9 @@ import pytest
 
 from formats.layouts import Mesh, Rule, Shard, apply_layout, manifest_from_arrays
 from formats.manifest import Manifest, save_manifest
-from streamer.cli import main
-from streamer.plan import plan_transfers, validate_plan
-from streamer.quant_refit import STAGE_PREFIX, refit_quant
+from streamer.cli.app import main
+from streamer.execute.quant import STAGE_PREFIX, refit_quant
+from streamer.plan.planner import plan_transfers, validate_plan
 
 #: a: 64 rows, b: 48 rows; 16x16 blocks; scales ceil(rows/16) x ceil(40/16)
 WEIGHTS = {"a": ((64, 40), "bfloat16"), "b": ((48, 40), "float32")}

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from formats.manifest import TensorSpec
-from streamer.local import check_local
-from streamer.refit_job import _on_device
+from streamer.refit.job import _on_device
+from streamer.refit.local import check_local
 
 
 def test_device_tensors_keep_the_manifest_dtypes() -> None:

@@ -1,4 +1,4 @@
-"""streamer.simulate: the cluster cost model, on hand-computable cases, the layer-kind scaling
+"""streamer.tools.simulate: the cluster cost model, on hand-computable cases, the layer-kind scaling
 against the planner itself, and every shipped workload.
 """
 
@@ -15,8 +15,8 @@ import pytest
 
 from formats.errors import UsageError
 from formats.layouts.models import arrays_from_config, arrays_from_model, parallel_from_dict, parse_m2n_system
-from streamer.cli import main
-from streamer.simulate import (
+from streamer.cli.app import main
+from streamer.tools.simulate import (
     CLUSTERS,
     Cluster,
     broadcast_cost,
@@ -257,6 +257,7 @@ def _workloads() -> list[tuple[str, str]]:
     return out
 
 
+@pytest.mark.slow  # the scale tier
 @needs_workloads
 def test_every_shipped_workload_simulates() -> None:
     work = _workloads()
@@ -304,7 +305,7 @@ def test_simulate_is_pure() -> None:
     """Planning code imports without mpi4py or torch.distributed (design §2)."""
     code = ("import sys\n"
             "for m in ('mpi4py', 'mpi4py.MPI', 'torch', 'torch.distributed'): sys.modules[m] = None\n"
-            "import formats.layouts.models, streamer.simulate\n"
+            "import formats.layouts.models, streamer.tools.simulate\n"
             "assert 'torch' not in [m for m in sys.modules if sys.modules[m] is not None]\n"
             "print('PURE')\n")
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}

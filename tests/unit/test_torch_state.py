@@ -34,7 +34,7 @@ from torch.distributed.tensor.placement_types import _StridedShard  # noqa: E402
 from formats.errors import ShardstreamError, ValidationError  # noqa: E402
 from formats.manifest import Manifest, dumps_manifest, loads_manifest  # noqa: E402
 from formats.validate import validate_manifest  # noqa: E402
-from streamer.torch_state import (  # noqa: E402
+from streamer.refit.torch_state import (  # noqa: E402
     StateDictError,
     _merge,
     _Record,
@@ -342,7 +342,7 @@ def test_hsdp_mesh() -> None:
 
 def test_piece_is_shard_ranges() -> None:
     from formats.layouts.mesh import shard_ranges
-    from streamer.torch_state import _piece
+    from streamer.refit.torch_state import _piece
 
     for n in range(12):
         for k in range(1, 6):
@@ -477,7 +477,7 @@ def test_import_does_not_load_torch() -> None:
     import subprocess
     import sys
 
-    code = "import sys, streamer.torch_state; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, streamer.refit.torch_state; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -488,7 +488,7 @@ def test_plan_and_execute_from_the_manifest() -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from formats.layouts import manifest_from_arrays
-    from streamer.plan import plan_transfers
+    from streamer.plan.planner import plan_transfers
 
     specs = {
         "w": ((11, 3), [_StridedShard(0, split_factor=2), Shard(0)], torch.float32),

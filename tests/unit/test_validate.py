@@ -507,6 +507,7 @@ def prod_(xs: Any) -> int:
 # ------------------------------------------------------------------ scale
 
 
+@pytest.mark.slow  # the scale tier
 def test_100k_chunk_manifest_validates(capsys: pytest.CaptureFixture[str]) -> None:
     # one 2-d array in a 250 x 400 grid (100k chunks) over 8 ranks, per-rank files, fused local tensors
     rs, cs, nr, nc = 2, 3, 250, 400

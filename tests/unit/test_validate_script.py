@@ -12,9 +12,9 @@ import pytest
 
 from formats.manifest import save_manifest
 from formats.safetensors_io import read_header
-from streamer.cli import main
-from streamer.importer import import_checkpoint
-from streamer.synth import write_checkpoint
+from streamer.cli.app import main
+from streamer.convert.importer import import_checkpoint
+from streamer.tools.synth import write_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "validate_manifests.py"

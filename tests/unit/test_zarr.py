@@ -37,10 +37,10 @@ from formats.zarr_io import (
     read_box,
     streamable,
 )
-from streamer.cli import main
+from streamer.cli.app import main
 from streamer.convert import ConvertOptions, cast_bytes, convert
-from streamer.importer import import_checkpoint
-from streamer.synth import PRESETS, QWEN3_TP_RULES, qwen3_arrays, tensor_data, write_checkpoint
+from streamer.convert.importer import import_checkpoint
+from streamer.tools.synth import PRESETS, QWEN3_TP_RULES, qwen3_arrays, tensor_data, write_checkpoint
 
 TINY = qwen3_arrays(PRESETS["qwen3-tiny"])  # vocab 1000: TP3 splits it unevenly
 MIXED = {
@@ -176,6 +176,7 @@ def split_rows(src: Manifest, fqn: str, rows: list[int]) -> Manifest:
     return Manifest(world_size=len(rows), arrays=arrays)
 
 
+@pytest.mark.slow  # the scale tier
 def test_irregular_regions_use_the_sharding_codec(tiny: Path, tmp_path: Path) -> None:
     """334 + 333 + 333 rows is no regular grid: gcd chunks (1 row) packed into shards."""
     src = load_manifest(tiny / "hf" / "manifest.json")

@@ -1,0 +1,744 @@
+"""Run a plan over a Transport: buckets, pack/unpack, a bounded window of messages in flight.
+
+Schedule. The plan's transfers between each (phase, sender, receiver) pair are cut into
+messages of at most ``bucket_size`` bytes (a transfer larger than a bucket is split into
+row-major slabs). All ranks order all messages the same way: phase, bucket index, then a
+rotation over peers so that at each step every sender talks to a different receiver.
+
+Window. Each rank posts its own messages in that global order with at most ``window`` (2) in
+flight, so extra memory stays at two buckets per rank. This cannot deadlock: the globally
+earliest unfinished message is always the earliest unfinished one of both its ranks, so both
+post it. A phase-2 forward is posted only after the forwarding rank received all its phase-1
+messages (which come earlier in the order).
+
+In place. A message that is one contiguous region is sent from, or received into, the local
+tensor itself; others are packed once into a bucket buffer.
+
+Device tensors on a host transport (MPI, gloo) travel through ``streamer.execute.staging``: every
+message goes through a slot (device bucket + pinned host bucket), packed on the device.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from formats.box import Box, contiguous_slabs, uniform_runs
+from formats.dtypes import DTYPES
+from formats.errors import PeerTimeoutError, TransportError, UsageError
+from streamer.execute.delta import (
+    ENCODINGS,
+    RAW,
+    SAME,
+    DeltaChecksumError,
+    DeltaPush,
+    DeltaRecv,
+    DeltaSend,
+    decode_into,
+    encode,
+    host_array,
+)
+from streamer.execute.staging import Part, Program, Stager, build_program, device_ops_for
+from streamer.ops.buffers import _copy, _xor_into, byte_view, host_bytes, region_view, torch_byte_view
+from streamer.ops.cast import cast_into
+from streamer.ops.cast_view import cast_view
+from streamer.ops.device_ops import DeviceOps
+from streamer.plan.planner import Plan, Transfer
+from streamer.transport.base import ABORT_POLL_INTERVAL, Request, Transport
+
+if TYPE_CHECKING:
+    from streamer.execute.quant import SenderQuant
+
+__all__ = ["DEFAULT_BUCKET", "ExecStats", "Executor", "Message", "build_schedule", "byte_view", "host_bytes",
+           "region_view", "torch_byte_view"]
+
+DEFAULT_BUCKET = 256 << 20
+_DIGEST_TAG = 7
+
+
+def is_contiguous(box: Box, shape: Sequence[int]) -> bool:
+    return _contiguous(box.offsets, box.sizes, tuple(shape))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _contiguous(offsets: tuple[int, ...], sizes: tuple[int, ...], shape: tuple[int, ...]) -> bool:
+    # cached: a full-size schedule asks about ~10^6 transfers, but the layers repeat a few boxes
+    runs = list(uniform_runs(Box(offsets, sizes), shape))
+    return len(runs) == 1 and (runs[0][1] == 1 or runs[0][2] == runs[0][3])
+
+
+@dataclass(frozen=True)
+class Message:
+    phase: int
+    src: int
+    dst: int
+    index: int  # bucket index within (phase, src, dst)
+    transfers: tuple[Transfer, ...]
+    nbytes: int
+    uid: int = -1  # position in the global order
+    deps: tuple[int, ...] = ()  # phase-2: uids of the phase-1 messages that bring its bytes
+
+
+def _slabs(t: Transfer, bucket: int) -> list[tuple[Transfer, int]]:
+    """``_split_transfer`` with each part's bytes."""
+    nb = t.nbytes
+    return [(t, nb)] if nb <= bucket else [(x, x.nbytes) for x in _split_transfer(t, bucket)]
+
+
+def _split_transfer(t: Transfer, bucket: int) -> list[Transfer]:
+    if t.nbytes <= bucket:
+        return [t]
+    out = []
+    for slab in contiguous_slabs(t.region.sizes, t.itemsize, bucket):
+        region = slab.shift(t.region.offsets)
+        so = tuple(a + b for a, b in zip(t.src_offsets, slab.offsets))
+        do = tuple(a + b for a, b in zip(t.dst_offsets, slab.offsets))
+        out.append(Transfer(t.fqn, region, t.src_rank, t.src_tensor, so, t.dst_rank, t.dst_tensor, do,
+                            t.itemsize, t.phase, t.src_chunk, t.dst_chunk))
+    return out
+
+
+#: contiguous transfers at least this large travel as their own message, zero-copy at both ends
+INPLACE_MIN_BYTES = 256 << 10
+#: the order interleaves each rank's peers by this many bytes of a pair's phase-1 stream (a byte
+#: round robin; A/B on bench refit, 3 x 9 pushes: 256 KiB 1.46-2.00x the floor, one 64 MiB bucket
+#: 2.12-2.59x, ordering by message count as before 1.28-2.02x)
+WAVE_BYTES = 256 << 10
+#: messages one rank keeps in flight (packed ones are further limited by the bucket slots)
+MAX_INFLIGHT = 8
+#: longest nap between two polls of the requests in flight (seconds): MPI shared-memory transfers
+#: progress only while a rank polls, so long naps stall them; zero spins and starves
+#: oversubscribed ranks (A/B on 8 ranks / 2 cores: 1e-3 s mean 0.074 s a push, 5e-5 s 0.062 s)
+MAX_POLL_SLEEP = 1e-4
+
+
+def _poll_sleep() -> float:
+    """``MAX_POLL_SLEEP``, or ``$SHARDSTREAM_POLL_SLEEP`` (seconds) when set."""
+    text = os.environ.get("SHARDSTREAM_POLL_SLEEP")
+    if text is None:
+        return MAX_POLL_SLEEP
+    try:
+        v = float(text)
+    except ValueError:
+        v = -1.0
+    if not 0 <= v <= 1:
+        raise UsageError(f"SHARDSTREAM_POLL_SLEEP={text!r}: expected seconds between 0 and 1")
+    return v
+
+
+#: the bucket layout's version: refit sessions compare it with the plan digest, so that jobs
+#: that would lay out buckets differently (2: transfers grouped by local tensor; 3: messages
+#: ordered by byte waves, forwards placed by ``Plan.forward_keys``) are refused
+SCHEDULE_VERSION = 3
+
+
+def _by_tensor(ts: Sequence[Transfer]) -> tuple[Transfer, ...]:
+    """A bucket's transfers grouped by local tensor (destination, then source; stable): a device
+    packs each group of one tensor with one index op (``streamer.execute.staging``)."""
+    return tuple(sorted(ts, key=lambda t: (t.dst_tensor, t.src_tensor)))
+
+
+def _bucket(tagged: Sequence[tuple[Transfer, int, int]], phase: int, s: int, d: int, bucket_size: int,
+            shape_of: Any) -> list[tuple[Message, int, int]]:
+    """Pack one pair's transfers (each with an integer tag and its bytes) into messages, in
+    order: each with the smallest and largest tag of its transfers."""
+    msgs: list[tuple[Message, int, int]] = []
+    cur: list[Transfer] = []
+    tags: list[int] = []
+    size = 0
+    for t, tag, nb in tagged:
+        if (shape_of is not None and nb >= INPLACE_MIN_BYTES
+                and _contiguous(t.src_offsets, t.region.sizes, tuple(shape_of(t.src_rank, t.src_tensor, phase == 2)))
+                and _contiguous(t.dst_offsets, t.region.sizes, tuple(shape_of(t.dst_rank, t.dst_tensor, True)))):
+            msgs.append((Message(phase, s, d, len(msgs), (t,), nb), tag, tag))
+            continue
+        if cur and size + nb > bucket_size:
+            msgs.append((Message(phase, s, d, len(msgs), _by_tensor(cur), size), min(tags), max(tags)))
+            cur, tags, size = [], [], 0
+        cur.append(t)
+        tags.append(tag)
+        size += nb
+    if cur:
+        msgs.append((Message(phase, s, d, len(msgs), _by_tensor(cur), size), min(tags), max(tags)))
+    return msgs
+
+
+def build_schedule(plan: Plan, bucket_size: int, shape_of: Any = None, *,
+                   rank: int | None = None) -> list[Message]:
+    """Every message of the plan, in the one global order all ranks use; with ``rank`` (global),
+    only that rank's messages, built from its own transfers alone (they keep their relative order
+    and their contents, so ranks that each build their own part agree message for message; uids
+    are then local).
+
+    ``shape_of(global_rank, local_tensor, on_dst) -> shape`` (optional) lets contiguous transfers
+    of at least ``INPLACE_MIN_BYTES`` go as their own messages, sent from and received into the
+    local tensors without packing; the rest share packed buckets.
+
+    The order: phase-1 messages by *wave* (where their first byte lies in the stream of phase-1
+    bytes between their two ranks, in units of ``WAVE_BYTES``), then by distance ``(dst - src) % world`` (a
+    shifted exchange: at each step a rank sends to one peer and receives from another), then by
+    ranks and index. Phase-2 forwards are pipelined with phase 1: a forward comes right after the
+    wave and pair of the last phase-1 transfer that brings its part to the forwarder
+    (``Plan.forward_keys``), a bound both ends compute from the compressed plan, so a receiver
+    never expands its forwarders' phase-1 transfers. The forwarder records the phase-1 messages
+    that carry the bytes in ``deps`` and posts the forward once they have arrived.
+    """
+    world = max(plan.world_size, 1)
+    wave = max(min(bucket_size, WAVE_BYTES), 1)
+    by_pair: dict[tuple[int, int, int], list[Transfer]] = defaultdict(list)
+    for t in (plan.transfers if rank is None else plan.transfers_of(rank)):
+        if t.phase:
+            by_pair[(t.phase, t.src_rank, t.dst_rank)].append(t)
+    fkeys = plan.forward_keys(None if rank is None else (rank,), wave)
+    keyed: list[tuple[tuple[int, ...], Message]] = []
+    for (phase, s, d), ts in by_pair.items():
+        tagged: list[tuple[Transfer, int, int]] = []
+        if phase == 1:  # tag: the stream position of the slab's first byte
+            pos = 0
+            for t in ts:
+                for sl, nb in _slabs(t, bucket_size):
+                    tagged.append((sl, pos, nb))
+                    pos += nb
+            for m, first, _ in _bucket(tagged, 1, s, d, bucket_size, shape_of):
+                keyed.append(((first // wave, (d - s) % world, s, d, 0, 0, 0, 0, m.index), m))
+            continue
+        for t in ts:  # tag: when its bytes have reached the forwarder (-1: they never travel)
+            k = fkeys.get((t.fqn, t.region.offsets, s, d), -1)
+            tagged.extend((sl, k, nb) for sl, nb in _slabs(t, bucket_size))
+        tagged.sort(key=lambda x: x[1])  # stable: plan order within a key
+        for m, _, k in _bucket(tagged, 2, s, d, bucket_size, shape_of):
+            w, dist = (k // world, k % world) if k >= 0 else (-1, 0)
+            keyed.append(((w, dist, (s - dist) % world, s, 1, (d - s) % world, s, d, m.index), m))
+    keyed.sort(key=lambda k: k[0])
+    return _with_deps(keyed, rank)
+
+
+def _with_deps(keyed: Sequence[tuple[tuple[int, ...], Message]], rank: int | None) -> list[Message]:
+    """The messages in order with their uids, and the forwards ``rank`` sends (None: all) with
+    the uids of the phase-1 messages that bring their bytes (always earlier: checked)."""
+    # only the local tensors forwards read from: a receiver's own phase-1 messages are many
+    read = {(t.src_rank, t.src_tensor) for _, m in keyed if m.phase == 2 and (rank is None or m.src == rank)
+            for t in m.transfers}
+    # (start, stop) per dim of each landed region: overlap tests without making boxes
+    landed: dict[tuple[int, str], list[tuple[tuple[int, ...], tuple[int, ...], int]]] = defaultdict(list)
+    for uid, (_, m) in enumerate(keyed):
+        if m.phase == 1 and (rank is None or m.dst == rank):
+            for t in m.transfers:
+                if (t.dst_rank, t.dst_tensor) in read:
+                    o = t.dst_offsets
+                    landed[(t.dst_rank, t.dst_tensor)].append(
+                        (o, tuple([a + z for a, z in zip(o, t.region.sizes)]), uid))
+    out = []
+    for uid, (_, m) in enumerate(keyed):
+        deps: tuple[int, ...] = ()
+        if m.phase == 2 and (rank is None or m.src == rank):
+            got: set[int] = set()
+            for t in m.transfers:
+                o = t.src_offsets
+                e = tuple([a + z for a, z in zip(o, t.region.sizes)])
+                got.update(u for lo, hi, u in landed.get((t.src_rank, t.src_tensor), ())
+                           if all(a < d and c < b for a, b, c, d in zip(lo, hi, o, e)))
+            deps = tuple(sorted(got))
+            if deps and deps[-1] > uid:
+                raise RuntimeError(f"internal error: rank {m.src} would forward to rank {m.dst} bytes that arrive "
+                                   "later in the schedule (please report this)")
+        # a constructor call, not replace(): 3x faster per message
+        out.append(Message(m.phase, m.src, m.dst, m.index, m.transfers, m.nbytes, uid, deps))
+    return out
+
+
+@dataclass
+class ExecStats:
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    messages: int = 0
+    local_copies: int = 0
+    seconds: float = 0.0
+    peak_buffer_bytes: int = 0
+    verified_regions: int = 0
+    #: destination-sized bytes this rank cast while packing (fp32 masters -> bf16, ...)
+    cast_bytes: int = 0
+    #: what the messages would have carried un-encoded (equal to bytes_sent/received without delta)
+    full_bytes_sent: int = 0
+    full_bytes_received: int = 0
+    #: delta pushes: elements in the messages sent as deltas, and how many of them changed
+    delta_elements: int = 0
+    changed_elements: int = 0
+    #: CPU seconds of this rank's thread spent encoding / decoding deltas (CPU time, so that ranks
+    #: sharing cores still measure what the codec costs)
+    encode_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    #: delta messages per encoding ("same", "sparse", "zstd", "raw")
+    encodings: dict[str, int] = field(default_factory=dict)
+    #: device tensors on a host transport: bytes copied between the device and the pinned buckets
+    staged_bytes: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class _Active:
+    msg: Message
+    req: Any
+    buf: np.ndarray | None
+    is_recv: bool
+    slot: int = -1
+
+
+@dataclass
+class _Run:
+    """The state of one push: its stats, messages in flight, uids received, bucket bytes in use."""
+
+    st: ExecStats
+    active: list[_Active] = field(default_factory=list)
+    done: set[int] = field(default_factory=set)
+    in_use: int = 0
+    problems: list[str] = field(default_factory=list)
+
+
+class Executor:
+    """Executes the part of a plan that concerns ``transport.rank``.
+
+    ``tensors`` maps local tensor names to buffers (numpy or CPU torch): the sources on sending
+    ranks, the destinations (written in place) on receiving ranks. ``dst_tensors``, when given,
+    holds the destination buffers separately (a same-job reshard, where one process is both a
+    source and a destination and the two layouts may use the same local names). ``quant``, on a
+    sending rank, packs the FP8 bytes and scales of weights quantized on the sender
+    (``quant_refit``).
+
+    Device tensors (CUDA, or any kind ``device_ops`` stands for) over a host transport are staged
+    through pinned host buckets (``streamer.execute.staging``); NCCL moves them directly.
+    """
+
+    def __init__(self, transport: Transport, plan: Plan, schedule: Sequence[Message],
+                 tensors: Mapping[str, Any], *, timeout: float = 300.0, window: int = 2,
+                 verify: bool = False, peer_names: Any = None,
+                 dst_tensors: Mapping[str, Any] | None = None, quant: SenderQuant | None = None,
+                 device_ops: DeviceOps | None = None) -> None:
+        self.t = transport
+        self.quant = quant
+        self.plan = plan
+        self.rank = transport.rank
+        self.timeout = timeout
+        self.window = max(1, window)
+        self.verify = verify
+        self.peer_names = peer_names
+        self.casts: Mapping[str, tuple[str, str]] = plan.casts
+        ops = device_ops_for(transport, [tensors, dst_tensors or {}], device_ops, self.rank)
+        # buffers of the transport's own kind: numpy for MPI, torch (maybe on a GPU) for gloo/NCCL;
+        # staged device tensors are viewed on their device
+        view = transport.byte_view if ops is None else torch_byte_view
+        self.src_views = {name: view(x) for name, x in tensors.items()}
+        self.dst_views = self.src_views if dst_tensors is None else {n: view(x) for n, x in dst_tensors.items()}
+        self.mine = [m for m in schedule if m.src == self.rank or m.dst == self.rank]
+        # phase-0 copies exist only in a same-job reshard: skip the pass over the plan otherwise
+        self.local = ([t for t in plan.transfers_of(self.rank) if t.phase == 0 and t.dst_rank == self.rank]
+                      if plan.same_job else [])
+        bucket = max((m.nbytes for m in self.mine), default=0)
+        # at most `window` bucket buffers, allocated once and reused every push
+        nslots = min(self.window, len(self.mine))
+        self._stager = None if ops is None else Stager(ops, transport, nslots, bucket)
+        self._programs: dict[tuple[int, bool], Program] = {}
+        self._slots = [transport.alloc(bucket) for _ in range(nslots)] if ops is None else []
+        self._free = list(range(nslots))
+        self._check_tensors()
+
+    def _check_tensors(self) -> None:
+        problems = []
+        need: dict[str, Box] = {}
+        for m in self.mine:
+            for tr in m.transfers:
+                if m.src == self.rank and self._quantizes(tr):
+                    assert self.quant is not None
+                    name, box, isz = self.quant.source(tr)
+                    views = self.src_views
+                elif m.src == self.rank:
+                    name, box, isz = tr.src_tensor, tr.src_box, self._src_itemsize(tr)
+                    views = self.dst_views if tr.phase == 2 else self.src_views
+                else:
+                    name, box, isz = tr.dst_tensor, tr.dst_box, tr.itemsize
+                    views = self.dst_views
+                v = views.get(name)
+                if v is None:
+                    if name not in need:
+                        problems.append(f"rank {self.rank}: local tensor {name!r} (for {tr.fqn}) was not provided")
+                    need[name] = box
+                    continue
+                if v.shape[-1] != isz or not box.fits_in(v.shape[:-1]):
+                    problems.append(f"rank {self.rank}: local tensor {name!r} has shape {list(v.shape[:-1])} "
+                                    f"x {v.shape[-1]} B, too small for {tr.fqn} region at {list(box.offsets)} "
+                                    f"size {list(box.sizes)} x {isz} B")
+        if problems:
+            from formats.errors import ValidationError
+
+            raise ValidationError(problems=sorted(set(problems))[:50])
+
+    # -- packing
+    def _region(self, name: str, box: Box, dst: bool) -> Any:
+        v = (self.dst_views if dst else self.src_views)[name]
+        return v[box.slices] if box.ndim else v
+
+    def _src(self, tr: Transfer) -> Any:
+        # phase-2 forwards read what the forwarder received into its destination tensors
+        return self._region(tr.src_tensor, tr.src_box, tr.phase == 2)
+
+    def _cast_of(self, tr: Transfer) -> tuple[str, str] | None:
+        """(source, destination) data_type when this transfer reads source-typed bytes to cast."""
+        return self.casts.get(tr.fqn) if tr.phase != 2 else None
+
+    def _quantizes(self, tr: Transfer) -> bool:
+        """Whether this rank quantizes ``tr``'s bytes while packing them (``quant_refit``)."""
+        return self.quant is not None and self.quant.handles(tr)
+
+    def _src_itemsize(self, tr: Transfer) -> int:
+        cast = self._cast_of(tr)
+        return DTYPES[cast[0]].itemsize if cast else tr.itemsize
+
+    def _src_bytes(self, tr: Transfer) -> Any:
+        """What goes on the wire for ``tr``: the source region, cast to the destination's type
+        (or quantized)."""
+        if self._quantizes(tr):
+            assert self.quant is not None
+            return self.quant.wire(tr, self.src_views)
+        cast = self._cast_of(tr)
+        return self._src(tr) if cast is None else cast_view(self._src(tr), *cast)
+
+    def _dst(self, tr: Transfer) -> Any:
+        return self._region(tr.dst_tensor, tr.dst_box, True)
+
+    def _pack(self, m: Message, buf: np.ndarray) -> int:
+        """Pack ``m``'s regions into ``buf``; return the bytes that were cast on the way."""
+        off = cast_bytes = 0
+        for tr in m.transfers:
+            n = tr.nbytes
+            dst = buf[off:off + n].reshape(tr.region.sizes + (tr.itemsize,))
+            cast = self._cast_of(tr)
+            if self._quantizes(tr):
+                assert self.quant is not None
+                self.quant.pack(tr, dst, self.src_views)
+            elif cast is None:
+                _copy(dst, self._src(tr))
+            else:  # straight into the bucket, one pass
+                cast_into(dst, self._src(tr), *cast)
+                cast_bytes += n
+            off += n
+        return cast_bytes
+
+    def _unpack(self, m: Message, buf: np.ndarray, apply: Any = _copy) -> None:
+        off = 0
+        for tr in m.transfers:
+            n = tr.nbytes
+            apply(self._dst(tr), buf[off:off + n].reshape(tr.region.sizes + (tr.itemsize,)))
+            off += n
+
+    # -- delta messages (a delta session; see streamer/delta.py)
+    def _delta_send(self, m: Message, buf: Any, delta: DeltaPush, st: ExecStats) -> DeltaSend:
+        """``buf`` holds the packed new bytes: XOR them with the base, keep them as the next base,
+        and encode the change in ``buf``."""
+        t0 = time.thread_time()
+        new = host_array(buf)
+        base = delta.state.bases.get(m.uid)
+        if base is None:  # is_delta promised the previous push recorded it
+            raise UsageError(f"rank {self.rank}: no base for a delta to rank {m.dst} (a bug: please report)")
+        x = delta.state.xor_buffer(m.nbytes)
+        np.bitwise_xor(new, base, out=x)
+        base[:] = new
+        off = 0
+        for tr in m.transfers:
+            st.changed_elements += _changed(x[off:off + tr.nbytes], tr.itemsize)
+            st.delta_elements += tr.nbytes // tr.itemsize
+            off += tr.nbytes
+        enc, n = encode(x, new)
+        st.encodings[ENCODINGS[enc]] = st.encodings.get(ENCODINGS[enc], 0) + 1
+        st.encode_seconds += time.thread_time() - t0
+        return DeltaSend(self.t, m, enc, buf[:n], delta.version)
+
+    def _keep_base(self, m: Message, buf: Any, delta: DeltaPush) -> None:
+        """A full message of a delta session: what it carries is the base of the next delta."""
+        delta.state.base(m.uid, m.nbytes)[:] = host_array(buf).reshape(-1)
+
+    def _delta_apply(self, m: Message, r: DeltaRecv, delta: DeltaPush, st: ExecStats) -> list[str]:
+        """Decode a delta message and apply it to this rank's tensors; problems name the regions."""
+        t0 = time.thread_time()
+        enc = r.encoding
+        name = ENCODINGS[enc] if enc < len(ENCODINGS) else "unknown"
+        st.encodings[name] = st.encodings.get(name, 0) + 1
+        why = ""
+        if r.versions != (delta.version, delta.version - 1):
+            why = f"carries version {r.versions[0]} over base {r.versions[1]}, expected {delta.version} over " \
+                  f"{delta.version - 1}"
+        elif int(r.hdr[1]) != r.payload.shape[0]:
+            why = f"announces {int(r.hdr[1])} bytes for a {m.nbytes}-byte message"
+        elif enc == RAW:
+            self._unpack(m, r.payload)
+        elif enc != SAME:
+            x = delta.state.xor_buffer(m.nbytes)
+            try:
+                decode_into(enc, host_array(r.payload), x)
+            except ValueError as e:
+                why = f"does not decode ({e})"
+            else:
+                self._unpack(m, x, _xor_into)
+        st.decode_seconds += time.thread_time() - t0
+        return [f"{tr.fqn}: region {tr.region} received by rank {self.rank} from rank {m.src}: the delta {why}"
+                for tr in m.transfers] if why else []
+
+    def _inplace(self, m: Message, send: bool) -> Any:
+        if len(m.transfers) != 1:
+            return None
+        tr = m.transfers[0]
+        if send and (self._cast_of(tr) is not None or self._quantizes(tr)):
+            return None  # cast or quantized while packing: the wire carries other bytes than the tensor
+        name, box = (tr.src_tensor, tr.src_box) if send else (tr.dst_tensor, tr.dst_box)
+        on_dst = (not send) or tr.phase == 2
+        v = (self.dst_views if on_dst else self.src_views)[name]
+        if not is_contiguous(box, v.shape[:-1]):
+            return None
+        r = self._region(name, box, on_dst)
+        if isinstance(r, np.ndarray):
+            return r.reshape(-1)
+        try:
+            return r.view(-1)  # a view or nothing: never a silent copy we would receive into
+        except RuntimeError:
+            return None
+
+    # -- main loop
+    def run(self, delta: DeltaPush | None = None) -> ExecStats:
+        """One push. With ``delta`` (a delta session), messages between ranks at the previous
+        version travel as encoded deltas through the bucket slots; the others travel full, and
+        what senders send is kept as their next base."""
+        run = _Run(ExecStats())
+        t0 = time.perf_counter()
+        self._local_copies(run.st)
+        staged0 = self._begin_staging(delta)  # after the local copies: forwards may read their bytes
+        i = 0
+        last = time.monotonic()
+        sleep = 0.0
+        # zero-copy messages cost no buffer: more of them may be in flight than there are bucket
+        # slots, so large contiguous regions overlap with the packed ones (memory stays bounded
+        # by the slots)
+        max_inflight = max(self.window, MAX_INFLIGHT)
+        nap = _poll_sleep()
+        next_abort_poll = last + ABORT_POLL_INTERVAL
+        while i < len(self.mine) or run.active:
+            while len(run.active) < max_inflight and i < len(self.mine) and self._post(self.mine[i], run, delta):
+                i += 1
+            progressed = False
+            for a in list(run.active):
+                if a.req.test():
+                    self._complete(a, run, delta)
+                    progressed = True
+            now = time.monotonic()
+            if progressed:
+                last = now
+                sleep = 0.0
+                continue
+            if now > next_abort_poll:  # another rank may have given up: end with its reason
+                next_abort_poll = now + ABORT_POLL_INTERVAL
+                err = self.t.poll_abort()
+                if err is not None:
+                    raise err
+            if now - last > self.timeout:
+                raise self._stalled(run.active)
+            if sleep:
+                time.sleep(sleep)
+            sleep = min(nap, sleep + 2e-5)
+        st = run.st
+        if self._stager is not None:
+            st.staged_bytes = self._stager.staged_bytes - staged0
+        if self.verify:
+            t1 = time.perf_counter()
+            st.verified_regions, bad = self._verify()
+            run.problems += bad
+            st.verify_seconds = time.perf_counter() - t1
+        st.seconds = time.perf_counter() - t0
+        if run.problems:
+            # after a delta push a wrong region is wrong data (exit 1), else a transport failure
+            raise (TransportError if delta is None else DeltaChecksumError)(problems=run.problems)
+        return st
+
+    def _begin_staging(self, delta: DeltaPush | None) -> int:
+        """Device tensors: the staging stream waits for the caller's work on them; returns the
+        bytes staged so far."""
+        if self._stager is None:
+            return 0
+        if delta is not None:
+            raise UsageError(f"rank {self.rank}: delta pushes encode on the host: device tensors are not supported "
+                             "with them yet")
+        self._stager.ops.begin()
+        return self._stager.staged_bytes
+
+    def _local_copies(self, st: ExecStats) -> None:
+        """A same-job reshard: the bytes already on this rank move without the transport."""
+        for tr in self.local:
+            if (self.dst_views is not self.src_views or tr.src_tensor != tr.dst_tensor
+                    or tr.src_offsets != tr.dst_offsets):
+                src = self._src_bytes(tr)
+                _copy(self._dst(tr), src.copy() if isinstance(src, np.ndarray) else src.clone())
+            st.local_copies += 1
+
+    def _post(self, m: Message, run: _Run, delta: DeltaPush | None) -> bool:
+        """Post ``m`` (pack it first when it needs a bucket); False when it must wait: a phase-2
+        forward whose bytes are still arriving, or no free bucket slot."""
+        send = m.src == self.rank
+        if send and m.phase == 2 and not all(d in run.done for d in m.deps):
+            return False  # its bytes are still arriving (earlier in the global order)
+        if self._stager is not None:
+            return self._post_staged(m, send, run)
+        is_delta = delta is not None and delta.is_delta(m.src, m.dst)
+        buf = None if is_delta else self._inplace(m, send)
+        slot = -1
+        if buf is None:
+            if not self._free:
+                return False  # every bucket slot is in use: wait for one
+            slot = self._free.pop()
+            buf = self._slots[slot][:m.nbytes]
+            run.in_use += m.nbytes
+            if send:
+                run.st.cast_bytes += self._pack(m, buf)
+        run.st.peak_buffer_bytes = max(run.st.peak_buffer_bytes, run.in_use)
+        req: Request | DeltaSend | DeltaRecv
+        if is_delta:
+            assert delta is not None
+            req = self._delta_send(m, buf, delta, run.st) if send else DeltaRecv(self.t, m, buf)
+        else:
+            req = self.t.isend(buf, m.dst, m.phase) if send else self.t.irecv(buf, m.src, m.phase)
+            if send and delta is not None:
+                self._keep_base(m, buf, delta)
+        run.active.append(_Active(m, req, buf, not send, slot))
+        return True
+
+    def _post_staged(self, m: Message, send: bool, run: _Run) -> bool:
+        """A message of device tensors: through a free slot, packed or unpacked on the device."""
+        if not self._free or self._stager is None:
+            return False  # every slot is in use: wait for one
+        slot = self._free.pop()
+        run.in_use += m.nbytes
+        run.st.peak_buffer_bytes = max(run.st.peak_buffer_bytes, run.in_use)
+        prog = self._program(m, send)
+        if send:
+            run.st.cast_bytes += sum(tr.nbytes for tr in m.transfers if self._cast_of(tr) is not None)
+        req = self._stager.send(m, slot, prog) if send else self._stager.recv(m, slot, prog)
+        run.active.append(_Active(m, req, None, not send, slot))
+        return True
+
+    def _program(self, m: Message, send: bool) -> Program:
+        """``m``'s copy program on this side, built at its first push (index tensors included)."""
+        key = (m.uid, send)
+        prog = self._programs.get(key)
+        if prog is None:
+            assert self._stager is not None
+            parts, off = [], 0
+            for tr in m.transfers:
+                if send:
+                    view = (self.dst_views if tr.phase == 2 else self.src_views)[tr.src_tensor]
+                    parts.append(Part(view, tr.src_box, off, tr.nbytes, self._cast_of(tr)))
+                else:
+                    parts.append(Part(self.dst_views[tr.dst_tensor], tr.dst_box, off, tr.nbytes))
+                off += tr.nbytes
+            prog = self._programs[key] = build_program(parts, self._stager.ops)
+        return prog
+
+    def _complete(self, a: _Active, run: _Run, delta: DeltaPush | None) -> None:
+        """A finished message: unpack (or apply its delta), count it, free its slot."""
+        st = run.st
+        wire = getattr(a.req, "wire", a.msg.nbytes)
+        if a.is_recv:
+            if isinstance(a.req, DeltaRecv):
+                assert delta is not None
+                run.problems += self._delta_apply(a.msg, a.req, delta, st)
+            elif a.slot >= 0 and self._stager is None:  # staged receives unpacked on the device
+                self._unpack(a.msg, a.buf)  # type: ignore[arg-type]
+            st.bytes_received += wire
+            st.full_bytes_received += a.msg.nbytes
+            run.done.add(a.msg.uid)
+        else:
+            st.bytes_sent += wire
+            st.full_bytes_sent += a.msg.nbytes
+        if a.slot >= 0:
+            self._free.append(a.slot)
+            run.in_use -= a.msg.nbytes
+        st.messages += 1
+        run.active.remove(a)
+
+    def _stalled(self, active: Sequence[_Active]) -> PeerTimeoutError:
+        """The timeout, naming the silent peers (and, for a late forwarder, whom it waits for)."""
+        stuck = [a for a in active if getattr(a.req, "on_device", False)]
+        if stuck:
+            for a in active:
+                a.req.cancel()
+            return PeerTimeoutError(f"rank {self.rank}: timed out after {self.timeout:g} s waiting for the device "
+                                    f"copies of {len(stuck)} message(s) (the device is hung or too busy)")
+        peers = sorted({a.msg.src if a.is_recv else a.msg.dst for a in active})
+        name0 = self.peer_names or (lambda p: f"rank {p}")
+        # a late forward: name whom the forwarder waits for (its phase-1 senders, from the plan)
+        late = [a.msg for a in active if a.is_recv and a.msg.phase == 2]
+        upstream: dict[int, set[int]] = defaultdict(set)
+        sources = self.plan.forward_sources(self.rank) if late else {}
+        for m in late:  # the senders of the bytes in the forwards still awaited
+            for t in m.transfers:
+                for region, senders in sources.get((t.fqn, m.src), ()):
+                    if region.intersect(t.region) is not None:
+                        upstream[m.src] |= senders
+
+        def name(p: int) -> str:
+            up = sorted(upstream.get(p, ()))
+            return str(name0(p)) + (f" (which forwards bytes from {', '.join(name0(u) for u in up)})" if up else "")
+        for a in active:
+            a.req.cancel()
+        return PeerTimeoutError(f"rank {self.rank}: timed out after {self.timeout:g} s waiting for "
+                                f"{', '.join(name(p) for p in peers)} (transfer not completed; the peer "
+                                "died, hung or never arrived)")
+
+    # -- integrity without gathering
+    def _digest(self, region: Any) -> int:
+        import xxhash
+
+        return xxhash.xxh64_intdigest(host_bytes(region).data)
+
+    def _verify(self) -> tuple[int, list[str]]:
+        """Senders hash the regions they sent (from their own tensors); receivers hash what landed
+        in theirs; each receiver compares. Only 8 bytes per region cross the wire. Returns the
+        regions checked and one problem per corrupt region."""
+        reqs = []
+        keep = []
+        expect: list[tuple[Message, np.ndarray]] = []
+        ctrl = self.t.control  # digests are host memory: NCCL cannot carry them
+        for m in self.mine:
+            if m.src == self.rank:
+                d = np.array([self._digest(self._src_bytes(tr)) for tr in m.transfers], dtype=np.uint64)
+                keep.append(d)
+                reqs.append(ctrl.isend(d, m.dst, _DIGEST_TAG))
+            else:
+                d = np.zeros(len(m.transfers), dtype=np.uint64)
+                expect.append((m, d))
+                reqs.append(ctrl.irecv(d, m.src, _DIGEST_TAG))
+        from streamer.transport.base import wait_all
+
+        wait_all(reqs, self.timeout, "verify checksums", names=self.peer_names, transport=self.t)
+        bad = []
+        n = 0
+        for m, d in expect:
+            for tr, want in zip(m.transfers, d.tolist()):
+                got = self._digest(self._dst(tr))
+                n += 1
+                if got != want:
+                    bad.append(f"{tr.fqn}: region {tr.region} received by rank {self.rank} from rank {tr.src_rank} "
+                               f"is corrupt (xxh64 expected {want:016x}, got {got:016x})")
+        return n, bad
+
+
+def _changed(x: np.ndarray, itemsize: int) -> int:
+    """Elements of ``itemsize`` bytes with a nonzero byte in the XOR ``x`` (flat uint8)."""
+    if itemsize in (2, 4, 8) and x.size:
+        return int(np.count_nonzero(x.view(f"<u{itemsize}")))
+    return int(np.count_nonzero(x.reshape(-1, itemsize).any(axis=1))) if x.size else 0

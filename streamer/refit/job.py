@@ -1,0 +1,204 @@
+"""One side of a refit run from files: what ``shardstream refit send|recv`` does, as a library call.
+
+Senders load their local tensors from the files their manifest names; receivers allocate
+theirs. Both open a ``RefitSession``, run ``steps`` pushes (each timed from a barrier of the
+job to its slowest rank), and receivers may save what they received. A rank that cannot load
+its files refuses the first push, so every rank of both jobs stops with its reason (exit 1)
+instead of waiting out the timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from formats.errors import ShardstreamError, UsageError
+from formats.manifest import Manifest
+from streamer.refit.options import RefitOptions
+from streamer.refit.session import RefitSession, StepStats
+
+__all__ = ["RefitJob", "RefitReport"]
+
+
+@dataclass
+class RefitReport:
+    """What one job did (filled on every rank, the whole-plan byte figures only on ``reporter``,
+    the job's rank 0)."""
+
+    role: str
+    strategy: str
+    transport: str
+    seconds: list[float]
+    steps: list[StepStats]
+    moved_bytes: int
+    reshard_moved_bytes: int
+    broadcast_moved_bytes: int
+    verified: bool
+    saved: str | None
+    reporter: bool
+    #: delta sessions: per step, this job's totals (see ``_delta_totals``)
+    delta: list[dict[str, Any]] | None = None
+    #: quantize on refit: the arrays, where each is quantized, the bytes saved
+    #: (``quant_refit.refit_quant_report``) and this job's slowest rank's seconds quantizing per step
+    quantized: dict[str, Any] | None = None
+
+    @property
+    def median_s(self) -> float:
+        return sorted(self.seconds)[len(self.seconds) // 2]
+
+    def to_dict(self) -> dict[str, Any]:
+        med = self.median_s
+        return {"role": self.role, "strategy": self.strategy, "steps": len(self.seconds), "seconds": self.seconds,
+                "median_s": med, "moved_bytes": self.moved_bytes, "reshard_moved_bytes": self.reshard_moved_bytes,
+                "broadcast_moved_bytes": self.broadcast_moved_bytes,
+                "gb_per_s": self.moved_bytes / med / 1e9 if med else 0, "verified": self.verified,
+                "transport": self.transport, "saved": self.saved,
+                "peak_buffer_bytes": max(st.peak_buffer_bytes for st in self.steps), "delta": self.delta,
+                "quantized": self.quantized}
+
+    def text(self) -> str:
+        med = self.median_s
+        rate = self.moved_bytes / med / 1e9 if med else 0
+        return (f"refit {self.role} ({self.strategy}): {len(self.seconds)} step(s), median {med:.3f} s, best "
+                f"{min(self.seconds):.3f} s, {self.moved_bytes / 1e9:.3f} GB moved ({rate:.2f} GB/s); reshard moves "
+                f"{self.reshard_moved_bytes / 1e9:.3f} GB vs gather-broadcast {self.broadcast_moved_bytes / 1e9:.3f} GB"
+                + ("; checksums verified" if self.verified else "") + (f"; saved to {self.saved}" if self.saved else "")
+                + (_delta_text(self.delta) if self.delta else "") + (_quant_text(self.quantized) if self.quantized else ""))
+
+
+@dataclass
+class RefitJob:
+    role: str
+    manifest: Manifest
+    rendezvous: str | None = None
+    transport: str | None = None
+    control: str = "auto"
+    timeout: float = 300.0
+    steps: int = 1
+    save: str | None = None
+    options: RefitOptions = field(default_factory=RefitOptions)
+    #: the open session (set by ``run``): the CLI posts an abort through its group on failure
+    session: RefitSession | None = None
+
+    def run(self) -> RefitReport:
+        from streamer.refit.persist import alloc_local, load_local
+
+        if self.save and self.role != "recv":
+            raise UsageError("--save is for the receiving side (refit recv)")
+        session = RefitSession.open(self.manifest, self.role, rendezvous=self.rendezvous, transport=self.transport,
+                                    control=self.control, timeout=self.timeout,
+                                    options=replace(self.options, planned_steps=max(self.steps, self.options.planned_steps)))
+        self.session = session
+        with session:
+            rank = session.local_rank
+            save = Path(self.save) if self.save else None
+            if save is not None and rank == 0:
+                _mark_incomplete(save)
+            tensors: dict[str, Any] = {}
+            problems: list[str] = []
+            try:
+                tensors = (load_local(self.manifest, rank) if self.role == "send"
+                           else alloc_local(self.manifest, rank))
+            except ShardstreamError as e:  # refused in the first push's agreement, on every rank
+                problems = [f"{session.group.name(session.group.rank)}: {p}" for p in e.problems or [str(e)]]
+            tensors = _on_device(tensors, session.transport, session.local_tensors())
+            seconds = [self._timed_step(session, tensors, problems) for _ in range(session.options.planned_steps)]
+            if save is not None:
+                session.save(save, tensors)
+            delta = _delta_totals(session) if session.options.delta else None
+            quantized = _quant_totals(session)
+            # the whole-plan figures are whole-plan work: only the job's reporter computes them
+            stats = session.plan.stats() if rank == 0 else None
+            reshard, broadcast = (stats.moved_bytes, stats.broadcast_moved_bytes) if stats else (0, 0)
+            return RefitReport(self.role, session.options.strategy, getattr(session.transport, "name", "?"), seconds,
+                               list(session.steps), reshard if session.options.strategy == "reshard" else broadcast,
+                               reshard, broadcast, session.options.verify, str(save) if save else None, rank == 0, delta,
+                               quantized)
+
+    def _timed_step(self, session: RefitSession, tensors: dict[str, Any], problems: list[str]) -> float:
+        """One push, timed from a barrier of this job to its slowest rank."""
+        role_t = session.group.role_control
+        role_t.barrier(self.timeout)
+        if problems:
+            session.refuse(problems)
+        t0 = time.perf_counter()
+        session.push(tensors) if self.role == "send" else session.pull(tensors)
+        times = role_t.allgather_bytes(f"{time.perf_counter() - t0:.9f}".encode(), self.timeout)
+        return max(float(x) for x in times)
+
+
+def _delta_totals(session: RefitSession) -> list[dict[str, Any]]:
+    """Per step, over this job's ranks: bytes on the wire against full bytes, the fraction of
+    elements changed (weighted by the bytes each sender sent), the slowest rank's encode, decode
+    and checksum seconds, and the senders' base copies."""
+    side = "sent" if session.role == "send" else "received"
+    mine = [{"wire": getattr(st, f"bytes_{side}"), "full": getattr(st, f"full_bytes_{side}"),
+             "changed": st.changed_fraction, "encode_s": st.encode_seconds, "decode_s": st.decode_seconds,
+             "verify_s": st.verify_seconds, "base": st.base_bytes} for st in session.steps]
+    ranks = [json.loads(x) for x in session.group.role_control.allgather_bytes(json.dumps(mine).encode(),
+                                                                               session.timeout)]
+    out = []
+    for i in range(len(mine)):
+        rows = [r[i] for r in ranks]
+        weighed = [(r["changed"], r["full"]) for r in rows if r["changed"] is not None]
+        weight = sum(w for _, w in weighed)
+        out.append({"step": i, "wire_bytes": sum(r["wire"] for r in rows), "full_bytes": sum(r["full"] for r in rows),
+                    "changed_fraction": sum(c * w for c, w in weighed) / weight if weight else None,
+                    "encode_s": max(r["encode_s"] for r in rows), "decode_s": max(r["decode_s"] for r in rows),
+                    "verify_s": max(r["verify_s"] for r in rows), "base_bytes": sum(r["base"] for r in rows)})
+    return out
+
+
+def _delta_text(delta: list[dict[str, Any]]) -> str:
+    parts = []
+    for d in delta:
+        ratio = d["wire_bytes"] / d["full_bytes"] if d["full_bytes"] else 0.0
+        changed = "" if d["changed_fraction"] is None else f", {d['changed_fraction']:.2%} of elements changed"
+        parts.append(f"step {d['step']}: {d['wire_bytes'] / 1e6:.3f} of {d['full_bytes'] / 1e6:.3f} MB "
+                     f"({ratio:.1%}){changed}, encode {d['encode_s']:.3f} s, decode {d['decode_s']:.3f} s")
+    base = max(d["base_bytes"] for d in delta)
+    return "\ndelta: " + "; ".join(parts) + (f"; senders keep {base / 1e6:.3f} MB of last-sent bytes" if base else "")
+
+
+def _quant_totals(session: RefitSession) -> dict[str, Any] | None:
+    """The session's quantization report, with this job's slowest rank's seconds per step and its
+    ranks' staging buffers (receivers)."""
+    if session.quant is None:
+        return None
+    mine = json.dumps({"s": [st.quantize_seconds for st in session.steps], "staging": session.staging_bytes})
+    ranks = [json.loads(x) for x in session.group.role_control.allgather_bytes(mine.encode(), session.timeout)]
+    # the report's byte figures are whole-plan work: only the job's reporter computes them
+    rep = session.quant_report() if session.group.role_control.rank == 0 else None
+    if rep is None:
+        return None
+    return {**rep, "quantize_seconds": [max(r["s"][i] for r in ranks) for i in range(len(session.steps))],
+            "staging_bytes": sum(r["staging"] for r in ranks)}
+
+
+def _quant_text(q: dict[str, Any]) -> str:
+    secs = q["quantize_seconds"]
+    return (f"\nquantized: {len(q['arrays'])} arrays to FP8 ({q['on_sender']} by the senders, {q['on_receiver']} "
+            f"by the receivers), {q['wire_bytes_saved'] / 1e6:.3f} MB fewer on the wire per push; "
+            f"slowest rank quantizing {max(secs):.3f} s a push"
+            + (f"; {q['staging_bytes'] / 1e6:.3f} MB of staging buffers" if q["staging_bytes"] else ""))
+
+
+def _mark_incomplete(save: Path) -> None:
+    """Until this run finishes, the directory must not look complete."""
+    save.mkdir(parents=True, exist_ok=True)
+    (save / "manifest.json").unlink(missing_ok=True)
+
+
+def _on_device(tensors: dict[str, Any], transport: Any, specs: Any) -> dict[str, Any]:
+    """NCCL and cuda-ipc move GPU memory: stage the local tensors on the transport's device, in
+    the manifest's dtype (numpy holds bfloat16 / fp8 in their uint16 / uint8 storage)."""
+    device = getattr(transport, "device", None)
+    if device is None:
+        return tensors
+    import torch
+
+    return {n: torch.from_numpy(v).view(getattr(torch, specs[n].data_type)).to(device) if n in specs
+            else torch.from_numpy(v).to(device) for n, v in tensors.items()}

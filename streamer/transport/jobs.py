@@ -1,0 +1,315 @@
+"""Who is who in a refit: one MPMD launch split by role, or two jobs joined by a rendezvous file.
+
+Either way the result is a ``Group``: a control plane over the merged group (the senders, i.e.
+trainers, first, then the receivers, i.e. inference), and one over one's own job.
+
+Two control planes:
+
+- **mpi** (jobs launched by ``mpiexec``): one MPMD launch is split by role; two launches are
+  joined with ``MPI_Open_port`` / ``Connect`` / ``Accept`` through the rendezvous file, which
+  holds the MPI port name.
+- **store** (any job, e.g. a trainer launched by ``torchrun``): receiver rank 0 serves a
+  TCPStore and writes ``tcp://HOST:PORT`` to the rendezvous file; every rank of both jobs reads
+  the file and joins. Ranks are numbered by the launcher's own (``RANK``/``WORLD_SIZE``, or
+  MPI's). Bulk bytes then move over gloo or NCCL groups built from that store.
+
+The side that writes the rendezvous file (the receivers) picks the plane; the senders follow
+what the file says. Every wait is bounded: MPI's ``Accept``/``Connect`` cannot time out on
+their own, so a watchdog aborts with exit code 3 and a message naming what never arrived.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from formats.errors import PeerTimeoutError, UsageError
+from formats.manifest import atomic_write_bytes
+from streamer.transport.base import Transport
+from streamer.transport.watchdog import Watchdog, abort
+
+__all__ = ["CONTROLS", "Group", "Watchdog", "abort", "connect", "launcher_rank"]
+
+ROLES = ("send", "recv")
+CONTROLS = ("auto", "mpi", "store")
+#: rendezvous file content of the store plane
+_TCP = "tcp://"
+#: environment variables by which MPI launchers announce a rank (MPICH/hydra, Open MPI, Slurm PMI)
+_MPI_ENV = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK")
+
+
+def launched_by_mpi() -> bool:
+    return any(k in os.environ for k in _MPI_ENV)
+
+
+def launcher_rank() -> tuple[int, int]:
+    """(rank, size) of this process in its own job, from torch.distributed or the launcher."""
+    dist = sys.modules.get("torch.distributed")  # importing torch costs seconds: only if already loaded
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    for r, n in (("RANK", "WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE"),
+                 ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")):
+        if r in os.environ and n in os.environ:
+            return int(os.environ[r]), int(os.environ[n])
+    return 0, 1
+
+
+def _rank_name(g: int, n_send: int) -> str:
+    if g < n_send:
+        return f"sender rank {g} (global {g})"
+    return f"receiver rank {g - n_send} (global {g})"
+
+
+@dataclass
+class Group:
+    control: Transport  # merged group: senders 0..n_send-1, receivers n_send..
+    role_control: Transport  # this job's ranks
+    role: str
+    n_send: int
+    n_recv: int
+    rendezvous: str | None = None
+    #: the merged MPI communicator (mpi plane) or TCPStore (store plane)
+    comm: Any = None
+    store: Any = None
+    plane: str = "mpi"
+    _closers: list[Any] = field(default_factory=list)
+
+    @property
+    def rank(self) -> int:
+        return self.control.rank
+
+    @property
+    def role_rank(self) -> int:
+        return self.role_control.rank
+
+    def name(self, g: int) -> str:
+        """Human name of merged rank ``g``: which job, which rank in it."""
+        return _rank_name(g, self.n_send)
+
+    def close(self, timeout: float = 30.0) -> None:
+        for c in self._closers:
+            c(timeout)
+        self._closers.clear()
+
+    @classmethod
+    def from_mpi(cls, comm: Any, role_comm: Any, role: str, n_send: int, n_recv: int,
+                 rendezvous: str | None = None) -> Group:
+        from streamer.transport.mpi import MPITransport
+
+        role_names = (lambda r: _rank_name(r, n_send)) if role == "send" else (lambda r: _rank_name(r + n_send, n_send))
+        return cls(MPITransport(comm, lambda r: _rank_name(r, n_send)), MPITransport(role_comm, role_names), role,
+                   n_send, n_recv, rendezvous, comm=comm)
+
+
+def _iallgather_int(comm: Any, value: int, timeout: float, what: str) -> list[int]:
+    from mpi4py import MPI
+
+    from streamer.transport.base import wait_all
+    from streamer.transport.mpi import MPIRequest
+
+    send = np.array([value], dtype=np.int64)
+    recv = np.zeros(comm.Get_size(), dtype=np.int64)
+    req = comm.Iallgather([send, MPI.INT64_T], [recv, MPI.INT64_T])
+    wait_all([MPIRequest(req, "collective", -1)], timeout, what)
+    return [int(x) for x in recv]
+
+
+def _read_rendezvous(path: Path, deadline: float, want_fresh_from: float | None = None) -> str:
+    """The rendezvous file's first line once it exists, or "" at the deadline."""
+    while True:
+        try:
+            if want_fresh_from is None or path.stat().st_mtime >= want_fresh_from:
+                text = path.read_text().strip()
+                if text:
+                    return text
+        except FileNotFoundError:
+            pass
+        if time.monotonic() > deadline:
+            return ""
+        time.sleep(0.05)
+
+
+def connect(role: str, *, rendezvous: str | None = None, timeout: float = 300.0,
+            control: str = "auto") -> Group:
+    """Join the refit group as ``role`` ("send" or "recv").
+
+    ``control`` picks the control plane: "mpi", "store", or "auto" (the receivers: mpi when
+    launched by an MPI launcher, else store; the senders: whatever the rendezvous file says).
+    """
+    if role not in ROLES:
+        raise UsageError(f"role must be send or recv, got {role!r}")
+    if control not in CONTROLS:
+        raise UsageError(f"--control must be one of {', '.join(CONTROLS)}, got {control!r}")
+    if rendezvous is None:
+        if control == "store":
+            raise UsageError("--control store joins two jobs through a rendezvous file: pass --rendezvous FILE")
+        return _connect_mpmd(role, timeout)
+    path = Path(rendezvous)
+    if role == "recv":
+        plane = control if control != "auto" else ("mpi" if launched_by_mpi() else "store")
+        return _connect_store(role, path, timeout) if plane == "store" else _connect_mpi_port(role, path, timeout)
+    if control == "auto":
+        # follow the receivers: peek at the file (every sender rank reads it; it is written once)
+        text = _read_rendezvous(path, time.monotonic() + timeout)
+        if not text:
+            raise PeerTimeoutError(f"timed out after {timeout:g} s waiting for the receiver job to write "
+                                   f"the rendezvous file {path}")
+        control = "store" if text.startswith(_TCP) else "mpi"
+    if control == "mpi" and not launched_by_mpi():
+        raise UsageError(f"the receiver job uses the MPI control plane ({path} holds an MPI port) but this job "
+                         "was not started by mpiexec: start the receiver job with --control store")
+    return _connect_store(role, path, timeout) if control == "store" else _connect_mpi_port(role, path, timeout)
+
+
+def _connect_mpmd(role: str, timeout: float) -> Group:
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    world.Set_errhandler(MPI.ERRORS_RETURN)  # failures become exceptions -> exit 3, not MPI aborts
+    mine = ROLES.index(role)
+    roles = _iallgather_int(world, mine, timeout, "role exchange")
+    n_send = roles.count(0)
+    n_recv = roles.count(1)
+    if n_send == 0 or n_recv == 0:
+        raise UsageError(
+            f"this launch has {n_send} sender(s) and {n_recv} receiver(s): launch both sides MPMD "
+            "(mpiexec -n N shardstream refit send ... : -n M shardstream refit recv ...) or join two "
+            "jobs with --rendezvous FILE")
+    # senders first, each side keeping its order
+    merged = world.Split(0, mine * world.Get_size() + world.Get_rank())
+    role_comm = world.Split(mine, world.Get_rank())
+    return Group.from_mpi(merged, role_comm, role, n_send, n_recv)
+
+
+def _connect_mpi_port(role: str, path: Path, timeout: float) -> Group:
+    from mpi4py import MPI
+
+    from streamer.transport.mpi import MPITransport
+
+    world = MPI.COMM_WORLD
+    world.Set_errhandler(MPI.ERRORS_RETURN)
+    mine = ROLES.index(role)
+    role_comm = world.Dup()
+    if role == "recv":
+        port = None
+        if role_comm.Get_rank() == 0:
+            port = MPI.Open_port()
+            atomic_write_bytes(path, (port + "\n").encode())
+
+        def cleanup() -> None:
+            # every rank: the first watchdog to fire aborts the job, maybe before rank 0's does
+            path.unlink(missing_ok=True)
+
+        with Watchdog(timeout, f"waiting for the sender job to connect through {path}", cleanup):
+            inter = role_comm.Accept(port or "", root=0)  # the port matters on the root only
+        cleanup()
+        if port is not None:
+            MPI.Close_port(port)
+        inter.Set_errhandler(MPI.ERRORS_RETURN)
+        merged = inter.Merge(high=True)
+    else:
+        port_s = ""
+        if role_comm.Get_rank() == 0:
+            port_s = _read_rendezvous(path, time.monotonic() + timeout)
+        # tell the other sender ranks, even when it never came
+        port_s = MPITransport(role_comm).bcast_bytes(port_s.encode(), 0, timeout + 5).decode()
+        if not port_s:
+            raise PeerTimeoutError(f"timed out after {timeout:g} s waiting for the receiver job to write "
+                                   f"the rendezvous file {path}")
+        with Watchdog(timeout, f"connecting to the receiver job at the port in {path}"):
+            inter = role_comm.Connect(port_s, root=0)
+        inter.Set_errhandler(MPI.ERRORS_RETURN)
+        merged = inter.Merge(high=False)
+    merged.Set_errhandler(MPI.ERRORS_RETURN)
+    role_comm.Set_errhandler(MPI.ERRORS_RETURN)
+    roles = _iallgather_int(merged, mine, timeout, "role exchange")
+    return Group.from_mpi(merged, role_comm, role, roles.count(0), roles.count(1), str(path))
+
+
+#: seconds a receiver rank accepts a rendezvous file written before it started (see _connect_store)
+FRESH_SLACK = 60.0
+
+
+def _connect_store(role: str, path: Path, timeout: float) -> Group:
+    """Join through a TCPStore served by receiver rank 0 (see the module docstring)."""
+    from streamer.transport.store import StoreControl, open_store
+    from streamer.transport.torch_dist import free_port, host_address
+
+    rank, size = launcher_rank()
+    deadline = time.monotonic() + timeout
+    t_start = time.time()
+    if role == "recv" and rank == 0:
+        host, port = host_address(), free_port()
+        store = open_store(host, port, server=True, timeout=timeout)
+        atomic_write_bytes(path, f"{_TCP}{host}:{port}\n".encode())
+    else:
+        # receiver ranks wait for the file their rank 0 writes now, not a stale one; "now" with
+        # slack: the ranks of one job start seconds apart on a loaded node (CI once saw rank 1
+        # start after rank 0 had written it, and wait out its timeout), and a stale file names a
+        # dead store that _dial reads again (a finished job's rank 0 removes the file)
+        store = _dial(path, deadline, timeout, fresh_from=t_start - FRESH_SLACK if role == "recv" else None)
+    store.set(f"job/{role}/size", str(size))
+    store.add(f"job/{role}/joined", 1)
+    sizes = {}
+    for r in ROLES:
+        key = f"job/{r}/size"
+        _store_wait(store, [key], deadline, f"the {'sender' if r == 'send' else 'receiver'} job to join through {path}")
+        sizes[r] = int(store.get(key))
+    n_send, n_recv = sizes["send"], sizes["recv"]
+    g = rank if role == "send" else n_send + rank
+    if size != sizes[role]:
+        raise UsageError(f"two {role} jobs joined through {path}: one rendezvous file serves one pair of jobs")
+    group = Group(StoreControl(store, g, n_send + n_recv, "ss/all", lambda r: _rank_name(r, n_send)),
+                  StoreControl(store, rank, size, f"ss/{role}"), role, n_send, n_recv, str(path),
+                  store=store, plane="store")
+    group.control.barrier(max(1.0, deadline - time.monotonic()))
+    if role == "recv" and rank == 0:
+        path.unlink(missing_ok=True)  # everyone is in: the file has served
+    group._closers.append(lambda t: _close_store(store, g, n_send + n_recv, role == "recv" and rank == 0, t))
+    return group
+
+
+def _dial(path: Path, deadline: float, timeout: float, fresh_from: float | None) -> Any:
+    from streamer.transport.store import open_store
+
+    last = ""
+    while time.monotonic() < deadline:
+        text = _read_rendezvous(path, deadline, fresh_from)
+        if not text:
+            break
+        if not text.startswith(_TCP):
+            raise UsageError(f"{path} holds an MPI port, not a store address: the receiver job uses the MPI control "
+                             "plane; start it with --control store (or launch this job with mpiexec)")
+        host, port = text[len(_TCP):].rsplit(":", 1)
+        try:
+            return open_store(host, int(port), server=False, timeout=min(5.0, timeout))
+        except Exception as e:  # noqa: BLE001 - a stale file names a dead store: read it again
+            last = str(e).splitlines()[0] if str(e) else type(e).__name__
+            time.sleep(0.2)
+    raise PeerTimeoutError(f"timed out after {timeout:g} s waiting for the receiver job's store through {path}"
+                           + (f" (last error: {last})" if last else ""))
+
+
+def _store_wait(store: Any, keys: list[str], deadline: float, what: str) -> None:
+    while not store.check(keys):
+        if time.monotonic() > deadline:
+            raise PeerTimeoutError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def _close_store(store: Any, g: int, size: int, server: bool, timeout: float) -> None:
+    """Everyone signs off; the rank serving the store waits for all (else its exit strands them)."""
+    try:
+        store.add("ss/closed", 1)
+        if server:
+            deadline = time.monotonic() + timeout
+            while int(store.add("ss/closed", 0)) < size and time.monotonic() < deadline:
+                time.sleep(0.02)
+    except Exception:  # noqa: BLE001 - peers that already left took nothing with them
+        pass
