@@ -92,8 +92,17 @@ def run(job: dict[str, Any]) -> list[dict[str, Any]]:
             then = rf.get("then")
             if then:
                 llm.shutdown_weight_transfer_engine()
-                llm.init_weight_transfer_engine({"init_info": then})
-                entry["then"] = update(llm, "then", job)
+                llm.init_weight_transfer_engine({"init_info": {k: v for k, v in then.items() if k != "refused"}})
+                if then.get("refused"):
+                    # a refused push: update_weights raises, the engine keeps serving its last weights
+                    try:
+                        update(llm, "refused", job)
+                        entry["then"] = {"error": None}
+                    except Exception as e:  # noqa: BLE001 - recorded for the test to read
+                        entry["then"] = {"error": f"{type(e).__name__}: {e}", "out": generate(llm, job),
+                                         "version": llm.get_weight_version()}
+                else:
+                    entry["then"] = update(llm, "then", job)
                 if rf.get("manifests"):
                     llm.collective_rpc(dump, args=(str(Path(rf["manifests"], "then")),))
         else:
