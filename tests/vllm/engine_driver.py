@@ -2,7 +2,8 @@
 
     python engine_driver.py JOB.json OUT.json
 
-JOB: ``{"tp": 1, "prompts": [[ids]], "max_tokens": N, "logprobs": K, "runs": [RUN, ...]}``. A RUN
+JOB: ``{"tp": 1, "prompts": [[ids]], "max_tokens": N, "logprobs": K, "runs": [RUN, ...]}`` (and
+``"expert_parallel": true`` for vLLM's EP: experts whole over the TP ranks). A RUN
 is ``{"model": DIR}`` (a fresh engine loaded from DIR) or ``{"model": DIR, "refit": {"rendezvous":
 PATH, "timeout": S, "steps": N, "manifests": DIR, "then": {"rendezvous": PATH2, "timeout": S}}}``:
 an engine with the ``shardstream`` weight-transfer backend that joins the trainer's session and
@@ -68,6 +69,8 @@ def engine(model: str, job: dict[str, Any], refit: bool) -> Any:
         kw["weight_transfer_config"] = {"backend": "shardstream"}
     if job["tp"] == 1:
         kw["distributed_executor_backend"] = "uni"
+    if job.get("expert_parallel"):
+        kw["enable_expert_parallel"] = True
     return LLM(model=model, dtype="bfloat16", skip_tokenizer_init=True, enforce_eager=True, max_model_len=128,
                tensor_parallel_size=job["tp"], seed=0, **kw)
 
