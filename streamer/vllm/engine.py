@@ -19,9 +19,8 @@ registered by :mod:`streamer.vllm.plugin`). The calls, from ``LLM`` or ``vllm se
     unchanged. Layers that transform weights after loading (``reprocess``: the CPU build's packed
     linear and embedding weights, FusedMoE, quantized methods) are materialized in model format and
     receive there; then vLLM's own ``process_weights_after_loading`` runs per layer and the result is
-    copied into the kernel tensors (as vLLM's ``sharded_rdt`` engine does). No
-    ``torch.accelerator.synchronize()`` (it raises on CPU): on CUDA, the pull's transport completes
-    its copies before it returns.
+    copied into the kernel tensors (as vLLM's ``sharded_rdt`` engine does). The device is
+    synchronized afterwards on accelerators only (``torch.accelerator.synchronize()`` raises on CPU).
 ``finish_weight_update()``
     ``finalize_layerwise_reload``: attention layers are processed, the rest restored.
 
@@ -106,8 +105,12 @@ class ShardstreamWeightTransferEngine(
         self._reloading = True
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        # the base class would call torch.accelerator.synchronize(), which raises on CPU
+        # the base class calls torch.accelerator.synchronize() unconditionally, which raises on CPU
         self.receive_weights(self.parse_update_info(update_info))
+        if getattr(self.device, "type", "cpu") != "cpu":
+            import torch
+
+            torch.accelerator.synchronize()
 
     def receive_weights(self, update_info: ShardstreamUpdateInfo) -> None:
         session = self._need_session()
