@@ -469,13 +469,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from streamer.tools import bench
     from streamer.tools.bench_rank import bench_scale, scale_case, scale_lines
 
-    if args.what == "vllm":  # in the vLLM venv (scripts/_vllm_venv.sh): one engine, three ways to update it
-        from streamer.vllm.bench import bench_vllm, vllm_text
-
-        if not args.model:
-            raise UsageError("bench vllm needs --model DIR (an HF checkpoint directory)")
-        r = bench_vllm(args.model, repeats=args.repeats or 3)
-        _out(args, r, vllm_text(r))
+    if args.what == "vllm":  # in the vLLM venv: one engine, three ways to update it
+        from streamer.vllm.bench import bench_cli
+        _out(args, *bench_cli(args.model, args.repeats))
         return 0
     work = args.work or tempfile.mkdtemp(prefix="shardstream-bench-")
     if args.source == "megatron" and args.what != "convert":

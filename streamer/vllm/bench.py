@@ -33,7 +33,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-__all__ = ["bench_vllm", "vllm_text"]
+__all__ = ["bench_cli", "bench_vllm", "vllm_text"]
 
 PROMPTS = [[1, 2, 3, 4, 5, 6], [7, 100, 200, 9]]
 
@@ -156,6 +156,16 @@ def vllm_text(r: dict[str, Any]) -> str:
         rows.append(f"  {label:28} {x['median_seconds']:9.3f} {x['bytes_received'] / 2**20:13.2f} "
                     f"{x['peak_extra_bytes'] / 2**20:15.1f}  {'yes' if x['serves_first_load'] else 'NO'}")
     return "\n".join(rows)
+
+
+def bench_cli(model: str | None, repeats: int | None) -> tuple[dict[str, Any], str]:
+    """``shardstream bench vllm --model DIR [--repeats N]``: the figures and their table."""
+    from formats.errors import UsageError
+
+    if not model:
+        raise UsageError("bench vllm needs --model DIR (an HF checkpoint directory)")
+    r = bench_vllm(model, repeats=repeats or 3)
+    return r, vllm_text(r)
 
 
 def _send(model_dir: str, rdv: str, pushes: int, timeout: float) -> int:
