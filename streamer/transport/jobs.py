@@ -78,6 +78,11 @@ class Group:
     comm: Any = None
     store: Any = None
     plane: str = "mpi"
+    #: store plane: which opening of the session this is (0, then one more per trainer restart;
+    #: its keys live under ``prefix``), and the store's ``host:port``
+    epoch: int = 0
+    prefix: str = ""
+    address: str = ""
     _closers: list[Any] = field(default_factory=list)
 
     @property
@@ -236,8 +241,12 @@ def _connect_mpi_port(role: str, path: Path, timeout: float) -> Group:
 FRESH_SLACK = 60.0
 
 
-def _connect_store(role: str, path: Path, timeout: float) -> Group:
-    """Join through a TCPStore served by receiver rank 0 (see the module docstring)."""
+def _connect_store(role: str, path: Path, timeout: float, *, epoch: int = 0, store: Any = None,
+                   address: str = "") -> Group:
+    """Join through a TCPStore served by receiver rank 0 (see the module docstring). ``epoch``
+    (receivers, with their ``store`` and its ``address``): open the session again for a new
+    sender job (``transport.epochs.rejoin``); senders read the epoch from the rendezvous file."""
+    from streamer.transport.epochs import Heartbeat, SenderWatch, epoch_prefix, parse_address
     from streamer.transport.store import StoreControl, open_store
     from streamer.transport.torch_dist import free_port, host_address
 
@@ -245,37 +254,48 @@ def _connect_store(role: str, path: Path, timeout: float) -> Group:
     deadline = time.monotonic() + timeout
     t_start = time.time()
     if role == "recv" and rank == 0:
-        host, port = host_address(), free_port()
-        store = open_store(host, port, server=True, timeout=timeout)
-        atomic_write_bytes(path, f"{_TCP}{host}:{port}\n".encode())
-    else:
+        if store is None:
+            address = f"{host_address()}:{free_port()}"
+            store = open_store(address.rsplit(":", 1)[0], int(address.rsplit(":", 1)[1]), server=True, timeout=timeout)
+        suffix = f"/{epoch}" if epoch else ""
+        atomic_write_bytes(path, f"{_TCP}{address}{suffix}\n".encode())
+    elif store is None:
         # receiver ranks wait for the file their rank 0 writes now, not a stale one; "now" with
         # slack: the ranks of one job start seconds apart on a loaded node (CI once saw rank 1
         # start after rank 0 had written it, and wait out its timeout), and a stale file names a
         # dead store that _dial reads again (a finished job's rank 0 removes the file)
-        store = _dial(path, deadline, timeout, fresh_from=t_start - FRESH_SLACK if role == "recv" else None)
-    store.set(f"job/{role}/size", str(size))
-    store.add(f"job/{role}/joined", 1)
+        store, text = _dial(path, deadline, timeout, fresh_from=t_start - FRESH_SLACK if role == "recv" else None)
+        address, epoch = parse_address(text)
+    p = epoch_prefix(epoch)
+    store.set(f"{p}job/{role}/size", str(size))
+    store.add(f"{p}job/{role}/joined", 1)
+    if role == "send":  # alive from now on: receivers notice a silent sender within seconds
+        store.add(f"{p}hb/{rank}", 1)
     sizes = {}
     for r in ROLES:
-        key = f"job/{r}/size"
+        key = f"{p}job/{r}/size"
         _store_wait(store, [key], deadline, f"the {'sender' if r == 'send' else 'receiver'} job to join through {path}")
         sizes[r] = int(store.get(key))
     n_send, n_recv = sizes["send"], sizes["recv"]
     g = rank if role == "send" else n_send + rank
     if size != sizes[role]:
         raise UsageError(f"two {role} jobs joined through {path}: one rendezvous file serves one pair of jobs")
-    group = Group(StoreControl(store, g, n_send + n_recv, "ss/all", lambda r: _rank_name(r, n_send)),
-                  StoreControl(store, rank, size, f"ss/{role}"), role, n_send, n_recv, str(path),
-                  store=store, plane="store")
+    group = Group(StoreControl(store, g, n_send + n_recv, f"{p}ss/all", lambda r: _rank_name(r, n_send)),
+                  StoreControl(store, rank, size, f"{p}ss/{role}"), role, n_send, n_recv, str(path),
+                  store=store, plane="store", epoch=epoch, prefix=p, address=address)
+    if role == "recv":
+        group.control.watch = group.role_control.watch = SenderWatch(store, p, n_send)  # type: ignore[attr-defined]
     group.control.barrier(max(1.0, deadline - time.monotonic()))
     if role == "recv" and rank == 0:
         path.unlink(missing_ok=True)  # everyone is in: the file has served
-    group._closers.append(lambda t: _close_store(store, g, n_send + n_recv, role == "recv" and rank == 0, t))
+    if role == "send":
+        beat = Heartbeat(address, f"{p}hb/{rank}", timeout)
+        group._closers.append(lambda t: beat.stop())
+    group._closers.append(lambda t: _close_store(store, g, n_send + n_recv, role == "recv" and rank == 0, t, p))
     return group
 
 
-def _dial(path: Path, deadline: float, timeout: float, fresh_from: float | None) -> Any:
+def _dial(path: Path, deadline: float, timeout: float, fresh_from: float | None) -> tuple[Any, str]:
     from streamer.transport.store import open_store
 
     last = ""
@@ -286,9 +306,9 @@ def _dial(path: Path, deadline: float, timeout: float, fresh_from: float | None)
         if not text.startswith(_TCP):
             raise UsageError(f"{path} holds an MPI port, not a store address: the receiver job uses the MPI control "
                              "plane; start it with --control store (or launch this job with mpiexec)")
-        host, port = text[len(_TCP):].rsplit(":", 1)
+        host, port = text[len(_TCP):].split("/")[0].rsplit(":", 1)
         try:
-            return open_store(host, int(port), server=False, timeout=min(5.0, timeout))
+            return open_store(host, int(port), server=False, timeout=min(5.0, timeout)), text[len(_TCP):]
         except Exception as e:  # noqa: BLE001 - a stale file names a dead store: read it again
             last = str(e).splitlines()[0] if str(e) else type(e).__name__
             time.sleep(0.2)
@@ -303,13 +323,13 @@ def _store_wait(store: Any, keys: list[str], deadline: float, what: str) -> None
         time.sleep(0.01)
 
 
-def _close_store(store: Any, g: int, size: int, server: bool, timeout: float) -> None:
+def _close_store(store: Any, g: int, size: int, server: bool, timeout: float, prefix: str = "") -> None:
     """Everyone signs off; the rank serving the store waits for all (else its exit strands them)."""
     try:
-        store.add("ss/closed", 1)
+        store.add(f"{prefix}ss/closed", 1)
         if server:
             deadline = time.monotonic() + timeout
-            while int(store.add("ss/closed", 0)) < size and time.monotonic() < deadline:
+            while int(store.add(f"{prefix}ss/closed", 0)) < size and time.monotonic() < deadline:
                 time.sleep(0.02)
     except Exception:  # noqa: BLE001 - peers that already left took nothing with them
         pass
