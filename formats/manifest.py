@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from .box import Box
-from .compact import Layout, compact_dict, parse_compact, parse_ref, parse_run
+from .compact import Layout, parse_compact, parse_ref, parse_run
+from .compact_fit import compact_dict
 from .dtypes import DTYPES
 from .errors import ManifestError, ShardNotFoundError
 from .limits import INT64_MAX

@@ -56,7 +56,7 @@ class SourceStore:
         self.m = manifest
         self._headers: dict[str, Any] = {}
         self._fds: dict[str, int] = {}
-        from .safetensors_io import ReadStats
+        from .safetensors_read import ReadStats
 
         self.stats = ReadStats()
         #: the largest span one coalesced read may buffer (convert sets it from --memory-limit)
@@ -75,7 +75,7 @@ class SourceStore:
     def header(self, path: str) -> Any:
         h = self._headers.get(path)
         if h is None:
-            from .safetensors_io import read_header
+            from .safetensors_header import read_header
 
             h = read_header(path)
             self._headers[path] = h
@@ -157,7 +157,7 @@ class SourceStore:
             self.stats.reads += 1
             self.stats.bytes_read += n
             return out
-        from .safetensors_io import read_region
+        from .safetensors_read import read_region
 
         n = box.volume * rt.dtype.itemsize
         if out is None:

@@ -42,6 +42,9 @@ fi
 run_tier doctest --doctest-modules formats streamer -q
 # two workers: most unit tests are single-threaded Python (the slow ones run in the scale tier)
 run_tier unit tests/unit -q -m "not slow" -n 2
+# every shell and Python example of README.md and docs/, run in order in a scratch directory per page,
+# and every relative link (tests/docs/test_examples.py: it runs the pages concurrently itself, so no -n)
+run_tier docs tests/docs -q
 run_tier sim tests/sim -q -n 2
 run_tier mpi tests/mpi -q
 # full-scale tests: one refit rank's start at DeepSeek-V3 scale, a million arrays, every workload

@@ -22,7 +22,7 @@ __all__ = ["ConvertOptions", "Plan", "PushFailed", "RefitOptions", "RefitSession
 
 _LAZY = {"PushFailed": "refit.session", "RefitOptions": "refit.options", "RefitSession": "refit.session", "RefusedError": "refit.session", "StepStats": "refit.session",
          "manifest_from_state_dict": "refit.torch_state", "StateDictError": "refit.torch_state",
-         "plan_transfers": "plan.planner", "Plan": "plan.planner",
+         "plan_transfers": "plan", "Plan": "plan",
          "ConvertOptions": "convert.options"}
 
 

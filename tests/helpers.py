@@ -32,7 +32,7 @@ from formats.layouts import (
 )
 from formats.manifest import Manifest
 from streamer.execute.executor import ExecStats, Executor, build_schedule
-from streamer.plan.planner import Plan
+from streamer.plan.model import Plan
 from streamer.transport.loopback import LoopbackHub
 
 __all__ = [

@@ -53,6 +53,7 @@ __all__ = [
     "arrays_from_model",
     "config_dtype",
     "count_parameters",
+    "fp8_block_size",
     "generic_rules",
     "is_hf_config",
     "manifest_from_parallel",
@@ -145,7 +146,8 @@ class _Builder:
             self.add(f"{name}.bias", (out_f,))
 
 
-def _fp8_block(cfg: Mapping[str, Any], where: str, fp8: bool) -> tuple[int, int] | None:
+def fp8_block_size(cfg: Mapping[str, Any], where: str, fp8: bool) -> tuple[int, int] | None:
+    """The FP8 block of ``cfg`` (``quantization_config.weight_block_size``) when ``fp8``, else None."""
     if not fp8:
         return None
     q = cfg.get("quantization_config")
@@ -264,7 +266,7 @@ def arrays_from_config(cfg: Mapping[str, Any] | str | os.PathLike[str], *, fp8: 
     if mt not in ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "deepseek_v2"):
         raise ModelConfigError(f"{where}: model_type {mt!r} is not supported (supported: llama, qwen2, qwen3, "
                                f"qwen3_moe, deepseek_v3); describe it as an NCCL M2N model JSON or a manifest instead")
-    b = _Builder(config_dtype(c, where), _fp8_block(c, where, fp8))
+    b = _Builder(config_dtype(c, where), fp8_block_size(c, where, fp8))
     h = _int(c, "hidden_size", where)
     layers = _int(c, "num_hidden_layers", where)
     vocab = _int(c, "vocab_size", where)

@@ -279,6 +279,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                               allow_extra=args.allow_extra, stats=args.rank is None)
     except PlanError as e:  # its lines name the array; say which manifests were being matched
         raise PlanError(problems=[f"{args.dst}: {ln}; source manifest {args.src}" for ln in e.problems]) from e
+    if args.check:
+        _check_plan(args, plan, psrc, planned)
     if args.rank is not None:
         return _plan_rank(args, plan, psrc, planned, t0)
     dt = time.perf_counter() - t0
@@ -289,6 +291,17 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         st["quantized"] = refit_quant_report(quant, dst, plan)
     _out(args, st, f"plan {args.src} -> {args.dst} ({dt:.3f} s)\n{_fmt_stats(st)}")
     return 0
+
+
+def _check_plan(args: argparse.Namespace, plan: Any, src: Any, dst: Any) -> None:
+    """``plan --check``: every transfer of the whole plan checked against the two manifests
+    (``streamer.plan.check.validate_plan``); one line per problem and exit 1 if there is any."""
+    from streamer.plan.check import validate_plan
+
+    problems = validate_plan(plan, src, dst)
+    if problems:
+        raise PlanError(problems=[f"{args.dst}: plan check: {ln}; source manifest {args.src}" for ln in problems])
+    print(f"plan check: ok ({plan.num_transfers} transfers)", file=sys.stderr)
 
 
 def _plan_rank(args: argparse.Namespace, plan: Any, src: Any, dst: Any, t0: float) -> int:
@@ -612,6 +625,8 @@ def _add_plan(sub: Any) -> None:
                    help="only what merged rank R sends and receives (senders 0..S-1, then receivers S..S+D-1)")
     p.add_argument("--bucket-size", type=parse_size, default=256 << 20, metavar="SIZE",
                    help="with --rank: the bucket size its messages are counted with (refit's default)")
+    p.add_argument("--check", action="store_true",
+                   help="also check every transfer of the plan against both manifests (one line per problem, exit 1)")
     _add_quant_flags(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_plan)

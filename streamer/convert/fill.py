@@ -12,7 +12,7 @@ import numpy as np
 from formats.box import Box, uniform_runs
 from formats.manifest import Manifest
 from formats.store import ResolvedTensor, SourceStore
-from streamer.plan.planner import Transfer
+from streamer.plan.model import Transfer
 
 __all__ = ["Buffer", "Filler", "contiguous_span"]
 

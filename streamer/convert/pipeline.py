@@ -30,7 +30,9 @@ from streamer.convert.safetensors_sink import SafetensorsSink
 from streamer.convert.sinks import Job, Sink
 from streamer.convert.state import MANIFEST, Lock, Records, mark_incomplete, open_output, remove_state
 from streamer.ops.quant import planned_destination, quant_report, quant_targets
-from streamer.plan.planner import CASTABLE, Plan, array_casts, plan_transfers
+from streamer.plan.match import CASTABLE, array_casts
+from streamer.plan.model import Plan
+from streamer.plan.planner import plan_transfers
 
 __all__ = ["convert"]
 

@@ -26,7 +26,7 @@ from formats.manifest import Chunk, Manifest
 from formats.quant import quantize, to_float32
 from streamer.convert.fill import U8, Buffer, Filler
 from streamer.ops.quant import QuantTarget, block_image, blocks_of, steps
-from streamer.plan.planner import Transfer
+from streamer.plan.model import Transfer
 
 __all__ = ["Quantizer", "quantize_step", "quantized_box"]
 

@@ -27,7 +27,7 @@ from streamer.convert.progress import Progress
 from streamer.convert.quantize import Quantizer
 from streamer.ops.cast import cast_bytes, cast_manifest, with_dtypes
 from streamer.ops.quant import STEP_ELEMENTS, QuantTarget
-from streamer.plan.planner import Plan, Transfer
+from streamer.plan.model import Plan, Transfer
 
 __all__ = ["PACK_BYTES", "SafetensorsSink"]
 

@@ -14,7 +14,7 @@ from typing import Any, Protocol, TypeVar
 from formats.manifest import Manifest
 from streamer.convert.fill import Filler
 from streamer.convert.progress import Progress
-from streamer.plan.planner import Plan
+from streamer.plan.model import Plan
 
 __all__ = ["Job", "Sink"]
 

@@ -25,7 +25,7 @@ from streamer.convert.progress import Progress
 from streamer.convert.quantize import quantized_box
 from streamer.ops.cast import cast_bytes, cast_manifest, with_dtypes
 from streamer.ops.quant import QuantTarget
-from streamer.plan.planner import Plan, Transfer
+from streamer.plan.model import Plan, Transfer
 
 __all__ = ["ArrayJob", "ZarrSink"]
 

@@ -50,7 +50,8 @@ from streamer.ops.buffers import _copy, _xor_into, byte_view, host_bytes, region
 from streamer.ops.cast import cast_into
 from streamer.ops.cast_view import cast_view
 from streamer.ops.device_ops import DeviceOps
-from streamer.plan.planner import Plan, Transfer
+from streamer.plan.forwards import forward_keys, forward_sources
+from streamer.plan.model import Plan, Transfer
 from streamer.transport.base import ABORT_POLL_INTERVAL, Request, Transport
 
 if TYPE_CHECKING:
@@ -135,7 +136,7 @@ def _poll_sleep() -> float:
 
 #: the bucket layout's version: refit sessions compare it with the plan digest, so that jobs
 #: that would lay out buckets differently (2: transfers grouped by local tensor; 3: messages
-#: ordered by byte waves, forwards placed by ``Plan.forward_keys``) are refused
+#: ordered by byte waves, forwards placed by ``forwards.forward_keys``) are refused
 SCHEDULE_VERSION = 3
 
 
@@ -186,7 +187,7 @@ def build_schedule(plan: Plan, bucket_size: int, shape_of: Any = None, *,
     shifted exchange: at each step a rank sends to one peer and receives from another), then by
     ranks and index. Phase-2 forwards are pipelined with phase 1: a forward comes right after the
     wave and pair of the last phase-1 transfer that brings its part to the forwarder
-    (``Plan.forward_keys``), a bound both ends compute from the compressed plan, so a receiver
+    (``forwards.forward_keys``), a bound both ends compute from the compressed plan, so a receiver
     never expands its forwarders' phase-1 transfers. The forwarder records the phase-1 messages
     that carry the bytes in ``deps`` and posts the forward once they have arrived.
     """
@@ -196,7 +197,7 @@ def build_schedule(plan: Plan, bucket_size: int, shape_of: Any = None, *,
     for t in (plan.transfers if rank is None else plan.transfers_of(rank)):
         if t.phase:
             by_pair[(t.phase, t.src_rank, t.dst_rank)].append(t)
-    fkeys = plan.forward_keys(None if rank is None else (rank,), wave)
+    fkeys = forward_keys(plan, None if rank is None else (rank,), wave)
     keyed: list[tuple[tuple[int, ...], Message]] = []
     for (phase, s, d), ts in by_pair.items():
         tagged: list[tuple[Transfer, int, int]] = []
@@ -718,7 +719,7 @@ class Executor:
         # a late forward: name whom the forwarder waits for (its phase-1 senders, from the plan)
         late = [a.msg for a in active if a.is_recv and a.msg.phase == 2]
         upstream: dict[int, set[int]] = defaultdict(set)
-        sources = self.plan.forward_sources(self.rank) if late else {}
+        sources = forward_sources(self.plan, self.rank) if late else {}
         for m in late:  # the senders of the bytes in the forwards still awaited
             for t in m.transfers:
                 for region, senders in sources.get((t.fqn, m.src), ()):

@@ -44,7 +44,7 @@ from streamer.ops.quant import (
     quant_targets,
     steps,
 )
-from streamer.plan.planner import Plan, Transfer
+from streamer.plan.model import Plan, Transfer
 
 __all__ = ["RECEIVER", "SENDER", "STAGE_PREFIX", "ReceiverQuant", "RefitQuant", "SenderQuant", "refit_quant",
            "refit_quant_report"]

@@ -5,7 +5,7 @@ after the phase-1 transfers that bring its part to the forwarder (``execute.buil
 Both ends of the forward must compute that place alike, and a receiver must not expand its
 forwarders' phase-1 transfers (at DeepSeek-V3 scale, 406k transfers into the 7 other ranks of a
 domain). So the place is a bound computed here with numpy over the template items: the phase-1
-items of one *part* (``_Block.part``) and prefix sums of each sender->forwarder byte stream.
+items of one *part* (``Block.part``) and prefix sums of each sender->forwarder byte stream.
 Pure planning code: numpy only.
 """
 
@@ -13,14 +13,12 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
 from formats.box import Box
-
-if TYPE_CHECKING:
-    from streamer.plan.planner import Plan
+from streamer.plan.model import Plan
 
 __all__ = ["forward_keys", "forward_sources"]
 
@@ -96,7 +94,7 @@ def forward_keys(plan: Plan, ranks: Iterable[int] | None, wave_bytes: int) -> di
     for j, (b, a, t, f, d) in enumerate(zip(blk.tolist(), arr.tolist(), item.tolist(), fwd.tolist(),
                                             dst.tolist())):
         block = plan.blocks[b]
-        out[(block.fqns[a], block._items[0][t], f, d)] = val[j]
+        out[(block.fqns[a], block.item_values[0][t], f, d)] = val[j]
     return out
 
 def forward_sources(plan: Plan, rank: int) -> dict[tuple[str, int], list[tuple[Box, set[int]]]]:
@@ -115,7 +113,7 @@ def forward_sources(plan: Plan, rank: int) -> dict[tuple[str, int], list[tuple[B
         if d == rank:
             block = plan.blocks[b]
             ok = p < len(groups.uniq) and int(groups.uniq[p]) == g
-            out[(block.fqns[a], f)].append((block._items[1][t], senders[p] if ok else set()))
+            out[(block.fqns[a], f)].append((block.item_values[1][t], senders[p] if ok else set()))
     return out
 
 def _forward_groups(plan: Plan, ranks: Iterable[int] | None) -> _ForwardGroups | None:

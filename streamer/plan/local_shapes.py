@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
-from formats.compact import fill_pattern
+from formats.compact_patterns import fill_pattern
 from formats.manifest import ArraySpec, Manifest
-from streamer.plan.planner import Plan
+from streamer.plan.model import Plan
 
 __all__ = ["LocalShapes", "plan_shapes"]
 

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from formats.errors import UsageError
-from streamer.plan.planner import Plan
+from streamer.plan.model import Plan
 
 __all__ = ["RankFigures", "rank_figures", "rank_role"]
 

@@ -7,7 +7,7 @@ change a plan or its messages, and the planner itself (shardstream's version and
 ``PLAN_ALGORITHM``). Ranks compare those few digests, not a digest of the whole plan, which
 would need every rank's transfers. Each rank then expands only its own transfers and orders
 only its own messages (where a forward it receives goes is computed from the compressed plan:
-``Plan.forward_keys``).
+``forwards.forward_keys``).
 """
 
 from __future__ import annotations

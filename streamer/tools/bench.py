@@ -32,7 +32,7 @@ from formats.limits import RANK_FILE_PATTERN
 
 if TYPE_CHECKING:
     from formats.manifest import Manifest
-    from streamer.plan.planner import PlanStats
+    from streamer.plan.model import PlanStats
 
 __all__ = ["bench_convert", "bench_refit", "convert_table", "refit_worker"]
 

@@ -79,7 +79,8 @@ from formats.layouts.rules import layer_index, stage_of_layer
 from formats.manifest import Manifest
 from streamer.cli.args import emit, parse_size, positive_int
 from streamer.plan.gcpause import paused_gc
-from streamer.plan.planner import Plan, plan_transfers
+from streamer.plan.model import Plan
+from streamer.plan.planner import plan_transfers
 
 __all__ = [
     "CLUSTERS",

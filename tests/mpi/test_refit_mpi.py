@@ -170,7 +170,7 @@ def test_killed_peer(ckpt: Ckpt, tmp_path: Path, victim: str) -> None:
 
     UCX's CMA single-copy path (process_vm_readv from the peer's memory) kills a reader whose
     peer vanished mid-transfer from inside UCX, before shardstream sees an error (the launcher
-    then reports 15). That is MPICH/UCX behaviour, documented in the README; the test disables
+    then reports 15). That is MPICH/UCX behaviour, documented in docs/status.md; the test disables
     CMA so that what it checks is shardstream's own timeout path."""
 
     T = TIMEOUT_KILL

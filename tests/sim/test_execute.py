@@ -30,7 +30,9 @@ from formats.errors import PeerTimeoutError, TransportError
 from formats.layouts import Mesh, Replicate, Shard, chunk_regions
 from formats.manifest import Chunk, Manifest, Source
 from streamer.execute.executor import INPLACE_MIN_BYTES, Message
-from streamer.plan.planner import Plan, plan_transfers, validate_plan
+from streamer.plan.check import validate_plan
+from streamer.plan.model import Plan
+from streamer.plan.planner import plan_transfers
 from streamer.transport.loopback import LoopbackHub
 
 

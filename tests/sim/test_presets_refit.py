@@ -26,7 +26,8 @@ from formats.manifest import Manifest, load_manifest, save_manifest
 from formats.safetensors_io import save_tensors
 from formats.validate import validate_data
 from streamer.convert import ConvertOptions, convert, plan_files
-from streamer.plan.planner import plan_transfers, validate_plan
+from streamer.plan.check import validate_plan
+from streamer.plan.planner import plan_transfers
 
 
 def _load_writers() -> Any:

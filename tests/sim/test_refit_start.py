@@ -18,7 +18,7 @@ from helpers import (
 
 from formats.errors import PlanError
 from formats.layouts import Mesh, Replicate, Shard
-from streamer.plan.planner import Plan
+from streamer.plan.model import Plan
 from streamer.refit.session import RefitSession
 
 ARRAYS = {"w": ((12, 8), "bfloat16"), "b": ((12,), "float32")}

@@ -43,7 +43,8 @@ from streamer.execute.staging import Part, build_program
 from streamer.ops.buffers import byte_view, torch_byte_view
 from streamer.ops.cast import cast_bytes
 from streamer.ops.device_ops import FakeDeviceOps
-from streamer.plan.planner import Plan, plan_transfers
+from streamer.plan.model import Plan
+from streamer.plan.planner import plan_transfers
 from streamer.transport.loopback import LoopbackHub
 
 DELAY = 2e-4  # each fake device op runs this late: a bucket used before its copy completed is stale

@@ -393,6 +393,36 @@ def test_plan_same_job_moves_nothing_already_held(world: World, capsys: Any) -> 
     assert st["moved_bytes"] == st["lower_bound_bytes"] == 0
 
 
+def test_plan_check(world: World, capsys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``plan --check`` runs the plan checker: ok on the planner's plan (the figures unchanged),
+    and on a plan that lost a transfer, one line per problem on stderr and exit 1."""
+    rc, plain, _ = run(capsys, "plan", world.src, world.dst, "--json")
+    assert rc == 0
+    rc, out, err = run(capsys, "plan", world.src, world.dst, "--json", "--check")
+    assert rc == 0, err
+    assert "plan check: ok" in err
+    assert {k: v for k, v in json.loads(out).items() if k != "plan_seconds"} == {
+        k: v for k, v in json.loads(plain).items() if k != "plan_seconds"}
+
+    import streamer.plan.planner as planner
+
+    real = planner.plan_transfers
+
+    class Broken:  # the real plan, one transfer short
+        def __init__(self, plan: Any) -> None:
+            self._plan = plan
+            self.transfers = plan.transfers[1:]
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._plan, name)
+
+    monkeypatch.setattr(planner, "plan_transfers", lambda *a, **k: Broken(real(*a, **k)))
+    rc, out, err = run(capsys, "plan", world.src, world.dst, "--check")
+    assert rc == 1 and out == "" and "Traceback" not in err
+    assert lines(err) and all(ln.startswith(f"{world.dst}: plan check: ") for ln in lines(err)), err
+    assert any("receives" in ln for ln in lines(err)), err
+
+
 def test_inspect_safetensors_and_manifest(world: World, capsys: Any) -> None:
     rc, out, err = run(capsys, "inspect", world.st)
     assert rc == 0, err
@@ -545,7 +575,7 @@ GOLDEN = {
         '--mesh', '--model', '--name', '--no-files', '--preset{megatron,vllm,sglang,fsdp2,hf}',
         '--rule', '-o/--output!'],
     'validate': ['--data', '--json', '<manifests>'],
-    'plan': ['--allow-extra', '--bucket-size', '--dst-domain-size', '--fp8-block', '--json', '--rank', '--same-job',
+    'plan': ['--allow-extra', '--bucket-size', '--check', '--dst-domain-size', '--fp8-block', '--json', '--rank', '--same-job',
         '--src-domain-size', '--ue8m0', '<dst>', '<src>'],
     'convert': ['--allow-extra', '--cast{float16,bfloat16,float32,float64}',
         '--format{safetensors,zarr,torch_dist}', '--format-version{1,2}', '--fp8-block', '--json', '--max-shard-size',

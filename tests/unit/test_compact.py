@@ -395,7 +395,7 @@ def test_fill_pattern_equals_the_token_by_token_definition() -> None:
     the same error) on patterns with literal braces, shifts and missing or negative numbers."""
     import random
 
-    from formats.compact import _tokens, array_vars, fill_pattern
+    from formats.compact_patterns import _tokens, array_vars, fill_pattern
 
     def reference(pattern: str, fqn: str) -> str:
         vs = array_vars(fqn)

@@ -98,3 +98,11 @@ def test_no_import_cycle() -> None:
 def test_the_checker_finds_a_cycle() -> None:
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_type_checking_and_lazy_imports_count(tmp_path: Path) -> None:
+    """An import under ``if TYPE_CHECKING:`` or inside a function is an edge of the graph."""
+    a = tmp_path / "a.py"
+    a.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.b import X\n"
+                 "def f():\n    from pkg.c import Y\n")
+    assert _imports(a, "pkg.a", {"pkg.a", "pkg.b", "pkg.c"}) == {"pkg.b", "pkg.c"}

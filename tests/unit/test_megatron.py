@@ -145,10 +145,10 @@ def test_to_hf_with_the_wrong_config_says_which_array(tmp_path: Path, capsys: py
 # ------------------------------------------------------------------ Megatron -> HF, checked by logits
 
 
-@pytest.mark.parametrize("fixture", [*FIXTURES, "legacy/tp2", "moe/ep1", "moe/ep2"])
+@pytest.mark.parametrize("fixture", [*FIXTURES, "moe/ep1", "moe/ep2"])
 def test_to_hf_convert_loads_in_transformers_with_megatrons_logits(
         fixture: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """GQA, swiglu, untied, padded vocab (TP1, TP2xPP2, legacy TP2); Qwen3-MoE with q/k norms and
+    """GQA, swiglu, untied, padded vocab (TP1, TP2xPP2); Qwen3-MoE with q/k norms and
     SequentialMLP experts (EP1, EP2). Logits: Megatron's own forward, recorded by make_fixtures.py."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
@@ -162,9 +162,8 @@ def test_to_hf_convert_loads_in_transformers_with_megatrons_logits(
     m = json.loads(hf.read_text())
     assert m["arrays"]["model.embed_tokens.weight"]["shape"] == [200, 32]  # padding dropped
     assert m["arrays"]["model.layers.1.self_attn.k_proj.weight"]["shape"] == [16, 32]
-    stored = "model_optim_rng.pt" if fixture.startswith("legacy") else ".distcp"
     for a in m["arrays"].values():  # still a view of the checkpoint's own files
-        assert all(c["source"]["file"].endswith(stored) and "byte_range" in c["source"] for c in a["chunks"])
+        assert all(c["source"]["file"].endswith(".distcp") and "byte_range" in c["source"] for c in a["chunks"])
     if moe:
         assert m["arrays"]["model.layers.1.mlp.experts.3.down_proj.weight"]["shape"] == [32, 16]
     rc, _, err = run_cli(capsys, "layout", "--model", str(config), "--preset", "hf", "-o", str(dst))
@@ -224,72 +223,11 @@ def test_hostile_pickle_in_megatron_metadata_is_refused(tmp_path: Path, capsys: 
 
 def test_write_item_type_must_be_a_plain_value(tmp_path: Path) -> None:
     """WriteItemType is rebuilt from its value; the call takes an int and nothing else."""
-    from formats import dcp_io
+    from formats import unpickle
 
-    assert dcp_io._write_item_type(2) == dcp_io._WriteItemType(2)
+    assert unpickle.write_item_type(2) == unpickle.WriteItemType(2)
     with pytest.raises(TypeError):
-        dcp_io._write_item_type("SHARD")
-
-
-def test_legacy_needs_model_and_refuses_hostile_args(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    torch = pytest.importorskip("torch")
-    d = _copy("legacy/tp2", tmp_path)
-    rc, _, err = run_cli(capsys, "import", str(d), "-o", str(d / "m.json"))
-    assert rc == 2 and "import it with --model CFG --to hf" in err
-    pwned = tmp_path / "PWNED"
-    f = d / "iter_0000001" / "mp_rank_01" / "model_optim_rng.pt"
-    torch.save({"args": _Pwn(pwned), "model": {"w": torch.ones(2)}}, f)  # args would run a command
-    rc, _, err = run_cli(capsys, "import", str(d), "--model", str(CONFIG), "--to", "hf", "-o", str(d / "m.json"))
-    assert rc == 1 and "Traceback" not in err
-    assert f"{f}: data.pkl refers to posix.system" in err and "refusing to load it" in err
-    assert not pwned.exists() and not (d / "m.json").exists()
-
-
-@pytest.mark.parametrize("spec", ["te", "local"])
-def test_megatron_spec_names_match_real_state_dicts(spec: str) -> None:
-    """``layout --preset megatron --megatron-spec local`` names what Megatron's local spec holds in
-    memory (the legacy files are its state_dict); ``te`` names what torch_dist stores."""
-    from formats.layouts.mesh import Mesh
-    from formats.layouts.presets import preset_manifest
-    from formats.megatron_legacy import read_legacy_tensors
-
-    m = preset_manifest(CONFIG, "megatron", Mesh(("tp",), (2,)), megatron_spec=spec)
-    for rank in (0, 1):
-        local = m.local_tensors(rank)
-        stored = read_legacy_tensors(DATA / f"legacy/tp2/iter_0000001/mp_rank_{rank:02d}/model_optim_rng.pt")
-        if spec == "local":
-            assert {n: t.shape for n, t in local.items()} == {n: t.shape for n, t in stored.items()}
-        else:
-            assert "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" in local
-            assert "decoder.layers.0.input_layernorm.weight" in stored
-    raw, _ = read_megatron_dist(DATA / "torch_dist/tp1")
-    if spec == "te":
-        from formats.layouts.megatron_hf import _stacked
-
-        m1 = preset_manifest(CONFIG, "megatron", Mesh(("tp",), (1,)), megatron_spec=spec)
-        assert {_stacked(n)[0] for n in m1.local_tensors(0)} == set(raw.arrays)
-
-
-@pytest.mark.parametrize("damage,expect", [
-    ("truncate", "mp_rank_00/model_optim_rng.pt: not a readable torch.save archive"),
-    ("drop-rank", "the mp_rank directories span tp = 3, pp = 1; missing: mp_rank_01"),
-    ("moe-config", "model.layers.0.mlp.gate.weight: no tensor decoder.layers.0.mlp.router.weight"),
-])
-def test_bad_legacy_checkpoints_fail_in_one_line_each(damage: str, expect: str, tmp_path: Path,
-                                                      capsys: pytest.CaptureFixture[str]) -> None:
-    d = _copy("legacy/tp2", tmp_path)
-    it, cfg = d / "iter_0000001", CONFIG
-    if damage == "truncate":
-        f = it / "mp_rank_00" / "model_optim_rng.pt"
-        f.write_bytes(f.read_bytes()[:3000])
-    elif damage == "drop-rank":
-        shutil.move(it / "mp_rank_01", it / "mp_rank_02")
-    else:
-        cfg = DATA / "moe" / "config.json"
-    rc, _, err = run_cli(capsys, "import", str(d), "--model", str(cfg), "--to", "hf", "-o", str(d / "m.json"))
-    assert rc == 1 and "Traceback" not in err
-    assert expect in err, err
-    assert not (d / "m.json").exists()
+        unpickle.write_item_type("SHARD")
 
 
 def test_to_hf_view_of_a_large_moe_layout_is_valid_and_quick() -> None:

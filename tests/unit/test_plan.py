@@ -38,17 +38,11 @@ from formats.layouts import (
     parse_rule,
 )
 from formats.manifest import ArraySpec, Chunk, Manifest
-from streamer.plan.planner import (
-    DEFAULT_SPLIT_BYTES,
-    Plan,
-    PlanStats,
-    Transfer,
-    _Index,
-    _overlaps,
-    match_arrays,
-    plan_transfers,
-    validate_plan,
-)
+from streamer.plan.check import validate_plan
+from streamer.plan.match import match_arrays
+from streamer.plan.model import DEFAULT_SPLIT_BYTES, Plan, PlanStats, Transfer
+from streamer.plan.planner import plan_transfers
+from streamer.plan.template import SweepIndex, overlaps
 
 # --------------------------------------------------------------------------- oracles
 
@@ -257,9 +251,9 @@ def test_sweep_matches_all_pairs_oracle(pair: LayoutPair) -> None:
     swept: set[tuple[str, int, int, Box]] = set()
     for fqn, d in dst.arrays.items():
         boxes = [c.region for c in src.arrays[fqn].chunks]
-        index = _Index(boxes)
+        index = SweepIndex(boxes)
         for di, dc in enumerate(d.chunks):
-            for si, box in _overlaps(boxes, dc.region, index):
+            for si, box in overlaps(boxes, dc.region, index):
                 swept.add((fqn, di, si, box))
     oracle = brute_pieces(src, dst)
     assert swept == oracle
@@ -290,9 +284,9 @@ def test_sweep_with_many_chunks_matches_oracle() -> None:
     swept: set[tuple[str, int, int, Box]] = set()
     for fqn, d in dst.arrays.items():
         boxes = [c.region for c in src.arrays[fqn].chunks]
-        index = _Index(boxes)
+        index = SweepIndex(boxes)
         for di, dc in enumerate(d.chunks):
-            swept.update((fqn, di, si, b) for si, b in _overlaps(boxes, dc.region, index))
+            swept.update((fqn, di, si, b) for si, b in overlaps(boxes, dc.region, index))
     assert swept == brute_pieces(src, dst)
     assert_plan_exact(plan_transfers(src, dst, split_bytes=1), src, dst, False)
     assert_plan_exact(plan_transfers(src, dst, same_job=True, split_bytes=1), src, dst, True)

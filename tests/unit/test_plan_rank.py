@@ -28,8 +28,10 @@ from formats.errors import UsageError
 from formats.layouts import Mesh, Replicate, Shard, parse_mesh
 from formats.layouts.presets import preset_manifest
 from formats.manifest import COMPACT_FORMAT_VERSION, Manifest, dumps_manifest, loads_manifest
+from streamer.plan.forwards import forward_keys, forward_sources
 from streamer.plan.local_shapes import LocalShapes, plan_shapes
-from streamer.plan.planner import Plan, Transfer, plan_transfers
+from streamer.plan.model import Plan, Transfer
+from streamer.plan.planner import plan_transfers
 from streamer.plan.rankplan import rank_figures, rank_role
 from streamer.refit.rankstart import input_digests, input_problems
 
@@ -67,7 +69,7 @@ def check_per_rank(plan: Plan) -> None:
     full = plan.transfers
     st_ = plan.stats()
     want_keys, want_sources = forward_oracle(full, plan.world_size)
-    assert plan.forward_keys(None, WAVE) == want_keys
+    assert forward_keys(plan, None, WAVE) == want_keys
     for b in plan._blocks:  # the balancer's per-rank send counts, without the [T, A] grid
         items = np.arange(b.num_items)
         src, _ = b.ranks_ta(items)
@@ -83,9 +85,9 @@ def check_per_rank(plan: Plan) -> None:
         sends = [t for t in full if t.src_rank == r and t.phase != 0]
         recvs = [t for t in full if t.dst_rank == r and t.phase != 0]
         assert plan.sends(r) == sends and plan.recvs(r) == recvs, r
-        keys = plan.forward_keys((r,), WAVE)
+        keys = forward_keys(plan, (r,), WAVE)
         assert keys == {k: v for k, v in want_keys.items() if r in k[2:]}, r
-        got = {(fqn, f, box.offsets): s for (fqn, f), v in plan.forward_sources(r).items() for box, s in v}
+        got = {(fqn, f, box.offsets): s for (fqn, f), v in forward_sources(plan, r).items() for box, s in v}
         assert got == {(fqn, f, o): s for (fqn, o, f, d), s in want_sources.items() if d == r}, r
         moving.update(sends)
         copies.update(t for t in mine if t.phase == 0 and t.dst_rank == r)

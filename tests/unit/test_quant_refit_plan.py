@@ -14,7 +14,8 @@ from formats.layouts import Mesh, Rule, Shard, apply_layout, manifest_from_array
 from formats.manifest import Manifest, save_manifest
 from streamer.cli.app import main
 from streamer.execute.quant import STAGE_PREFIX, refit_quant
-from streamer.plan.planner import plan_transfers, validate_plan
+from streamer.plan.check import validate_plan
+from streamer.plan.planner import plan_transfers
 
 #: a: 64 rows, b: 48 rows; 16x16 blocks; scales ceil(rows/16) x ceil(40/16)
 WEIGHTS = {"a": ((64, 40), "bfloat16"), "b": ((48, 40), "float32")}

@@ -732,7 +732,7 @@ def test_write_at_spans_tensors_and_stays_in_the_data_section(tmp_path: Path) ->
 def test_sequential_writes_start_writeback_early(tmp_path: Path, monkeypatch: Any) -> None:
     """A sequential stream gets its writeback started every WRITEBACK_BYTES (so commit's fsync
     finds little left); scattered writes are left to fsync; the bytes are the same either way."""
-    import formats.safetensors_io as sio
+    import formats.safetensors_write as sio
 
     if not hasattr(os, "posix_fadvise"):
         pytest.skip("no posix_fadvise")

@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 
 from formats.box import Box
 from formats.manifest import ArraySpec, Chunk, Manifest, Source, parse_manifest
+from formats.overlap import analyze_boxes
 from formats.validate import (
     MAX_PER_KIND,
-    _analyze,
     check_file_path,
     validate_data,
     validate_manifest,
@@ -461,7 +461,7 @@ def test_guillotine_tilings_every_method(t: tuple[tuple[int, ...], list[Any]], d
     stops = [e for _, e in allb]
     covered = len({c for o, e in allb for c in itertools.product(*(range(a, b) for a, b in zip(o, e)))})
     for kw in ({}, {"small": 0}, {"small": 0, "cell_budget": 0}):
-        g = _analyze(offs, stops, len(shape), shape=shape, **kw)
+        g = analyze_boxes(offs, stops, len(shape), shape=shape, **kw)
         assert g.pairs == want, kw
         assert not g.truncated
         if g.union is not None:
@@ -478,8 +478,8 @@ def test_sweep_matches_cells_on_random_boxes() -> None:
             boxes.append((o, tuple(a + rnd.randint(1, 6) for a in o)))
         offs = [o for o, _ in boxes]
         stops = [e for _, e in boxes]
-        a = _analyze(offs, stops, nd, max_pairs=10**6)
-        b = _analyze(offs, stops, nd, max_pairs=10**6, cell_budget=0)
+        a = analyze_boxes(offs, stops, nd, max_pairs=10**6)
+        b = analyze_boxes(offs, stops, nd, max_pairs=10**6, cell_budget=0)
         assert a.pairs == b.pairs
         if len(boxes) <= 80:
             assert a.pairs == brute_pairs(boxes)
@@ -693,7 +693,7 @@ def test_data_skips_unsafe_paths(ckpt: tuple[Path, np.ndarray[Any, Any]], tmp_pa
 
 
 def test_data_header_read_once(ckpt: tuple[Path, np.ndarray[Any, Any]], monkeypatch: pytest.MonkeyPatch) -> None:
-    import formats.safetensors_io as sio
+    import formats.safetensors_header as sio
 
     base, _full = ckpt
     calls: list[str] = []

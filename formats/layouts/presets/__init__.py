@@ -185,7 +185,7 @@ def preset_manifest(cfg: Mapping[str, Any] | str | os.PathLike[str], preset: str
                     expert_tensor_parallel: int | None = None, moe_grouped_gemm: bool = False,
                     fp8: bool = False, first_stage_layers: int | None = None,
                     last_stage_layers: int | None = None, megatron_spec: str = "te",
-                    compact: bool = True) -> Manifest:
+                    megatron_padded_vocab: int | None = None, compact: bool = True) -> Manifest:
     """The manifest a ``preset`` framework holds for the HF model ``cfg`` on ``mesh`` (see the
     module docstring for each preset's names, layouts and mesh axes).
 
@@ -204,6 +204,8 @@ def preset_manifest(cfg: Mapping[str, Any] | str | os.PathLike[str], preset: str
     Megatron-core's ``decoder_first/last_pipeline_num_layers`` (uneven pipelines, e.g. DeepSeek-V3's
     61 layers on pp = 16 as 3 + 14 × 4 + 2). ``megatron_spec`` (megatron): ``te`` (default) or
     ``local``, Megatron-core's local module spec (separate ``input_layernorm`` / ``pre_mlp_layernorm``).
+    ``megatron_padded_vocab`` (megatron): the padded vocabulary a save holds (``args.padded_vocab_size``,
+    a multiple of tp); None: Megatron's default padding to a multiple of 128 × tp.
     ``compact``: arrays a mesh layout describes exactly are layout references whose chunks expand
     on first use (:mod:`formats.compact`), written directly for the regular placements (no chunk
     is listed: :meth:`~.builder.Builder.spread`); False lists every chunk (the v1 writer; both
@@ -217,15 +219,16 @@ def preset_manifest(cfg: Mapping[str, Any] | str | os.PathLike[str], preset: str
     info = model_info(cfg, dtype=dtype, fp8=fp8)
     b = Builder(mesh, info.arrays, file_pattern, label=preset, fp8_block=info.fp8_block if fw.fused_scales else None,
                 compact=compact)
-    if preset != "megatron" and megatron_spec != "te":
-        raise LayoutError(f"{preset}: megatron_spec is a megatron option")
+    if preset != "megatron" and (megatron_spec != "te" or megatron_padded_vocab is not None):
+        raise LayoutError(f"{preset}: megatron_spec / megatron_padded_vocab are megatron options")
     if not fw.stage_layers and (first_stage_layers is not None or last_stage_layers is not None):
         raise LayoutError(f"{preset}: first_stage_layers / last_stage_layers are megatron options")
     if fw.axes is not None:
         check_axes(mesh, fw.axes, preset, ordered=fw.ordered)
     fw.place(b, info, Options(expert_parallel=expert_parallel, expert_tensor_parallel=expert_tensor_parallel,
                               moe_grouped_gemm=moe_grouped_gemm, first_stage_layers=first_stage_layers,
-                              last_stage_layers=last_stage_layers, megatron_spec=megatron_spec))
+                              last_stage_layers=last_stage_layers, megatron_spec=megatron_spec,
+                              megatron_padded_vocab=megatron_padded_vocab))
     if name is None:
         name = f"{info.model_type}-{preset}-{str(mesh).replace(',', '-').replace('=', '')}"
     return b.build(name=name, domain_size=domain_size)

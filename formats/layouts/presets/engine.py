@@ -101,9 +101,9 @@ def _load_cfg(cfg: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str, Any]
 
 
 def _arrays_from_config(c: Mapping[str, Any], fp8: bool) -> tuple[Arrays, tuple[int, int] | None]:
-    from ..models import _fp8_block, arrays_from_config
+    from ..models import arrays_from_config, fp8_block_size
 
-    return arrays_from_config(c, fp8=fp8), _fp8_block(c, "config.json", fp8)
+    return arrays_from_config(c, fp8=fp8), fp8_block_size(c, "config.json", fp8)
 
 
 def _with_dtype(c: dict[str, Any], dtype: str | None) -> str:
@@ -172,6 +172,8 @@ class Options:
     last_stage_layers: int | None = None
     #: megatron: "te" (Transformer Engine: norms fused into linear_qkv / linear_fc1) or "local"
     megatron_spec: str = "te"
+    #: megatron: the saved padded vocabulary (``args.padded_vocab_size``); None: 128 × tp padding
+    megatron_padded_vocab: int | None = None
 
 
 @dataclass(frozen=True)

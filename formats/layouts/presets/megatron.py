@@ -51,6 +51,15 @@ def megatron_padded_vocab(vocab: int, tp: int, divisor: int = MEGATRON_VOCAB_DIV
     return ceil_to(vocab, divisor * tp)
 
 
+def _padded_vocab(vocab: int, tp: int, padded: int | None) -> int:
+    if padded is None:
+        return megatron_padded_vocab(vocab, tp)
+    if padded < vocab or padded % tp:
+        raise PresetError(f"megatron: vocab_size ({vocab}) does not fit the padded vocabulary ({padded}): it must "
+                          f"be at least vocab_size and a multiple of tp ({tp})")
+    return padded
+
+
 @dataclass
 class _Ctx(LayerContext):
     starts: list[int]
@@ -195,7 +204,8 @@ def place(b: Builder, info: ModelInfo, opts: Options) -> None:
     parts = pp_partition(info.layers, P, "megatron", first=opts.first_stage_layers, last=opts.last_stage_layers)
     ctx = _Ctx("megatron", b, info, [k for k, n in enumerate(parts) for _ in range(n)],
                starts=[sum(parts[:k]) for k in range(P)], etp=etp, grouped_gemm=opts.moe_grouped_gemm,
-               vper=megatron_padded_vocab(info.vocab, T) // T, local_spec=opts.megatron_spec == "local")
+               vper=_padded_vocab(info.vocab, T, opts.megatron_padded_vocab) // T,
+               local_spec=opts.megatron_spec == "local")
     engine.walk(ctx, TOP, RULES)
 
 
