@@ -434,8 +434,12 @@ def cmd_refit(args: argparse.Namespace) -> int:
     from streamer.refit.session import RefusedError
     from streamer.transport.jobs import abort, launched_by_mpi, launcher_rank
 
+    if args.stay and (args.role != "recv" or args.control == "mpi" or (args.control == "auto" and launched_by_mpi())):
+        raise UsageError("--stay is for refit recv on the store control plane (--control store, or a job not "
+                         "started by mpiexec): under MPI a peer's death ends the whole launch (docs/resilience.md)")
     job = RefitJob(args.role, _load(args.manifest), rendezvous=args.rendezvous, transport=args.transport,
-                   control=args.control, timeout=args.timeout, steps=args.steps, save=args.save,
+                   control=args.control, timeout=args.timeout, steps=args.steps, save=args.save, stay=args.stay,
+                   on_push_failed=_stay_note,
                    options=RefitOptions(bucket_size=args.bucket_size, verify=args.verify, strategy=args.strategy,
                                         delta=args.delta, fp8_block=args.fp8_block, ue8m0=args.ue8m0,
                                         src_domain_size=args.src_domain_size,
@@ -461,6 +465,14 @@ def cmd_refit(args: argparse.Namespace) -> int:
     if report.reporter:
         _out(args, report.to_dict(), report.text())
     return 0
+
+
+def _stay_note(e: ShardstreamError) -> None:
+    """``refit recv --stay``: a failed push, said once per job; the receivers wait for the next."""
+    from streamer.transport.jobs import launcher_rank
+
+    if launcher_rank()[0] == 0:
+        print(f"{e} (--stay: waiting for the next push)", file=sys.stderr, flush=True)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -685,6 +697,9 @@ def _add_refit(sub: Any) -> None:
     p.add_argument("--bucket-size", type=parse_size, default=256 << 20, metavar="SIZE")
     p.add_argument("--timeout", type=float, default=300.0, metavar="S")
     p.add_argument("--steps", type=_positive_int, default=1, help="pushes to run over one session")
+    p.add_argument("--stay", action="store_true",
+                   help="refit recv: outlive failed pushes and trainer restarts, pulling until the sender job "
+                        "closes the session (store control plane; docs/resilience.md)")
     p.add_argument("--verify", action="store_true", help="compare per-region checksums with the senders'")
     p.add_argument("--delta", action="store_true",
                    help="after the first push, send only what changed (encoded); senders keep a copy of what they sent")

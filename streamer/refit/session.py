@@ -74,8 +74,7 @@ from streamer.refit.options import RefitOptions, agree
 from streamer.refit.rankstart import input_digests, input_problems, plan_own
 from streamer.refit.replicas import replica_digests, replica_problems
 from streamer.transport.base import PeerClosedError, Transport
-from streamer.transport.epochs import leave, post_done, rejoin
-from streamer.transport.jobs import Group, connect
+from streamer.transport.jobs import Group, connect, rejoin
 
 __all__ = ["PushFailed", "RefitOptions", "RefitSession", "RefusedError", "StepStats", "make_transport"]
 
@@ -353,7 +352,7 @@ class RefitSession:
             return e
         reason = "; ".join(e.problems) if e.problems else str(e)
         self._broken, version, self._pushing = True, self._pushing, None
-        leave(self.group, f"{self.group.name(self._t.rank)}: {reason}")
+        self.group.leave(f"{self.group.name(self._t.rank)}: {reason}")
         self._drop_transport()
         if isinstance(e, PeerTimeoutError) and version is None:
             return e  # no push came within the timeout
@@ -539,7 +538,7 @@ class RefitSession:
         """Leave the session. A sender job's ``close()`` (``done``; not after an error in a
         ``with`` block) ends it for good: receivers waiting in ``pull()`` get None."""
         if done and self.role == "send":
-            post_done(self.group)
+            self.group.post_done()
         self._drop_transport()
         self.group.close(self.timeout)
 

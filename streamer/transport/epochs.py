@@ -21,16 +21,12 @@ from __future__ import annotations
 import os
 import threading
 import time
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from formats.errors import UsageError
 from streamer.transport.base import PeerClosedError, RemoteAbortError
 
-if TYPE_CHECKING:
-    from streamer.transport.jobs import Group
-
-__all__ = ["Heartbeat", "SenderWatch", "epoch_prefix", "parse_address", "rejoin", "silence_limit"]
+__all__ = ["Heartbeat", "SenderWatch", "epoch_prefix", "parse_address", "sign_off", "silence_limit"]
 
 #: seconds between a sender's signs of life
 BEAT = 0.5
@@ -127,31 +123,8 @@ class SenderWatch:
         return None
 
 
-def post_done(group: Group) -> None:
-    """The sender job ends the session for good: waiting receivers return from ``pull()``."""
-    if group.plane == "store" and group.role == "send" and group.role_rank == 0:
-        try:
-            group.store.set(f"{group.prefix}done", "1")
-        except Exception:  # noqa: BLE001 - the receivers are gone already
-            pass
-
-
-def leave(group: Group, message: str) -> None:
-    """Receivers leave a broken epoch: the others in it end with ``message``, and closing the
-    group no longer waits for the senders' sign-off (they are gone)."""
-    group.control.post_abort(message, 3)
-    group._closers.clear()
-    if group.role_rank == 0:
-        # the store's rank exits last: the other receivers may still read it
-        n = group.n_recv
-        store, key = group.store, f"{group.prefix}ss/rclosed"
-        group._closers.append(lambda t: _sign_off(store, key, n, t, True))
-    else:
-        store, key = group.store, f"{group.prefix}ss/rclosed"
-        group._closers.append(lambda t: _sign_off(store, key, 0, t, False))
-
-
-def _sign_off(store: Any, key: str, n: int, timeout: float, wait: bool) -> None:
+def sign_off(store: Any, key: str, n: int, timeout: float, wait: bool) -> None:
+    """Count ``key`` up; with ``wait`` (the rank serving the store) until ``n`` signed off."""
     try:
         store.add(key, 1)
         deadline = time.monotonic() + timeout
@@ -159,21 +132,3 @@ def _sign_off(store: Any, key: str, n: int, timeout: float, wait: bool) -> None:
             time.sleep(0.02)
     except Exception:  # noqa: BLE001 - peers that already left took nothing with them
         pass
-
-
-def rejoin(group: Group, timeout: float) -> Group:
-    """Receivers, after leaving ``group``'s epoch: wait (up to ``timeout``) for a new sender job
-    in the next epoch; its rank count may differ. Raises ``PeerTimeoutError`` when none comes."""
-    from streamer.transport.jobs import _connect_store
-
-    if group.plane != "store" or group.rendezvous is None:
-        raise UsageError("a session reopens for a new sender job on the store control plane only")
-    path = Path(group.rendezvous)
-    group.close(timeout)  # our sign-off of the old epoch (no wait on the dead senders)
-    try:
-        return _connect_store("recv", path, timeout, epoch=group.epoch + 1, store=group.store,
-                              address=group.address)
-    except BaseException:
-        if group.role_rank == 0:  # no sender job may join an epoch the receivers gave up on
-            path.unlink(missing_ok=True)
-        raise

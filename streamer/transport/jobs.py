@@ -34,7 +34,7 @@ from formats.manifest import atomic_write_bytes
 from streamer.transport.base import Transport
 from streamer.transport.watchdog import Watchdog, abort
 
-__all__ = ["CONTROLS", "Group", "Watchdog", "abort", "connect", "launcher_rank"]
+__all__ = ["CONTROLS", "Group", "Watchdog", "abort", "connect", "launcher_rank", "rejoin"]
 
 ROLES = ("send", "recv")
 CONTROLS = ("auto", "mpi", "store")
@@ -101,6 +101,24 @@ class Group:
         for c in self._closers:
             c(timeout)
         self._closers.clear()
+
+    def post_done(self) -> None:
+        """The sender job ends the session for good: waiting receivers return from ``pull()``."""
+        if self.plane == "store" and self.role == "send" and self.role_rank == 0:
+            try:
+                self.store.set(f"{self.prefix}done", "1")
+            except Exception:  # noqa: BLE001 - the receivers are gone already
+                pass
+
+    def leave(self, message: str) -> None:
+        """Receivers leave a broken epoch (store plane): the others in it end with ``message``,
+        and closing no longer waits for the senders' sign-off (they are gone); the rank serving
+        the store still waits for the other receivers'."""
+        from streamer.transport.epochs import sign_off
+
+        self.control.post_abort(message, 3)
+        store, key, n, server = self.store, f"{self.prefix}ss/rclosed", self.n_recv, self.role_rank == 0
+        self._closers = [lambda t: sign_off(store, key, n, t, server)]
 
     @classmethod
     def from_mpi(cls, comm: Any, role_comm: Any, role: str, n_send: int, n_recv: int,
@@ -284,7 +302,9 @@ def _connect_store(role: str, path: Path, timeout: float, *, epoch: int = 0, sto
                   StoreControl(store, rank, size, f"{p}ss/{role}"), role, n_send, n_recv, str(path),
                   store=store, plane="store", epoch=epoch, prefix=p, address=address)
     if role == "recv":
-        group.control.watch = group.role_control.watch = SenderWatch(store, p, n_send)  # type: ignore[attr-defined]
+        # the senders' close or silence ends the receivers' waits on both jobs' plane (their own
+        # plane's waits, e.g. saving after the sender job closed, go on)
+        group.control.watch = SenderWatch(store, p, n_send)  # type: ignore[attr-defined]
     group.control.barrier(max(1.0, deadline - time.monotonic()))
     if role == "recv" and rank == 0:
         path.unlink(missing_ok=True)  # everyone is in: the file has served
@@ -333,3 +353,19 @@ def _close_store(store: Any, g: int, size: int, server: bool, timeout: float, pr
                 time.sleep(0.02)
     except Exception:  # noqa: BLE001 - peers that already left took nothing with them
         pass
+
+
+def rejoin(group: Group, timeout: float) -> Group:
+    """Receivers, after ``group.leave``: wait (up to ``timeout``) for a new sender job in the
+    next epoch (``transport.epochs``); its rank count may differ. Raises ``PeerTimeoutError``
+    when none comes."""
+    if group.plane != "store" or group.rendezvous is None:
+        raise UsageError("a session reopens for a new sender job on the store control plane only")
+    path = Path(group.rendezvous)
+    group.close(timeout)  # our sign-off of the old epoch (no wait on the dead senders)
+    try:
+        return _connect_store("recv", path, timeout, epoch=group.epoch + 1, store=group.store, address=group.address)
+    except BaseException:
+        if group.role_rank == 0:  # no sender job may join an epoch the receivers gave up on
+            path.unlink(missing_ok=True)
+        raise
