@@ -3,7 +3,7 @@ or by ``resilient_worker.py --ranks N`` (the same worker environment, without to
 time) on the store control plane with gloo:
 
     torchrun ... resilient_worker.py recv DIR [--delta] [--timeout S]
-    resilient_worker.py --ranks N send DIR --versions 1,2,3 [--delta] [--kill-at V:FRACTION] [--hang-after V]
+    resilient_worker.py --ranks N send DIR --versions 1,2,3 [--delta] [--kill-at V:FRACTION] [--hang-after V] [--die-after V]
 
 Both sides compute the weights of version v the same way (seeded changes of 2% of the elements
 per version, cumulative), so a receiver checks what it holds against its own computation: after
@@ -140,6 +140,9 @@ def send(d: Path, args: argparse.Namespace) -> int:
                 print(f"pushed {v} {time.time()}", file=sys.stderr)
             if v == args.hang_after:
                 time.sleep(600)  # alive, silent: the receivers' timeout ends their wait
+            if v == args.die_after:  # between pushes: only the heartbeat's silence says so
+                (d / f"killed-{rank}").write_text(str(time.time()))
+                os.kill(os.getpid(), signal.SIGKILL)
     return 0
 
 
@@ -199,6 +202,7 @@ def main() -> int:
     p.add_argument("--versions", default="1")
     p.add_argument("--kill-at", default="")
     p.add_argument("--hang-after", type=int, default=-1)
+    p.add_argument("--die-after", type=int, default=-1)
     args = p.parse_args()
     return recv(args.dir, args) if args.role == "recv" else send(args.dir, args)
 

@@ -49,11 +49,11 @@ def _trainer(d: Path, name: str, n: int, versions: str, *extra: object, torchrun
     """Run a trainer job to its end; the time its first rank killed itself (None: it did not)."""
     for f in d.glob("killed-*"):
         f.unlink()
-    job = _job(d, name, n, "send", d, "--delta", "--timeout", 60, "--versions", versions, *extra, torchrun=torchrun)
+    job = _job(d, name, n, "send", d, "--timeout", 60, "--versions", versions, *extra, torchrun=torchrun)
     try:
         rc = job.wait(120)
         killed = sorted(float(f.read_text()) for f in d.glob("killed-*"))
-        if extra:
+        if any(str(x).startswith("--kill-at") or str(x).startswith("--die-after") for x in extra):
             assert rc not in (0, None) and killed, f"{name} was to die midway: rc {rc}\n{job.stderr[-3000:]}"
         else:
             assert rc == 0, f"{name} exited {rc}\n{job.stderr[-3000:]}"
@@ -65,9 +65,9 @@ def _trainer(d: Path, name: str, n: int, versions: str, *extra: object, torchrun
 def test_receivers_survive_killed_trainers_and_a_restart(tmp_path: Path) -> None:
     recv = _job(tmp_path, "recv", 2, "recv", tmp_path, "--delta", "--timeout", 60)
     try:
-        killed_a = _trainer(tmp_path, "trainer-a", 2, "1,2,3", "--kill-at", "3:0.25")
-        killed_b = _trainer(tmp_path, "trainer-b", 3, "3", "--kill-at", "3:0.8")
-        _trainer(tmp_path, "trainer-c", 1, "3,4", torchrun=True)
+        killed_a = _trainer(tmp_path, "trainer-a", 2, "1,2,3", "--delta", "--kill-at", "3:0.25")
+        killed_b = _trainer(tmp_path, "trainer-b", 3, "3", "--delta", "--kill-at", "3:0.8")
+        _trainer(tmp_path, "trainer-c", 1, "3,4", "--delta", torchrun=True)
         assert recv.wait(60) == 0, recv.stderr[-3000:]
     finally:
         recv.close()
@@ -101,3 +101,19 @@ def test_receiver_times_out_and_closes_cleanly(tmp_path: Path) -> None:
         assert [e["event"] for e in ev] == ["ok", "timeout", "exit"], ev
         assert ev[1]["held"] == 1 and "timed out after 6 s" in ev[1]["reason"], ev
         assert 5 < ev[1]["t"] - ev[0]["t"] < 20, ev
+
+
+def test_trainer_dying_between_pushes_is_noticed(tmp_path: Path) -> None:
+    """No connection is open between pushes: the trainer's silent heartbeat ends the wait."""
+    recv = _job(tmp_path, "recv", 1, "recv", tmp_path, "--timeout", 60)
+    try:
+        killed = _trainer(tmp_path, "trainer-a", 1, "1", "--die-after", 1)
+        _trainer(tmp_path, "trainer-b", 2, "2")
+        assert recv.wait(60) == 0, recv.stderr[-3000:]
+    finally:
+        recv.close()
+    ev = [e for e in _events(tmp_path, 0) if e["event"] != "open"]
+    assert [(e["event"], e.get("version"), e.get("held")) for e in ev] == [
+        ("ok", 1, 1), ("failed", None, 1), ("ok", 2, 2), ("closed", None, 2), ("exit", None, None)], ev
+    assert "sender rank 0 went silent" in ev[1]["reason"] and ev[1]["match"], ev
+    assert killed is not None and 4 < ev[1]["t"] - killed < 15, (killed, ev)
