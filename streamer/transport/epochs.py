@@ -88,12 +88,14 @@ class Heartbeat:
 
 class SenderWatch:
     """What ends a receiver's wait besides an abort notice: the sender job closed the session
-    (``PeerClosedError``), or a sender rank went silent (``RemoteAbortError``)."""
+    (``PeerClosedError``), or a sender rank went silent (``RemoteAbortError``). Only receiver
+    rank 0 reads the heartbeats (``heartbeats``): it then posts the abort notice, which the other
+    receivers' waits read anyway (the store serves one small read per receiver and poll)."""
 
-    def __init__(self, store: Any, prefix: str, n_send: int) -> None:
+    def __init__(self, store: Any, prefix: str, n_send: int, heartbeats: bool = True) -> None:
         self.store = store
         self._done = f"{prefix}done"
-        self._keys = [f"{prefix}hb/{r}" for r in range(n_send)]
+        self._keys = [f"{prefix}hb/{r}" for r in range(n_send)] if heartbeats else []
         self._seen: list[tuple[int, float]] = []
         self._next = 0.0
         self._limit = silence_limit()
@@ -106,7 +108,7 @@ class SenderWatch:
         try:
             if self.store.check([self._done]):
                 return PeerClosedError()
-            if not self.store.check(self._keys):
+            if not self._keys or not self.store.check(self._keys):
                 return None  # still joining: the join's own timeout covers that
             counts = [int(v) for v in self.store.multi_get(self._keys)]
         except Exception:  # noqa: BLE001 - our own store: the abort poll reports it

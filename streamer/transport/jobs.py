@@ -304,7 +304,7 @@ def _connect_store(role: str, path: Path, timeout: float, *, epoch: int = 0, sto
     if role == "recv":
         # the senders' close or silence ends the receivers' waits on both jobs' plane (their own
         # plane's waits, e.g. saving after the sender job closed, go on)
-        group.control.watch = SenderWatch(store, p, n_send)  # type: ignore[attr-defined]
+        group.control.watch = SenderWatch(store, p, n_send, heartbeats=rank == 0)  # type: ignore[attr-defined]
     group.control.barrier(max(1.0, deadline - time.monotonic()))
     if role == "recv" and rank == 0:
         path.unlink(missing_ok=True)  # everyone is in: the file has served
