@@ -434,12 +434,8 @@ def cmd_refit(args: argparse.Namespace) -> int:
     from streamer.refit.session import RefusedError
     from streamer.transport.jobs import abort, launched_by_mpi, launcher_rank
 
-    if args.stay and (args.role != "recv" or args.control == "mpi" or (args.control == "auto" and launched_by_mpi())):
-        raise UsageError("--stay is for refit recv on the store control plane (--control store, or a job not "
-                         "started by mpiexec): under MPI a peer's death ends the whole launch (docs/resilience.md)")
     job = RefitJob(args.role, _load(args.manifest), rendezvous=args.rendezvous, transport=args.transport,
                    control=args.control, timeout=args.timeout, steps=args.steps, save=args.save, stay=args.stay,
-                   on_push_failed=_stay_note,
                    options=RefitOptions(bucket_size=args.bucket_size, verify=args.verify, strategy=args.strategy,
                                         delta=args.delta, fp8_block=args.fp8_block, ue8m0=args.ue8m0,
                                         src_domain_size=args.src_domain_size,
@@ -465,14 +461,6 @@ def cmd_refit(args: argparse.Namespace) -> int:
     if report.reporter:
         _out(args, report.to_dict(), report.text())
     return 0
-
-
-def _stay_note(e: ShardstreamError) -> None:
-    """``refit recv --stay``: a failed push, said once per job; the receivers wait for the next."""
-    from streamer.transport.jobs import launcher_rank
-
-    if launcher_rank()[0] == 0:
-        print(f"{e} (--stay: waiting for the next push)", file=sys.stderr, flush=True)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -13,6 +13,7 @@ instead of waiting out the timeout.
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -23,6 +24,7 @@ from formats.errors import PushFailed, ShardstreamError, UsageError
 from formats.manifest import Manifest
 from streamer.refit.options import RefitOptions
 from streamer.refit.session import RefitSession, StepStats
+from streamer.transport.jobs import launched_by_mpi
 
 __all__ = ["RefitJob", "RefitReport"]
 
@@ -87,7 +89,7 @@ class RefitJob:
     #: receivers: a failed push is reported (``on_push_failed``) and the next awaited, until the
     #: sender job closes the session (store plane; ``steps`` then does not end the loop)
     stay: bool = False
-    on_push_failed: Callable[[PushFailed], None] | None = None
+    on_push_failed: Callable[[PushFailed], None] | None = None  # None: one line on stderr per job
     #: the open session (set by ``run``): the CLI posts an abort through its group on failure
     session: RefitSession | None = None
 
@@ -96,6 +98,9 @@ class RefitJob:
 
         if self.save and self.role != "recv":
             raise UsageError("--save is for the receiving side (refit recv)")
+        if self.stay and (self.role != "recv" or self.control == "mpi" or (self.control == "auto" and launched_by_mpi())):
+            raise UsageError("--stay is for refit recv on the store control plane (--control store, or a job not "
+                             "started by mpiexec): under MPI a peer's death ends the whole launch (docs/resilience.md)")
         session = RefitSession.open(self.manifest, self.role, rendezvous=self.rendezvous, transport=self.transport,
                                     control=self.control, timeout=self.timeout,
                                     options=replace(self.options, planned_steps=max(self.steps, self.options.planned_steps)))
@@ -154,6 +159,8 @@ class RefitJob:
                     raise
                 if self.on_push_failed is not None:
                     self.on_push_failed(e)
+                elif session.group.role_rank == 0:
+                    print(f"{e} (--stay: waiting for the next push)", file=sys.stderr, flush=True)
                 continue
             if st is None:
                 break

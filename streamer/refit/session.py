@@ -79,6 +79,9 @@ from streamer.transport.jobs import Group, connect, rejoin
 __all__ = ["PushFailed", "RefitOptions", "RefitSession", "RefusedError", "StepStats", "make_transport"]
 
 TRANSPORTS = ("mpi", "gloo", "nccl", "shm", "cuda-ipc")
+#: a receiver on the MPI plane does not outlive a failed push: the line that says so
+MPI_NOTE = ("(receivers end with a failed push on the MPI control plane, where a peer's death ends the launch; "
+            "on the store control plane they outlive it: docs/resilience.md)")
 
 
 class RefusedError(ValidationError):
@@ -331,6 +334,8 @@ class RefitSession:
             raise  # every rank's verdict, or wrong data over a working connection: the session stands
         except TransportError as e:
             if not self._survives():
+                if self.group.plane == "mpi":  # say why this receiver goes down with its trainer
+                    e.problems = [*(e.problems or [str(e)]), MPI_NOTE]
                 raise
             raise self._failed(e) from e
 
