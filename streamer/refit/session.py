@@ -79,6 +79,8 @@ from streamer.transport.jobs import Group, connect, rejoin
 __all__ = ["PushFailed", "RefitOptions", "RefitSession", "RefusedError", "StepStats", "make_transport"]
 
 TRANSPORTS = ("mpi", "gloo", "nccl", "shm", "cuda-ipc")
+#: how a receiver whose wait for the next push timed out tells the others (they time out too)
+NO_PUSH = "no push came within the timeout: "
 #: a receiver on the MPI plane does not outlive a failed push: the line that says so
 MPI_NOTE = ("(receivers end with a failed push on the MPI control plane, where a peer's death ends the launch; "
             "on the store control plane they outlive it: docs/resilience.md)")
@@ -357,10 +359,12 @@ class RefitSession:
             return e
         reason = "; ".join(e.problems) if e.problems else str(e)
         self._broken, version, self._pushing = True, self._pushing, None
-        self.group.leave(f"{self.group.name(self._t.rank)}: {reason}")
+        # no push came within the timeout (here, or on the receiver whose notice ended this wait)
+        timed_out = version is None and (isinstance(e, PeerTimeoutError) or NO_PUSH in reason)
+        self.group.leave(f"{self.group.name(self._t.rank)}: {NO_PUSH if timed_out else ''}{reason}")
         self._drop_transport()
-        if isinstance(e, PeerTimeoutError) and version is None:
-            return e  # no push came within the timeout
+        if timed_out:
+            return e if isinstance(e, PeerTimeoutError) else PeerTimeoutError(reason)
         return PushFailed(reason, version)
 
     def _drop_transport(self) -> None:

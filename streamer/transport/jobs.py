@@ -31,7 +31,7 @@ import numpy as np
 
 from formats.errors import PeerTimeoutError, UsageError
 from formats.manifest import atomic_write_bytes
-from streamer.transport.base import Transport
+from streamer.transport.base import RemoteAbortError, Transport
 from streamer.transport.watchdog import Watchdog, abort
 
 __all__ = ["CONTROLS", "Group", "Watchdog", "abort", "connect", "launcher_rank", "rejoin"]
@@ -337,7 +337,13 @@ def _dial(path: Path, deadline: float, timeout: float, fresh_from: float | None)
 
 
 def _store_wait(store: Any, keys: list[str], deadline: float, what: str) -> None:
-    while not store.check(keys):
+    while True:
+        try:
+            if store.check(keys):
+                return
+        except Exception as e:  # noqa: BLE001 - the server's rank ended
+            raise RemoteAbortError(f"waiting for {what}: the rendezvous store went away (receiver rank 0 "
+                                   f"ended: {str(e).splitlines()[0] if str(e) else type(e).__name__})", 3) from e
         if time.monotonic() > deadline:
             raise PeerTimeoutError(f"timed out waiting for {what}")
         time.sleep(0.01)

@@ -82,7 +82,7 @@ def recv(d: Path, args: argparse.Namespace) -> int:
     log = (d / f"recv-{rank}.jsonl").open("a", buffering=1)
 
     def note(**kw: Any) -> None:
-        log.write(json.dumps({"t": time.time(), **kw}) + "\n")
+        log.write(json.dumps({"t": time.time(), **kw}) + "\n")  # an explicit t wins
 
     def holds(v: int | None) -> bool | None:
         if v is None:
@@ -97,22 +97,24 @@ def recv(d: Path, args: argparse.Namespace) -> int:
     if args.pull_timeout:  # the open's wait for the trainer is long; the wait for a push short
         s.timeout = args.pull_timeout
     while True:
+        called = time.time()  # the times of the call and of its end, before any check's seconds
         try:
             st = s.pull(local)
         except PushFailed as e:
-            note(event="failed", version=e.version, reason=e.reason, held=s.version, match=holds(s.version))
+            note(event="failed", version=e.version, reason=e.reason, held=s.version, called=called, t=time.time(),
+                 match=holds(s.version))
             if os.environ.get("RESILIENT_DEBUG"):
                 import faulthandler
 
                 faulthandler.dump_traceback_later(8, file=sys.stderr)
             continue
         except PeerTimeoutError as e:
-            note(event="timeout", reason=str(e), held=s.version)
+            note(event="timeout", reason=str(e), held=s.version, called=called, t=time.time())
             break
         if st is None:
             note(event="closed", held=s.version)
             break
-        note(event="ok", version=st.version, held=s.version, match=holds(s.version),
+        note(event="ok", version=st.version, held=s.version, called=called, t=time.time(), match=holds(s.version),
              wire=st.bytes_received, full=st.full_bytes_received)
     s.close()
     note(event="exit")

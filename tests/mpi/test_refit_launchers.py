@@ -148,7 +148,7 @@ def test_stay_receivers_pull_until_the_trainer_closes(ckpt: Ckpt, mpmd_saved: Sa
         _torchrun(4, "refit", "recv", "--manifest", ckpt.serve, "--rendezvous", rdv, "--save", out,
                   "--timeout", "60", "--json", "--stay"),
         _torchrun(4, "refit", "send", "--manifest", ckpt.train / "manifest.json", "--rendezvous", rdv,
-                  "--timeout", "60", "--steps", "2"))
+                  "--timeout", "60", "--steps", "2"), file_wait=60)
     assert rc_s == 0 and rc_r == 0, f"send {rc_s} recv {rc_r}\n{send.stderr[-3000:]}\n{recv.stderr[-3000:]}"
     report = json.loads(recv.stdout.strip().splitlines()[-1])
     assert report["steps"] == 2, report
