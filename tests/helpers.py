@@ -31,7 +31,8 @@ from formats.layouts import (
     build_manifest,
 )
 from formats.manifest import Manifest
-from streamer.execute.executor import ExecStats, Executor, build_schedule
+from streamer.execute.executor import ExecStats, Executor
+from streamer.execute.schedule import build_schedule
 from streamer.plan.model import Plan
 from streamer.transport.loopback import LoopbackHub
 

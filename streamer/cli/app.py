@@ -308,7 +308,7 @@ def _plan_rank(args: argparse.Namespace, plan: Any, src: Any, dst: Any, t0: floa
     """``plan --rank R``: that merged rank's figures, and the messages its schedule has."""
     import time
 
-    from streamer.execute.executor import build_schedule
+    from streamer.execute.schedule import build_schedule
     from streamer.plan.local_shapes import plan_shapes
     from streamer.plan.rankplan import rank_figures
 
@@ -520,18 +520,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                               preset=args.preset or "qwen3-small", train_mesh=args.train_mesh,
                               serve_mesh=args.serve_mesh, repeats=args.repeats or 5, bucket_size=args.bucket_size,
                               source=args.source)
-        text = (f"bench refit ({r['senders']}+{r['receivers']} ranks, {r['source']} {r['train_mesh']} -> "
-                f"{r['serve_mesh']}{', cast to bf16 on the way' if r['cast_arrays'] else ''}, "
-                f"{r['bytes_moved'] / 1e9:.3f} GB planned, median of {r['repeats']} after the first push):\n"
-                f"  reshard              {r['reshard_s']:8.3f} s\n"
-                f"  first push (cold)    {r['first_push_s']:8.3f} s  ({r['first_push_ratio_to_floor']:.2f} x the "
-                f"floor; buffers, connections)\n"
-                f"  gather-broadcast     {r['broadcast_s']:8.3f} s  ({r['broadcast_bytes_moved'] / 1e9:.3f} GB)\n"
-                f"  Alltoallv floor      {r['floor_s']:8.3f} s\n"
-                f"  speedup vs broadcast {r['speedup_vs_broadcast']:8.2f} x   (target >= 3)\n"
-                f"  ratio to floor       {r['ratio_to_floor']:8.2f} x   (target <= 1.3)\n"
-                f"  peak extra / rank    {r['peak_extra_bytes_per_rank'] / 2**20:8.1f} MiB (bucket "
-                f"{r['bucket_bytes'] / 2**20:.0f} MiB, target <= 2 buckets)")
+        text = bench.refit_table(r)
     r["work"] = work
     if args.plot:
         bench.plot(r, args.what, args.plot)

@@ -21,9 +21,12 @@ __all__ = ["alloc_local", "load_local", "save_local", "finish_save"]
 
 
 def alloc_local(m: Manifest, rank: int) -> dict[str, np.ndarray]:
-    """Zeroed local tensors of ``rank`` (storage dtypes: bf16 as uint16, fp8 as uint8)."""
-    return {name: np.zeros(ts.shape, dtype=np_storage(by_name(ts.data_type)))
-            for name, ts in m.local_tensors(rank).items()}
+    """Zeroed local tensors of ``rank`` (storage dtypes: bf16 as uint16, fp8 as uint8), resident
+    as an engine's weights are: written once here, so the first pull into them takes no page faults."""
+    out = {name: np.empty(ts.shape, dtype=np_storage(by_name(ts.data_type))) for name, ts in m.local_tensors(rank).items()}
+    for v in out.values():
+        v.fill(0)
+    return out
 
 
 def load_local(m: Manifest, rank: int) -> dict[str, np.ndarray]:

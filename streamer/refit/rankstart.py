@@ -19,7 +19,7 @@ from typing import Any
 
 from formats.manifest import Manifest
 from streamer import __version__
-from streamer.execute.executor import Message, build_schedule
+from streamer.execute.schedule import Message, build_schedule
 from streamer.plan.local_shapes import plan_shapes
 from streamer.plan.planner import DEFAULT_SPLIT_BYTES, PLAN_ALGORITHM, Plan, plan_transfers
 

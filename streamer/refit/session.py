@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -63,8 +64,9 @@ from formats.manifest import (
     without_checksums,
 )
 from streamer.execute.delta import DeltaChecksumError, DeltaPush, DeltaState
-from streamer.execute.executor import SCHEDULE_VERSION, ExecStats, Executor
+from streamer.execute.executor import ExecStats, Executor, bucket_slots
 from streamer.execute.quant import ReceiverQuant, RefitQuant, SenderQuant, refit_quant, refit_quant_report
+from streamer.execute.schedule import SCHEDULE_VERSION
 from streamer.execute.staging import device_name, staging_problems
 from streamer.ops.quant import FP8_BLOCK
 from streamer.plan.gcpause import paused_gc
@@ -174,6 +176,8 @@ class RefitSession:
         self.quant: RefitQuant | None = None
         self._send_quant: SenderQuant | None = None
         self._recv_quant: ReceiverQuant | None = None
+        #: seconds ``open`` took on this rank (joining, planning, buffers faulted in)
+        self.open_seconds = 0.0
 
     # ------------------------------------------------------------------ opening
     @classmethod
@@ -188,6 +192,7 @@ class RefitSession:
         "store" (see ``jobs.connect``). ``options``: how to move (``RefitOptions``; the two jobs
         agree on them). ``device_ops``: what stages device tensors on a host transport (tests).
         """
+        t0 = time.perf_counter()
         m = manifest if isinstance(manifest, Manifest) else load_manifest(manifest)
         group = group or connect(role, rendezvous=rendezvous, timeout=timeout, control=control)
         t = make_transport(transport, group, timeout)
@@ -195,6 +200,7 @@ class RefitSession:
         session._kind = transport if isinstance(transport, str) else None
         session._reopenable = transport is None or isinstance(transport, str)
         session.start()
+        session.open_seconds = time.perf_counter() - t0
         return session
 
     def __enter__(self) -> RefitSession:
@@ -227,6 +233,8 @@ class RefitSession:
                                             dst_domain_size=self.options.dst_domain_size, allow_extra=self.options.allow_extra)
         # what every push is checked against: computed once (a full-size manifest has many chunks)
         self._specs = self.manifest.local_tensors(self.local_rank)
+        # the bucket buffers, faulted in now: the first push then costs what the others do
+        self._slots = bucket_slots(self._t, self.schedule) if self.options.strategy == "reshard" else []
 
     def _start_quant(self) -> None:
         if self.quant is None:
@@ -510,7 +518,7 @@ class RefitSession:
             staging = self._recv_quant.staging if self._recv_quant is not None else {}
             self._executor = Executor(self._t, self.plan, self.schedule, {**tensors, **staging}, timeout=self.timeout,
                                       verify=self.options.verify, peer_names=self.group.name, quant=self._send_quant,
-                                      device_ops=self.device_ops)
+                                      device_ops=self.device_ops, slots=self._slots)
             self._tensor_key = key
         return self._executor
 

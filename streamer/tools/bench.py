@@ -400,7 +400,7 @@ def _refit_rounds(world: Any, steps: dict[str, Callable[[], tuple[float, int]]],
 
 
 def _refit_result(times_of: dict[str, list[float]], *, senders: int, receivers: int, stats: PlanStats,
-                  bucket_size: int, peaks: list[int], rss: list[int]) -> dict[str, Any]:
+                  bucket_size: int, peaks: list[int], rss: list[int], open_s: float = 0.0) -> dict[str, Any]:
     """The bench refit figures: the first (cold) round apart, medians over the rounds after it."""
     first = {n: t[0] for n, t in times_of.items()}
     steady = {n: t[1:] for n, t in times_of.items()}
@@ -409,6 +409,7 @@ def _refit_result(times_of: dict[str, list[float]], *, senders: int, receivers: 
             "reshard_s": r, "broadcast_s": b, "floor_s": f,
             "speedup_vs_broadcast": b / r, "ratio_to_floor": r / f,
             "first_push_s": first["reshard"], "first_push_ratio_to_floor": first["reshard"] / f,
+            "first_push_ratio_to_steady": first["reshard"] / r, "open_s": open_s,
             "first_broadcast_s": first["broadcast"], "first_floor_s": first["floor"],
             "bytes_moved": stats.moved_bytes, "broadcast_bytes_moved": stats.broadcast_moved_bytes,
             "bucket_bytes": bucket_size, "peak_extra_bytes_per_rank": max(peaks or [0]),
@@ -443,9 +444,14 @@ def refit_worker(argv: list[str]) -> int:
         tensors = load_local(m, rr) if role == "send" else alloc_local(m, rr)
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     sess = {}
+    open_s = 0.0
     for strategy in ("reshard", "broadcast"):
+        world.Barrier()
+        t0 = time.perf_counter()
         sess[strategy] = RefitSession.open(m, role, group=group, timeout=600,
                                            options=RefitOptions(bucket_size=a.bucket_size, strategy=strategy))
+        if strategy == "reshard":  # the slowest rank's open(): joining, planning, buffers faulted in
+            open_s = world.allreduce(time.perf_counter() - t0, op=MPI.MAX)
     plan = sess["reshard"].plan
     floor = _alltoallv_floor(world, plan.pair_bytes())
 
@@ -466,7 +472,7 @@ def refit_worker(argv: list[str]) -> int:
     rss = world.gather(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss0, root=0)
     if rank == 0:
         out = _refit_result(times_of, senders=S, receivers=world.Get_size() - S, stats=plan.stats(),
-                            bucket_size=a.bucket_size, peaks=peaks or [], rss=rss or [])
+                            bucket_size=a.bucket_size, peaks=peaks or [], rss=rss or [], open_s=open_s)
         out.update(source=a.source, cast_arrays=len(plan.casts))
         Path(a.out).write_text(json.dumps(out))
     return 0
@@ -635,3 +641,20 @@ def plot(result: dict[str, Any], kind: str, path: str) -> None:
     ax.set_title(f"shardstream bench {kind}")
     fig.tight_layout()
     fig.savefig(path)
+
+
+def refit_table(r: dict[str, Any]) -> str:
+    """The text of ``bench refit``."""
+    return (f"bench refit ({r['senders']}+{r['receivers']} ranks, {r['source']} {r['train_mesh']} -> "
+            f"{r['serve_mesh']}{', cast to bf16 on the way' if r['cast_arrays'] else ''}, "
+            f"{r['bytes_moved'] / 1e9:.3f} GB planned, median of {r['repeats']} after the first push):\n"
+            f"  open()               {r['open_s']:8.3f} s  (join, plan, buffers faulted in)\n"
+            f"  reshard              {r['reshard_s']:8.3f} s  (steady push, median)\n"
+            f"  first push           {r['first_push_s']:8.3f} s  ({r['first_push_ratio_to_steady']:.2f} x the steady "
+            f"push, target <= 2)\n"
+            f"  gather-broadcast     {r['broadcast_s']:8.3f} s  ({r['broadcast_bytes_moved'] / 1e9:.3f} GB)\n"
+            f"  Alltoallv floor      {r['floor_s']:8.3f} s\n"
+            f"  speedup vs broadcast {r['speedup_vs_broadcast']:8.2f} x   (target >= 3)\n"
+            f"  ratio to floor       {r['ratio_to_floor']:8.2f} x   (target <= 1.2)\n"
+            f"  peak extra / rank    {r['peak_extra_bytes_per_rank'] / 2**20:8.1f} MiB (bucket "
+            f"{r['bucket_bytes'] / 2**20:.0f} MiB, target <= 2 buckets)")

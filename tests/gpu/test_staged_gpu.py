@@ -57,7 +57,8 @@ def test_push_keeps_a_captured_cuda_graph_valid() -> None:
     from helpers import lay_out
 
     from formats.layouts import Mesh, Replicate, Shard
-    from streamer.execute.executor import Executor, build_schedule
+    from streamer.execute.executor import Executor
+    from streamer.execute.schedule import build_schedule
     from streamer.plan.planner import plan_transfers
     from streamer.transport.loopback import LoopbackHub
 

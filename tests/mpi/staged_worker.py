@@ -24,7 +24,8 @@ from formats.dtypes import DTYPES, np_storage
 from formats.layouts import Replicate, Shard, build_manifest, parse_mesh
 from formats.manifest import Chunk, Source
 from streamer.execute import staging
-from streamer.execute.executor import Executor, build_schedule
+from streamer.execute.executor import Executor
+from streamer.execute.schedule import build_schedule
 from streamer.ops.buffers import byte_view
 from streamer.ops.device_ops import FakeDeviceOps
 from streamer.plan.planner import plan_transfers

@@ -18,7 +18,8 @@ from mpi4py import MPI
 from formats.dtypes import DTYPES, np_storage
 from formats.errors import PeerTimeoutError
 from formats.layouts import apply_layout, manifest_from_arrays, parse_mesh, parse_rule
-from streamer.execute.executor import Executor, build_schedule
+from streamer.execute.executor import Executor
+from streamer.execute.schedule import build_schedule
 from streamer.plan.planner import plan_transfers
 
 

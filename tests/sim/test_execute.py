@@ -29,7 +29,7 @@ from formats.box import Box
 from formats.errors import PeerTimeoutError, TransportError
 from formats.layouts import Mesh, Replicate, Shard, chunk_regions
 from formats.manifest import Chunk, Manifest, Source
-from streamer.execute.executor import INPLACE_MIN_BYTES, Message
+from streamer.execute.schedule import INPLACE_MIN_BYTES, Message
 from streamer.plan.check import validate_plan
 from streamer.plan.model import Plan
 from streamer.plan.planner import plan_transfers
@@ -325,7 +325,7 @@ def test_corrupted_message_is_caught_by_verify(dds: int | None) -> None:
     src, dst = _fault_layout()
     plan = plan_transfers(src, dst, dst_domain_size=dds, split_bytes=16)
     bucket = 64
-    from streamer.execute.executor import build_schedule
+    from streamer.execute.schedule import build_schedule
 
     sched = build_schedule(plan, bucket)
     # the first phase-1 message of sender 0 to its first receiver: byte 0 is the first transfer's
@@ -488,7 +488,7 @@ def test_per_rank_schedule_matches_global_order(pair: LayoutPair, bucket: int) -
     whole on every rank) gives rank r exactly the messages of the global schedule that involve
     it, with the same contents, in the same order; the forwards it sends depend on the same
     messages (a receiver is never told, nor needs, which phase-1 messages its forwarder waits for)."""
-    from streamer.execute.executor import build_schedule
+    from streamer.execute.schedule import build_schedule
 
     plan = plan_transfers(pair.src, pair.dst, dst_domain_size=pair.dst_domain_size, split_bytes=16)
     glob = build_schedule(plan, bucket)

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from formats.layouts import apply_layout, manifest_from_arrays, parse_mesh, parse_rule
-from streamer.execute.executor import Executor, build_schedule
+from streamer.execute.executor import Executor
+from streamer.execute.schedule import build_schedule
 from streamer.plan.planner import plan_transfers
 from streamer.transport.loopback import LoopbackHub
 

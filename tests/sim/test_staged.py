@@ -38,7 +38,8 @@ from formats.errors import UsageError, ValidationError
 from formats.layouts import Mesh, Replicate, Shard
 from formats.manifest import ArraySpec, Chunk, Manifest, Source
 from streamer.execute import staging
-from streamer.execute.executor import ExecStats, Executor, build_schedule
+from streamer.execute.executor import ExecStats, Executor
+from streamer.execute.schedule import build_schedule
 from streamer.execute.staging import Part, build_program
 from streamer.ops.buffers import byte_view, torch_byte_view
 from streamer.ops.cast import cast_bytes

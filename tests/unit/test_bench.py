@@ -134,4 +134,5 @@ def test_refit_result_reports_the_first_push_apart() -> None:
     assert r["repeats"] == 3 and r["runs"]["reshard"] == [0.11, 0.10, 0.12]
     assert r["reshard_s"] == 0.11 and r["floor_s"] == 0.1 and r["broadcast_s"] == 1.1
     assert abs(r["ratio_to_floor"] - 1.1) < 1e-9 and abs(r["first_push_ratio_to_floor"] - 8.0) < 1e-9
+    assert abs(r["first_push_ratio_to_steady"] - 0.8 / 0.11) < 1e-9 and r["open_s"] == 0.0
     assert r["bytes_moved"] == stats.moved_bytes and r["peak_extra_bytes_per_rank"] == 7

@@ -21,6 +21,7 @@ PURE_MODULES = (
     "streamer.plan.check",
     "streamer.plan.classes",
     "streamer.plan.forwards",
+    "streamer.execute.schedule",
     "streamer.plan.fp8",
     "streamer.plan.gcpause",
     "streamer.plan.layout",
