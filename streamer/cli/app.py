@@ -19,22 +19,13 @@ from streamer import __version__
 from streamer.cli.args import emit as _out
 from streamer.cli.args import parse_block, parse_size
 from streamer.cli.args import positive_int as _positive_int
+from streamer.cli.collective import ArgvError, Parser, announce, argv_refused, mpi_comm, on_workers
+from streamer.ops.agree import AgreedRefusal
 
 if TYPE_CHECKING:
     from formats.manifest import Manifest
 
 __all__ = ["main", "parse_size", "build_parser"]
-
-
-def _mpi_comm() -> Any:
-    """COMM_WORLD when launched under mpiexec with more than one rank, else None."""
-    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS"):
-        v = os.environ.get(var)
-        if v and v.isdigit() and int(v) > 1:
-            from mpi4py import MPI
-
-            return MPI.COMM_WORLD
-    return None
 
 
 def _load(path: str) -> Any:
@@ -333,32 +324,35 @@ def _plan_rank(args: argparse.Namespace, plan: Any, src: Any, dst: Any, t0: floa
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
+    """Under ``mpiexec -n K``: every check runs on every worker and ends in an agreement round
+    (``ops.agree``), so a refusal on any worker ends all of them with it; a failure later,
+    while writing, aborts the job (``MPI_Abort``) instead of leaving the others waiting."""
+    comm = mpi_comm()
+    if comm is None:
+        return _convert(args, None)
+    return on_workers(lambda: _convert(args, comm), debug=args.debug)
+
+
+def _convert(args: argparse.Namespace, comm: Any) -> int:
     from streamer.convert import ConvertOptions, convert
+    from streamer.ops.agree import agreed
 
-    if args.zarr_compressor is not None and args.format != "zarr":
-        raise UsageError("--zarr-compressor applies to --format zarr only")
-    if args.format == "zarr" and args.max_shard_size:
-        raise UsageError("--max-shard-size splits safetensors files; it does not apply to --format zarr")
-    comm = _mpi_comm()
-    src, dst = _load(args.src), _load(args.dst)
     torch_dist = args.format == "torch_dist"
-    if args.megatron_tp is not None and not torch_dist:
-        raise UsageError("--megatron-tp goes with --format torch_dist")
-    if torch_dist and (comm is not None or args.resume or args.max_shard_size):
-        raise UsageError("--format torch_dist runs in one process and takes no --resume or --max-shard-size")
-    out = Path(args.out) / ".staging" if torch_dist else Path(args.out)
-    if torch_dist:
-        from streamer.convert.megatron_export import check_destination
+    workers = None
+    if comm is not None:
+        from streamer.transport.mpi import MPITransport
 
-        check_destination(dst, _where(args.dst))
-        if Path(args.out).exists() and any(Path(args.out).iterdir()):
-            raise UsageError(f"{args.out}: output directory is not empty")
+        workers = MPITransport(comm)
+    with agreed(workers, ConvertOptions.timeout):  # a refusal on one worker is every worker's
+        src, dst = _convert_inputs(args, comm)
+    out = Path(args.out) / ".staging" if torch_dist else Path(args.out)
     opts = ConvertOptions(memory_limit=args.memory_limit, resume=args.resume, max_shard_size=args.max_shard_size,
                           allow_extra=args.allow_extra, progress=None if not args.json else False,
                           cast=args.cast, format="safetensors" if torch_dist else args.format,
                           zarr_compressor=args.zarr_compressor or "none", fp8_block=args.fp8_block, ue8m0=args.ue8m0,
                           manifest_version=args.format_version)
-    rep = convert(src, dst, out, opts, comm=comm, src_where=_where(args.src), dst_where=_where(args.dst))
+    rep = convert(src, dst, out, opts, comm=comm, control=workers, src_where=_where(args.src),
+                  dst_where=_where(args.dst))
     if torch_dist:  # a Megatron save root: the one-rank megatron layout packed into torch_dist chunks
         from streamer.convert.megatron_export import pack_torch_dist
 
@@ -387,6 +381,27 @@ def cmd_convert(args: argparse.Namespace) -> int:
             f"({gbps:.2f} GB/s, {rep.workers} worker(s))")
     _out(args, obj, "\n".join([text, *_fmt_quantized(rep.quantized)]))
     return 0
+
+
+def _convert_inputs(args: argparse.Namespace, comm: Any) -> tuple[Manifest, Manifest]:
+    """Every check of ``convert``'s options and inputs that needs no plan."""
+    if args.zarr_compressor is not None and args.format != "zarr":
+        raise UsageError("--zarr-compressor applies to --format zarr only")
+    if args.format == "zarr" and args.max_shard_size:
+        raise UsageError("--max-shard-size splits safetensors files; it does not apply to --format zarr")
+    src, dst = _load(args.src), _load(args.dst)
+    torch_dist = args.format == "torch_dist"
+    if args.megatron_tp is not None and not torch_dist:
+        raise UsageError("--megatron-tp goes with --format torch_dist")
+    if torch_dist and (comm is not None or args.resume or args.max_shard_size):
+        raise UsageError("--format torch_dist runs in one process and takes no --resume or --max-shard-size")
+    if torch_dist:
+        from streamer.convert.megatron_export import check_destination
+
+        check_destination(dst, _where(args.dst))
+        if Path(args.out).exists() and any(Path(args.out).iterdir()):
+            raise UsageError(f"{args.out}: output directory is not empty")
+    return src, dst
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -423,44 +438,21 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_refit(args: argparse.Namespace) -> int:
     """One side of a live refit (a thin shell over ``streamer.refit.job.RefitJob``).
 
-    Refusals that every rank agreed on (``RefusedError``, a plan mismatch, bad usage) are printed
-    once per job and end every rank with the same code. Anything else happened on this rank
-    alone: it tells the others (store plane) or aborts the MPI jobs, so no rank waits out the
-    timeout.
+    A check that refuses on some ranks only (this side's manifest, an option, the --save
+    directory) does not end them alone: it travels with the group's formation and every rank of
+    both jobs raises the same verdict (``ops.agree``), printed once per launch, with the
+    same exit code. Refusals that every rank agreed on later (``RefusedError``, a plan
+    mismatch) end the same way. Anything else happened on this rank alone: it tells the others
+    (store plane) or aborts the MPI jobs, so no rank waits out the timeout.
     """
-    from formats.errors import PlanError, TransportError
-    from streamer.refit.job import RefitJob
-    from streamer.refit.options import RefitOptions
-    from streamer.refit.session import RefusedError
-    from streamer.transport.jobs import abort, launched_by_mpi, launcher_rank
+    from streamer.cli.collective import run_refit
+    from streamer.ops.agree import LocalChecks
 
-    job = RefitJob(args.role, _load(args.manifest), rendezvous=args.rendezvous, transport=args.transport,
-                   control=args.control, timeout=args.timeout, steps=args.steps, save=args.save, stay=args.stay,
-                   options=RefitOptions(bucket_size=args.bucket_size, verify=args.verify, strategy=args.strategy,
-                                        delta=args.delta, fp8_block=args.fp8_block, ue8m0=args.ue8m0,
-                                        src_domain_size=args.src_domain_size,
-                                        dst_domain_size=args.dst_domain_size, allow_extra=args.allow_extra,
-                                        planned_steps=args.steps))
-    try:
-        report = job.run()
-    except (RefusedError, PlanError, UsageError) as e:
-        if launcher_rank()[0] == 0:  # every rank has the same verdict: one line per problem per job
-            for line in e.problems or [str(e)]:
-                print(line, file=sys.stderr)
-        return e.exit_code
-    except ShardstreamError as e:
-        message = "\n".join(e.problems or [str(e)])
-        group = job.session.group if job.session is not None else None
-        # a transport failure means a peer is gone: MPI may block sending to it, and the peers
-        # see the failure themselves; any other failure is news to them
-        if group is not None and (group.plane == "store" or not isinstance(e, TransportError)):
-            group.control.post_abort(message, e.exit_code)
-        if launched_by_mpi():
-            abort(message, e.exit_code)
-        raise
-    if report.reporter:
-        _out(args, report.to_dict(), report.text())
-    return 0
+    checks = LocalChecks()
+    manifest = None
+    with checks.capture():  # a manifest that does not load is refused on every rank, not here alone
+        manifest = _load(args.manifest)
+    return run_refit(args.role, manifest, checks.refusal, args)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -515,6 +507,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
                               serve_mesh=args.serve_mesh, steps=args.repeats or 3, lr=args.lr,
                               bucket_size=args.bucket_size)
         text = delta_table(r)
+    elif args.against:
+        from streamer.tools.bench_against import against_table, load_reference
+
+        ref = load_reference(args.against)
+        r = bench.bench_refit(work, **ref["config"])
+        text = bench.refit_table(r) + "\n" + against_table(r, ref, args.against)
     else:
         r = bench.bench_refit(work, senders=args.senders, receivers=args.receivers,
                               preset=args.preset or "qwen3-small", train_mesh=args.train_mesh,
@@ -714,6 +712,8 @@ def _add_bench(sub: Any) -> None:
     p.add_argument("--delta", action="store_true",
                    help="bench refit: full vs delta pushes after real AdamW steps of a small Llama (--repeats steps)")
     p.add_argument("--lr", type=float, default=1e-6, help="bench refit --delta: the AdamW learning rate")
+    p.add_argument("--against", metavar="FILE", help="bench refit: rerun FILE's reference configuration and print each "
+                                                     "ratio beside its reference (benchmarks/refit-reference.json)")
     p.add_argument("--bucket-size", type=parse_size, default=64 << 20)
     p.add_argument("--transport", choices=["shm", "cuda-ipc", "mpi", "gloo", "nccl"], default="shm",
                    help="bench ipc: the transport (cuda-ipc: both ranks on one GPU; shm: its CPU twin)")
@@ -740,7 +740,7 @@ def _add_inspect(sub: Any) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="shardstream", description="Move model weights between parallelism layouts.")
+    ap = Parser(prog="shardstream", description="Move model weights between parallelism layouts.")
     ap.add_argument("--debug", action="store_true", help="show Python tracebacks")
     ap.add_argument("--version", action="version", version=f"shardstream {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
@@ -758,11 +758,18 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         args = ap.parse_args(argv)
+    except ArgvError as e:  # a rank of a multi-rank launch tells its peers; one process prints it
+        return argv_refused(e, argv, build_parser)
     except SystemExit as e:
         return int(e.code or 0)
     debug = args.debug or os.environ.get("SHARDSTREAM_DEBUG") == "1"
     try:
         return int(args.func(args))
+    except AgreedRefusal as e:  # every rank holds it: one prints it
+        if debug:
+            raise
+        announce(e)
+        return e.exit_code
     except ShardstreamError as e:
         if debug:
             raise

@@ -40,6 +40,9 @@ class ConvertOptions:
     ue8m0: bool = False
     #: the output manifest's format_version: 2 (compact, checksums in a sidecar) or 1 (every chunk)
     manifest_version: int = 2
+    #: under mpiexec: seconds a worker waits for the others in an agreement round (checks, plan,
+    #: preflight, opening the output), before it gives up with exit 3
+    timeout: float = 300.0
 
     @property
     def buffer_bytes(self) -> int:

@@ -1,9 +1,10 @@
 """The job pipeline of ``convert`` (design §7), the same for every output format.
 
-1. Check the inputs and plan; open every source tensor the plan reads (rank 0, verdict shared),
-   so that bad input fails before anything is written.
+1. Check the inputs and plan; open every source tensor the plan reads (rank 0), so that bad
+   input fails before anything is written. Under ``mpiexec`` the step ends in an agreement
+   round (``ops.agree``): a refusal on any worker ends every worker with it.
 2. Rank 0 opens the output: takes its lock, turns a finished output back into records when
-   resuming, removes the manifest and stale temp files.
+   resuming, removes the manifest and stale temp files; again agreed on by every worker.
 3. Every worker (``mpiexec -n K``: K ranks) writes its share of the sink's jobs, largest first;
    with ``--resume`` a job whose completion record still matches what is on disk is skipped.
 4. Results are gathered; rank 0 writes what goes beside the data, then ``manifest.json`` (last:
@@ -15,6 +16,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -29,6 +31,7 @@ from streamer.convert.progress import Progress
 from streamer.convert.safetensors_sink import SafetensorsSink
 from streamer.convert.sinks import Job, Sink
 from streamer.convert.state import MANIFEST, Lock, Records, mark_incomplete, open_output, remove_state
+from streamer.ops.agree import AgreedRefusal, Refusal, agreed
 from streamer.ops.quant import planned_destination, quant_report, quant_targets
 from streamer.plan.match import CASTABLE, array_casts
 from streamer.plan.model import Plan
@@ -46,52 +49,66 @@ class _Workers:
     comm: Any
     rank: int = 0
     size: int = 1
+    timeout: float = 300.0
+    #: the workers' small collectives with timeouts (an ``MPITransport`` over ``comm``; None: one worker)
+    control: Any = None
 
     @classmethod
-    def of(cls, comm: Any) -> _Workers:
-        return cls(comm, comm.Get_rank(), comm.Get_size()) if comm is not None else cls(None)
+    def of(cls, comm: Any, control: Any, timeout: float) -> _Workers:
+        if comm is None:
+            return cls(None, timeout=timeout)
+        if control is None:
+            raise UsageError("convert with several workers needs their control plane (control=MPITransport(comm))")
+        return cls(comm, comm.Get_rank(), comm.Get_size(), timeout, control)
 
-    def barrier(self) -> None:
-        if self.comm is not None:
-            self.comm.barrier()
+    def agreed(self) -> AbstractContextManager[None]:
+        """Run a block on every worker; a refusal in it on any worker is raised on all of them."""
+        return agreed(self.control, self.timeout)
 
 
 def convert(src: Manifest, dst: Manifest, out_dir: str | os.PathLike[str], opts: ConvertOptions | None = None,
-            *, comm: Any = None, log: Any = None, src_where: str = "SRC", dst_where: str = "DST") -> ConvertReport:
+            *, comm: Any = None, control: Any = None, log: Any = None, src_where: str = "SRC",
+            dst_where: str = "DST") -> ConvertReport:
     """Convert the checkpoint ``src`` describes into ``dst``'s layout under ``out_dir``.
 
     Raises ``ValidationError`` / ``PlanError`` / ``FormatError`` (nothing written) for bad input,
     ``OutputLockedError`` when another convert holds ``out_dir``. ``src_where`` / ``dst_where``
-    name the manifests in problem lines (the CLI passes their paths).
+    name the manifests in problem lines (the CLI passes their paths). Several workers: ``comm``
+    (mpi4py) and ``control``, their collectives with timeouts (``MPITransport(comm)``); a refusal
+    on one worker is then an ``AgreedRefusal`` on all of them (``ops.agree``).
     """
     opts = opts or ConvertOptions()
     t0 = time.perf_counter()
-    _check_inputs(src, dst, src_where, dst_where)
-    where = (src_where, dst_where)
-    # arrays the destination asks in another float type: the plan moves the source's type and
-    # the sink casts while it writes (int/float pairs stay mismatches for the plan to refuse)
-    asked = {f: s for f, (s, d) in array_casts(src, dst).items() if s in CASTABLE and d in CASTABLE}
-    # FP8 weights with a scale sibling, fed from a float source: moved as the source's type and
-    # quantized by the sink, which also computes their scales
-    try:
-        targets = quant_targets(src, dst, block=opts.fp8_block, ue8m0=opts.ue8m0)
-    except PlanError as e:
-        raise PlanError(problems=[f"{dst_where}: {ln}" for ln in e.problems]) from e
-    planned = planned_destination(dst, targets, asked)
-    if opts.format == "zarr":
-        from streamer.convert.zarr_sink import ZarrSink  # zarr is an optional dependency
-
-        rep, plan = _run(src, ZarrSink(planned, opts, dst_where, stored=dst, quantize=targets), Path(out_dir), opts,
-                         _Workers.of(comm), where)
-    elif opts.format == "safetensors":
-        sink = SafetensorsSink(planned, opts, stored=dst, quantize=targets)
-        rep, plan = _run(src, sink, Path(out_dir), opts, _Workers.of(comm), where)
-    else:
-        raise UsageError(f"--format {opts.format}: expected safetensors or zarr")
+    workers = _Workers.of(comm, control, opts.timeout)
+    with workers.agreed():  # every check that can refuse, on every worker, before anyone waits
+        _check_inputs(src, dst, src_where, dst_where)
+        # arrays the destination asks in another float type: the plan moves the source's type and
+        # the sink casts while it writes (int/float pairs stay mismatches for the plan to refuse)
+        asked = {f: s for f, (s, d) in array_casts(src, dst).items() if s in CASTABLE and d in CASTABLE}
+        # FP8 weights with a scale sibling, fed from a float source: moved as the source's type and
+        # quantized by the sink, which also computes their scales
+        try:
+            targets = quant_targets(src, dst, block=opts.fp8_block, ue8m0=opts.ue8m0)
+        except PlanError as e:
+            raise PlanError(problems=[f"{dst_where}: {ln}" for ln in e.problems]) from e
+        sink = _sink(dst, planned_destination(dst, targets, asked), targets, opts, dst_where)
+        plan = _checked_plan(src, sink.target, opts, workers.rank, src_where, dst_where)
+        jobs = sink.layout(plan)
+    rep = _run(src, sink, jobs, Path(out_dir), opts, workers)
     rep.seconds = time.perf_counter() - t0
     rep.plan_stats = plan.stats().to_dict()
     rep.quantized = quant_report(dst, targets, "by convert") if targets else {}
     return rep
+
+
+def _sink(dst: Manifest, planned: Manifest, targets: Any, opts: ConvertOptions, dst_where: str) -> Sink[Any]:
+    if opts.format == "zarr":
+        from streamer.convert.zarr_sink import ZarrSink  # zarr is an optional dependency
+
+        return ZarrSink(planned, opts, dst_where, stored=dst, quantize=targets)
+    if opts.format == "safetensors":
+        return SafetensorsSink(planned, opts, stored=dst, quantize=targets)
+    raise UsageError(f"--format {opts.format}: expected safetensors or zarr")
 
 
 def _check_inputs(src: Manifest, dst: Manifest, src_where: str, dst_where: str) -> None:
@@ -104,39 +121,39 @@ def _check_inputs(src: Manifest, dst: Manifest, src_where: str, dst_where: str) 
                                         "(describe the files with `shardstream import`)" for f in missing[:20]])
 
 
-def _run(src: Manifest, sink: Sink[J], out: Path, opts: ConvertOptions, workers: _Workers,
-         where: tuple[str, str]) -> tuple[ConvertReport, Plan]:
-    plan = _checked_plan(src, sink.target, opts, workers, *where)
-    jobs = sink.layout(plan)
+def _run(src: Manifest, sink: Sink[J], jobs: Sequence[J], out: Path, opts: ConvertOptions,
+         workers: _Workers) -> ConvertReport:
     # ---- from here on we write; bad input has been ruled out
-    lock = _open(out, opts, sink, jobs) if workers.rank == 0 else None
-    workers.barrier()
+    lock: Lock | None = None
     try:
+        with workers.agreed():  # rank 0 opens the output (lock, not empty): every worker learns how it went
+            if workers.rank == 0:
+                lock = _open(out, opts, sink, jobs)
         rep, checksums = _run_jobs(src, out, sink, jobs, opts, workers)
         if lock is not None:
             final = sink.manifest(checksums)
             sink.finish(out, final, jobs)
             save_manifest(final, out / MANIFEST, format_version=opts.manifest_version)  # v2: + checksum sidecar
             remove_state(out, lock)  # every worker is past _gather: all records are written
-        workers.barrier()
+        if workers.control is not None:
+            workers.control.barrier(opts.timeout)  # rank 0 has written the manifest
     finally:
         if lock is not None:
             lock.release()
-    return rep, plan
+    return rep
 
 
 # ------------------------------------------------------------------ 1. plan and preflight
 
-def _checked_plan(src: Manifest, dst: Manifest, opts: ConvertOptions, workers: _Workers, src_where: str,
+def _checked_plan(src: Manifest, dst: Manifest, opts: ConvertOptions, rank: int, src_where: str,
                   dst_where: str) -> Plan:
-    """The plan, after every source tensor it reads has been opened (rank 0; the verdict is shared)."""
+    """The plan, after every source tensor it reads has been opened (rank 0; the caller's
+    agreement round shares the verdict)."""
     try:
         plan = plan_transfers(src, dst, allow_extra=opts.allow_extra)
     except PlanError as e:  # its lines name the array; say which manifests were being matched
         raise PlanError(problems=[f"{dst_where}: {ln}; source manifest {src_where}" for ln in e.problems]) from e
-    problems = _preflight(src, plan) if workers.rank == 0 else []
-    if workers.comm is not None:
-        problems = workers.comm.bcast(problems, root=0)
+    problems = _preflight(src, plan) if rank == 0 else []
     if problems:
         raise FormatError(problems=problems)
     return plan
@@ -284,9 +301,9 @@ def _gather(workers: _Workers, error: str | None, rep: ConvertReport, checksums:
     if workers.comm is None:
         return rep, checksums
     results = workers.comm.allgather((error, rep.to_dict(), checksums))
-    errs = [f"worker {i}: {e}" for i, (e, _, _) in enumerate(results) if e]
-    if errs:
-        raise FormatError(problems=errs)
+    errs = [(i, Refusal(FormatError.exit_code, (f"worker {i}: {e}",))) for i, (e, _, _) in enumerate(results) if e]
+    if errs:  # every worker holds the same list: one of them prints it
+        raise AgreedRefusal(errs)
     total = ConvertReport(workers=workers.size)
     for _, d, cs in results:
         for k in REPORT_COUNTS:

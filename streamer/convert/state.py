@@ -4,47 +4,17 @@ output holds its data, ``manifest.json`` (written last) and the HF index, nothin
 
 from __future__ import annotations
 
-import contextlib
-import errno
-import fcntl
 import json
-import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from formats.errors import OutputLockedError, UsageError
 from formats.manifest import atomic_write_bytes
+from formats.outdir import STATE_DIR, Lock, open_output, remove_state
 
 __all__ = ["MANIFEST", "STATE_DIR", "Lock", "Records", "mark_incomplete", "open_output", "remove_state"]
 
-STATE_DIR = ".shardstream"
 MANIFEST = "manifest.json"
-
-
-class Lock:
-    """An exclusive ``flock`` on ``DIR/.shardstream/lock``: one convert writes a directory."""
-
-    def __init__(self, out: Path) -> None:
-        (out / STATE_DIR).mkdir(parents=True, exist_ok=True)
-        self.path = out / STATE_DIR / "lock"
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            os.close(self.fd)
-            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise OutputLockedError(f"{out}: another shardstream convert is writing this directory "
-                                        "(lock held); wait for it or choose another --out") from e
-            raise
-        os.ftruncate(self.fd, 0)
-        os.write(self.fd, f"{os.getpid()}\n".encode())
-
-    def release(self) -> None:
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_UN)
-        finally:
-            os.close(self.fd)
 
 
 class Records:
@@ -65,17 +35,6 @@ class Records:
 
     def drop(self, name: str) -> None:
         (self.dir / name).unlink(missing_ok=True)
-
-
-def open_output(out: Path, resume: bool) -> Lock:
-    """Rank 0, once bad input is ruled out: make ``out`` and take its lock."""
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"{out}: --out exists and is not a directory")
-    if out.exists() and not resume and any(p.name != STATE_DIR for p in out.iterdir()):
-        raise UsageError(f"{out}: output directory is not empty; pass --resume to continue an "
-                         "interrupted conversion, or choose an empty directory")
-    out.mkdir(parents=True, exist_ok=True)
-    return Lock(out)
 
 
 def mark_incomplete(out: Path, rel_paths: Iterable[str]) -> None:
@@ -99,16 +58,3 @@ def mark_incomplete(out: Path, rel_paths: Iterable[str]) -> None:
                     p.unlink()
                 except OSError:
                     pass
-
-
-def remove_state(out: Path, lock: Lock) -> None:
-    """Once the manifest is written (with ``lock`` still held): the records are not needed any
-    more. The lock file goes last, so a kill on the way leaves a state a resume accepts."""
-    state = out / STATE_DIR
-    # the output is complete already: what cannot be removed stays, and is no error
-    with contextlib.suppress(OSError):
-        for p in state.iterdir():
-            if p != lock.path:
-                p.unlink(missing_ok=True)
-        lock.path.unlink(missing_ok=True)
-        state.rmdir()  # fails where another convert --resume made a new lock meanwhile: its directory now

@@ -4,10 +4,11 @@ Senders load their local tensors from the files their manifest names; receivers 
 theirs. Both open a ``RefitSession`` and run ``steps`` pushes (timed to the job's slowest rank:
 senders from a barrier of their job, receivers from the call, whose agreement round is one);
 the sender job's ``close()`` ends the receivers' loop early, and ``stay`` keeps receivers
-waiting after a failed push until the sender job closes (store plane). Receivers may save
-what they received. A rank that cannot load
-its files refuses the first push, so every rank of both jobs stops with its reason (exit 1)
-instead of waiting out the timeout.
+waiting after a failed push until the sender job closes (store plane). Receivers may save what
+they received (into an empty directory, locked while they write). Bad input on any rank (its
+manifest, an option, the --save directory, its files) ends every rank of both jobs with the
+reason and one exit code, in an agreement round (``ops.agree``), instead of leaving the others
+to wait out the timeout.
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ from typing import Any
 
 from formats.errors import PushFailed, ShardstreamError, UsageError
 from formats.manifest import Manifest
+from formats.outdir import Lock, open_output, remove_state
+from streamer.ops.agree import AgreedRefusal, LocalChecks, Refusal
 from streamer.refit.options import RefitOptions
 from streamer.refit.session import RefitSession, StepStats
-from streamer.transport.jobs import launched_by_mpi
+from streamer.transport.jobs import Group, launched_by_mpi
 
 __all__ = ["RefitJob", "RefitReport"]
 
@@ -77,8 +80,9 @@ class RefitReport:
 
 @dataclass
 class RefitJob:
-    role: str
-    manifest: Manifest
+    role: str | None
+    #: this side's manifest (None: it did not load, and ``refusal`` says why)
+    manifest: Manifest | None
     rendezvous: str | None = None
     transport: str | None = None
     control: str = "auto"
@@ -86,51 +90,72 @@ class RefitJob:
     steps: int = 1
     save: str | None = None
     options: RefitOptions = field(default_factory=RefitOptions)
-    #: receivers: a failed push is reported (``on_push_failed``) and the next awaited, until the
     #: sender job closes the session (store plane; ``steps`` then does not end the loop)
     stay: bool = False
     on_push_failed: Callable[[PushFailed], None] | None = None  # None: one line on stderr per job
+    #: what this rank refused before the job (its manifest, an option): every rank of both jobs
+    #: then ends with it (``ops.agree``)
+    refusal: Refusal | None = None
+    #: called with a launch's verdict as soon as its own ranks agree on it (the CLI prints it)
+    announce: Callable[[AgreedRefusal], None] | None = None
     #: the open session (set by ``run``): the CLI posts an abort through its group on failure
     session: RefitSession | None = None
+    _lock: Lock | None = None
 
     def run(self) -> RefitReport:
-        from streamer.refit.persist import alloc_local, load_local
-
-        if self.save and self.role != "recv":
-            raise UsageError("--save is for the receiving side (refit recv)")
         if self.stay and (self.role != "recv" or self.control == "mpi" or (self.control == "auto" and launched_by_mpi())):
             raise UsageError("--stay is for refit recv on the store control plane (--control store, or a job not "
                              "started by mpiexec): under MPI a peer's death ends the whole launch (docs/resilience.md)")
-        session = RefitSession.open(self.manifest, self.role, rendezvous=self.rendezvous, transport=self.transport,
-                                    control=self.control, timeout=self.timeout,
-                                    options=replace(self.options, planned_steps=max(self.steps, self.options.planned_steps)))
-        self.session = session
-        with session:
-            rank = session.local_rank
-            save = Path(self.save) if self.save else None
-            if save is not None and rank == 0:
-                _mark_incomplete(save)
-            tensors: dict[str, Any] = {}
-            problems: list[str] = []
-            try:
-                tensors = (load_local(self.manifest, rank) if self.role == "send"
-                           else alloc_local(self.manifest, rank))
-            except ShardstreamError as e:  # refused in the first push's agreement, on every rank
-                problems = [f"{session.group.name(session.group.rank)}: {p}" for p in e.problems or [str(e)]]
-            tensors = _on_device(tensors, session.transport, session.local_tensors())
-            seconds = [self._timed_step(session, tensors, problems) for _ in range(session.options.planned_steps)] \
-                if self.role == "send" else self._pulls(session, tensors, problems)
-            if save is not None:
-                session.save(save, tensors)
-            delta = _delta_totals(session) if session.options.delta else None
-            quantized = _quant_totals(session)
-            # the whole-plan figures are whole-plan work: only the job's reporter computes them
-            stats = session.plan.stats() if rank == 0 else None
-            reshard, broadcast = (stats.moved_bytes, stats.broadcast_moved_bytes) if stats else (0, 0)
-            return RefitReport(self.role, session.options.strategy, getattr(session.transport, "name", "?"), seconds,
-                               list(session.steps), reshard if session.options.strategy == "reshard" else broadcast,
-                               reshard, broadcast, session.options.verify, str(save) if save else None, rank == 0, delta,
-                               quantized)
+        checks = LocalChecks(self.refusal)
+        with checks.capture():
+            if self.save and self.role != "recv":
+                raise UsageError("--save is for the receiving side (refit recv)")
+        try:
+            options = replace(self.options, planned_steps=max(self.steps, self.options.planned_steps))
+            session = RefitSession.open(self.manifest, self.role or "", rendezvous=self.rendezvous,
+                                        transport=self.transport, control=self.control, timeout=self.timeout,
+                                        options=options, refusal=checks.refusal, announce=self.announce,
+                                        prepare=self._open_save)
+            self.session = session
+            with session:
+                return self._run(session)
+        finally:
+            if self._lock is not None:  # (a finished save removed its state already)
+                remove_state(Path(str(self.save)), self._lock)
+                self._lock.release()
+
+    def _open_save(self, group: Group) -> None:
+        """Receiver rank 0, before anyone waits: ``--save DIR`` must be empty (or new) and not
+        being written by another run; it holds the lock until the save is complete."""
+        if self.save is not None and group.role == "recv" and group.role_rank == 0:
+            self._lock = open_output(Path(self.save), False, flag="--save", resumable=False)
+
+    def _run(self, session: RefitSession) -> RefitReport:
+        from streamer.refit.persist import alloc_local, load_local
+
+        rank = session.local_rank
+        manifest = session.manifest
+        tensors: dict[str, Any] = {}
+        problems: list[str] = []
+        try:
+            tensors = load_local(manifest, rank) if self.role == "send" else alloc_local(manifest, rank)
+        except ShardstreamError as e:  # refused in the first push's agreement, on every rank
+            problems = [f"{session.group.name(session.group.rank)}: {p}" for p in e.problems or [str(e)]]
+        tensors = _on_device(tensors, session.transport, session.local_tensors())
+        seconds = [self._timed_step(session, tensors, problems) for _ in range(session.options.planned_steps)] \
+            if self.role == "send" else self._pulls(session, tensors, problems)
+        save = Path(self.save) if self.save else None
+        if save is not None:
+            session.save(save, tensors)
+        delta = _delta_totals(session) if session.options.delta else None
+        quantized = _quant_totals(session)
+        # the whole-plan figures are whole-plan work: only the job's reporter computes them
+        stats = session.plan.stats() if rank == 0 else None
+        reshard, broadcast = (stats.moved_bytes, stats.broadcast_moved_bytes) if stats else (0, 0)
+        return RefitReport(str(self.role), session.options.strategy, getattr(session.transport, "name", "?"),
+                           seconds, list(session.steps),
+                           reshard if session.options.strategy == "reshard" else broadcast, reshard, broadcast,
+                           session.options.verify, str(save) if save else None, rank == 0, delta, quantized)
 
     def _timed_step(self, session: RefitSession, tensors: dict[str, Any], problems: list[str]) -> float:
         """One push, timed from a barrier of this job to its slowest rank."""
@@ -142,7 +167,6 @@ class RefitJob:
         session.push(tensors) if self.role == "send" else session.pull(tensors)
         times = role_t.allgather_bytes(f"{time.perf_counter() - t0:.9f}".encode(), self.timeout)
         return max(float(x) for x in times)
-
 
     def _pulls(self, session: RefitSession, tensors: dict[str, Any], problems: list[str]) -> list[float]:
         """Receivers: ``steps`` pulls, fewer when the sender job closes the session first, or
@@ -224,12 +248,6 @@ def _quant_text(q: dict[str, Any]) -> str:
             f"by the receivers), {q['wire_bytes_saved'] / 1e6:.3f} MB fewer on the wire per push; "
             f"slowest rank quantizing {max(secs):.3f} s a push"
             + (f"; {q['staging_bytes'] / 1e6:.3f} MB of staging buffers" if q["staging_bytes"] else ""))
-
-
-def _mark_incomplete(save: Path) -> None:
-    """Until this run finishes, the directory must not look complete."""
-    save.mkdir(parents=True, exist_ok=True)
-    (save / "manifest.json").unlink(missing_ok=True)
 
 
 def _on_device(tensors: dict[str, Any], transport: Any, specs: Any) -> dict[str, Any]:

@@ -42,7 +42,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -68,6 +68,8 @@ from streamer.execute.executor import ExecStats, Executor, bucket_slots
 from streamer.execute.quant import ReceiverQuant, RefitQuant, SenderQuant, refit_quant, refit_quant_report
 from streamer.execute.schedule import SCHEDULE_VERSION
 from streamer.execute.staging import device_name, staging_problems
+from streamer.ops.agree import AgreedRefusal, LocalChecks, Refusal
+from streamer.ops.agree import agree as agree_refusals
 from streamer.ops.quant import FP8_BLOCK
 from streamer.plan.gcpause import paused_gc
 from streamer.refit.baseline import Baseline, gather_broadcast
@@ -78,7 +80,7 @@ from streamer.refit.replicas import replica_digests, replica_problems
 from streamer.transport.base import PeerClosedError, Transport
 from streamer.transport.jobs import Group, connect, rejoin
 
-__all__ = ["PushFailed", "RefitOptions", "RefitSession", "RefusedError", "StepStats", "make_transport"]
+__all__ = ["PushFailed", "RefitOptions", "RefitSession", "RefusedError", "StepStats", "make_transport", "transport_kind"]
 
 TRANSPORTS = ("mpi", "gloo", "nccl", "shm", "cuda-ipc")
 #: how a receiver whose wait for the next push timed out tells the others (they time out too)
@@ -115,17 +117,24 @@ class StepStats(ExecStats):
         return cls(**{f.name: getattr(es, f.name) for f in fields(ExecStats)}, changed_fraction=changed, **session)
 
 
+def transport_kind(kind: str | None, group: Group) -> str:
+    """The transport ``kind`` names on ``group`` (default: mpi on the MPI plane, else gloo), or
+    the usage error that refuses it."""
+    kind = kind or ("mpi" if group.plane == "mpi" else "gloo")
+    if kind not in TRANSPORTS:
+        raise UsageError(f"unknown transport {kind!r} (one of {', '.join(TRANSPORTS)})")
+    if kind == "mpi" and group.plane != "mpi":
+        raise UsageError("--transport mpi needs jobs launched by mpiexec on the MPI control plane; "
+                         "use --transport gloo (CPU) or nccl (GPU)")
+    return kind
+
+
 def make_transport(kind: str | Transport | None, group: Group, timeout: float) -> Transport:
     """The transport named ``kind`` over ``group`` (default: mpi on the MPI plane, else gloo)."""
     if kind is not None and not isinstance(kind, str):
         return kind
-    kind = kind or ("mpi" if group.plane == "mpi" else "gloo")
-    if kind not in TRANSPORTS:
-        raise UsageError(f"unknown transport {kind!r} (one of {', '.join(TRANSPORTS)})")
+    kind = transport_kind(kind, group)
     if kind == "mpi":
-        if group.plane != "mpi":
-            raise UsageError("--transport mpi needs jobs launched by mpiexec on the MPI control plane; "
-                             "use --transport gloo (CPU) or nccl (GPU)")
         return group.control
     if kind in ("shm", "cuda-ipc"):  # colocated ranks: one-sided copies (transport/handles.py)
         from streamer.transport.colocated import open_handle_transport
@@ -135,6 +144,26 @@ def make_transport(kind: str | Transport | None, group: Group, timeout: float) -
 
     return TorchDistTransport(group.control, kind, store=group.store, timeout=timeout,
                               prefix=f"{group.prefix}shardstream")
+
+
+def _agree_transport(group: Group, transport: str | Transport | None, timeout: float, checks: LocalChecks,
+                     prepare: Callable[[Group], None] | None) -> str | Transport | None:
+    """The first round once the group exists: this rank's transport and ``prepare`` checks, and
+    every rank's transport kind. A refusal, or kinds that differ between the jobs, end every
+    rank here, before any transport is built (their set-ups are collectives of their own)."""
+    kind: str | None = None
+    with checks.capture():
+        if transport is None or isinstance(transport, str):
+            kind = transport_kind(transport, group)
+        if prepare is not None:
+            prepare(group)
+    kinds = agree_refusals(group.control, checks.refusal, timeout, extra=kind)
+    sides = {side: sorted({str(k) for k in ks if k is not None})
+             for side, ks in (("senders", kinds[:group.n_send]), ("receivers", kinds[group.n_send:]))}
+    if len({k for ks in sides.values() for k in ks}) > 1:
+        asked = "; ".join(f"{side}: {' and '.join(ks)}" for side, ks in sides.items())
+        raise UsageError(f"the two jobs asked for different transports ({asked}); pass the same --transport to both")
+    return kind if kind is not None else transport
 
 
 @dataclass
@@ -181,26 +210,48 @@ class RefitSession:
 
     # ------------------------------------------------------------------ opening
     @classmethod
-    def open(cls, manifest: Manifest | str | Path, role: str, *, rendezvous: str | None = None,
+    def open(cls, manifest: Manifest | str | Path | None, role: str, *, rendezvous: str | None = None,
              transport: str | Transport | None = None, control: str = "auto", timeout: float = 300.0,
-             group: Group | None = None, options: RefitOptions | None = None,
-             device_ops: Any = None) -> RefitSession:
+             group: Group | None = None, options: RefitOptions | None = None, device_ops: Any = None,
+             refusal: Refusal | None = None, announce: Callable[[AgreedRefusal], None] | None = None,
+             prepare: Callable[[Group], None] | None = None) -> RefitSession:
         """Join the refit as ``role`` ("send" or "recv") and plan it: the one collective entry point.
 
         ``transport``: "mpi" (default under mpiexec), "gloo" (default otherwise), "nccl", "shm" or
         "cuda-ipc" (every rank on one node), or a ``Transport``. ``control``: "auto", "mpi" or
         "store" (see ``jobs.connect``). ``options``: how to move (``RefitOptions``; the two jobs
         agree on them). ``device_ops``: what stages device tensors on a host transport (tests).
+
+        Bad input on one rank ends every rank of both jobs with the same verdict (``AgreedRefusal``,
+        ``ops.agree``): a manifest that does not load here, ``refusal`` (what the caller's own
+        checks refused), and ``prepare(group)`` (checks that need the group, e.g. the receivers'
+        output directory) are agreed on before any other wait; ``announce`` gets a launch's verdict
+        as soon as its own ranks know it (see ``jobs.connect``). ``manifest`` may be None only with
+        a ``refusal`` (the caller could not load it).
         """
         t0 = time.perf_counter()
-        m = manifest if isinstance(manifest, Manifest) else load_manifest(manifest)
-        group = group or connect(role, rendezvous=rendezvous, timeout=timeout, control=control)
-        t = make_transport(transport, group, timeout)
-        session = cls(m, role, group, t, timeout, options or RefitOptions(), device_ops)
-        session._kind = transport if isinstance(transport, str) else None
-        session._reopenable = transport is None or isinstance(transport, str)
-        session.start()
-        session.open_seconds = time.perf_counter() - t0
+        checks = LocalChecks(refusal)
+        m: Manifest | None = None
+        with checks.capture():  # a rank whose manifest does not load still joins, to say so
+            if manifest is None and refusal is None:
+                raise UsageError("RefitSession.open needs a manifest")
+            m = manifest if isinstance(manifest, Manifest) or manifest is None else load_manifest(manifest)
+        if group is None:
+            group = connect(role, rendezvous=rendezvous, timeout=timeout, control=control, refusal=checks.refusal,
+                            announce=announce)
+            checks = LocalChecks()  # the group's formation carried the refusal
+        try:
+            kind = _agree_transport(group, transport, timeout, checks, prepare)
+            assert m is not None  # a rank without its manifest refused above, on every rank
+            session = cls(m, role, group, make_transport(kind, group, timeout), timeout, options or RefitOptions(),
+                          device_ops)
+            session._kind = kind if isinstance(kind, str) else None
+            session._reopenable = not (transport is not None and not isinstance(transport, str))
+            session.start()
+            session.open_seconds = time.perf_counter() - t0
+        except (AgreedRefusal, PlanError, UsageError):
+            group.close(timeout)  # every rank holds this verdict: they sign off together
+            raise
         return session
 
     def __enter__(self) -> RefitSession:
@@ -384,8 +435,9 @@ class RefitSession:
     def _reopen(self) -> None:
         """Receivers: wait for a new sender job (the timeout bounds it) and plan again with it."""
         self.group = rejoin(self.group, self.timeout)
+        kind = _agree_transport(self.group, self._kind, self.timeout, LocalChecks(), None)  # as open() does
         self._broken = False
-        self.transport = make_transport(self._kind, self.group, self.timeout)
+        self.transport = make_transport(kind, self.group, self.timeout)
         self._started, self._delta_state, self._executor = False, None, None
         self._recv_quant = None
         self.start()

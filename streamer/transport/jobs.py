@@ -23,14 +23,14 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from formats.errors import PeerTimeoutError, UsageError
 from formats.manifest import atomic_write_bytes
+from streamer.ops.agree import AgreedRefusal, LocalChecks, Refusal, agree
 from streamer.transport.base import RemoteAbortError, Transport
 from streamer.transport.watchdog import Watchdog, abort
 
@@ -130,19 +130,6 @@ class Group:
                    n_send, n_recv, rendezvous, comm=comm)
 
 
-def _iallgather_int(comm: Any, value: int, timeout: float, what: str) -> list[int]:
-    from mpi4py import MPI
-
-    from streamer.transport.base import wait_all
-    from streamer.transport.mpi import MPIRequest
-
-    send = np.array([value], dtype=np.int64)
-    recv = np.zeros(comm.Get_size(), dtype=np.int64)
-    req = comm.Iallgather([send, MPI.INT64_T], [recv, MPI.INT64_T])
-    wait_all([MPIRequest(req, "collective", -1)], timeout, what)
-    return [int(x) for x in recv]
-
-
 def _read_rendezvous(path: Path, deadline: float, want_fresh_from: float | None = None) -> str:
     """The rendezvous file's first line once it exists, or "" at the deadline."""
     while True:
@@ -158,45 +145,122 @@ def _read_rendezvous(path: Path, deadline: float, want_fresh_from: float | None 
         time.sleep(0.05)
 
 
-def connect(role: str, *, rendezvous: str | None = None, timeout: float = 300.0,
-            control: str = "auto") -> Group:
+@dataclass(frozen=True)
+class _Clock:
+    """A deadline ``timeout`` seconds from its start: every step of one wait shares it."""
+
+    timeout: float
+    deadline: float
+
+    @classmethod
+    def start(cls, timeout: float) -> _Clock:
+        return cls(timeout, time.monotonic() + timeout)
+
+    def restart(self) -> _Clock:
+        """A new wait (for the other job, once this one is ready for it): its own ``timeout``."""
+        return _Clock.start(self.timeout)
+
+    def left(self, floor: float = 0.5) -> float:
+        return max(floor, self.deadline - time.monotonic())
+
+    def watchdog(self, what: str, cleanup: Any = None, refused: Refusal | None = None) -> Watchdog:
+        """A watchdog for an MPI call that cannot time out. A refused job waiting to tell the
+        other job exits quietly with its refusal's code (its reason is printed already)."""
+        if refused is None:
+            return Watchdog(self.left(), what, cleanup, shown=self.timeout)
+        return Watchdog(self.left(), what, cleanup, code=refused.exit_code, quiet=True)
+
+
+def connect(role: str | None, *, rendezvous: str | None = None, timeout: float = 300.0,
+            control: str = "auto", refusal: Refusal | None = None,
+            announce: Callable[[AgreedRefusal], None] | None = None) -> Group:
     """Join the refit group as ``role`` ("send" or "recv").
 
     ``control`` picks the control plane: "mpi", "store", or "auto" (the receivers: mpi when
     launched by an MPI launcher, else store; the senders: whatever the rendezvous file says).
+
+    ``refusal``: what this rank refuses with (its manifest did not load, a bad option...). It
+    joins all the same, and the group's first collective carries the refusal: every rank of both
+    jobs then raises the same ``AgreedRefusal`` (``ops.agree``) instead of waiting for this
+    one. Two separate launches: the ranks of this launch agree first, ``announce`` is called with
+    their verdict at once, and they still join (up to ``timeout``) to tell the other job.
     """
+    clock = _Clock.start(timeout)
+    checks = LocalChecks(refusal)
+    with checks.capture():
+        _check_args(role, rendezvous, control)
+    if rendezvous is None:
+        return _connect_mpmd(role, clock, checks.refusal)
+    verdict = _launch_verdict(checks.refusal, clock)
+    if verdict is not None and announce is not None:
+        announce(verdict)
+    carried = verdict.refusal() if verdict is not None else checks.refusal
+    try:
+        if role not in ROLES:  # only a refused rank (its command line did not parse) has no role
+            raise verdict or AgreedRefusal([(launcher_rank()[0], carried or Refusal(2, ("no role",)))])
+        return _connect_rendezvous(role, Path(rendezvous), clock, control, carried, verdict is not None)
+    except PeerTimeoutError:
+        # the other job never came: this job's verdict stands (torchrun: this rank's own refusal)
+        if verdict is not None:
+            raise verdict from None
+        if carried is not None:
+            raise AgreedRefusal([(launcher_rank()[0], carried)]) from None
+        raise
+
+
+def _check_args(role: str | None, rendezvous: str | None, control: str) -> None:
     if role not in ROLES:
         raise UsageError(f"role must be send or recv, got {role!r}")
     if control not in CONTROLS:
         raise UsageError(f"--control must be one of {', '.join(CONTROLS)}, got {control!r}")
-    if rendezvous is None:
-        if control == "store":
-            raise UsageError("--control store joins two jobs through a rendezvous file: pass --rendezvous FILE")
-        return _connect_mpmd(role, timeout)
-    path = Path(rendezvous)
+    if rendezvous is None and control == "store":
+        raise UsageError("--control store joins two jobs through a rendezvous file: pass --rendezvous FILE")
+
+
+def _launch_verdict(refusal: Refusal | None, clock: _Clock) -> AgreedRefusal | None:
+    """Under an MPI launcher: this launch's ranks agree before joining the other job."""
+    if not launched_by_mpi():
+        return None
+    from mpi4py import MPI
+
+    from streamer.transport.mpi import MPITransport
+
+    try:
+        agree(MPITransport(MPI.COMM_WORLD), refusal, clock.left())
+    except AgreedRefusal as e:
+        return e
+    return None
+
+
+def _connect_rendezvous(role: str, path: Path, clock: _Clock, control: str, refusal: Refusal | None,
+                        refused: bool) -> Group:
     if role == "recv":
         plane = control if control != "auto" else ("mpi" if launched_by_mpi() else "store")
-        return _connect_store(role, path, timeout) if plane == "store" else _connect_mpi_port(role, path, timeout)
+        return (_connect_store(role, path, clock, refusal) if plane == "store"
+                else _connect_mpi_port(role, path, clock, refusal, refused))
     if control == "auto":
         # follow the receivers: peek at the file (every sender rank reads it; it is written once)
-        text = _read_rendezvous(path, time.monotonic() + timeout)
+        text = _read_rendezvous(path, clock.deadline)
         if not text:
-            raise PeerTimeoutError(f"timed out after {timeout:g} s waiting for the receiver job to write "
+            raise PeerTimeoutError(f"timed out after {clock.timeout:g} s waiting for the receiver job to write "
                                    f"the rendezvous file {path}")
         control = "store" if text.startswith(_TCP) else "mpi"
     if control == "mpi" and not launched_by_mpi():
         raise UsageError(f"the receiver job uses the MPI control plane ({path} holds an MPI port) but this job "
                          "was not started by mpiexec: start the receiver job with --control store")
-    return _connect_store(role, path, timeout) if control == "store" else _connect_mpi_port(role, path, timeout)
+    return (_connect_store(role, path, clock, refusal) if control == "store"
+            else _connect_mpi_port(role, path, clock, refusal, refused))
 
 
-def _connect_mpmd(role: str, timeout: float) -> Group:
+def _connect_mpmd(role: str | None, clock: _Clock, refusal: Refusal | None) -> Group:
     from mpi4py import MPI
 
+    from streamer.transport.mpi import MPITransport
+
     world = MPI.COMM_WORLD
-    world.Set_errhandler(MPI.ERRORS_RETURN)  # failures become exceptions -> exit 3, not MPI aborts
-    mine = ROLES.index(role)
-    roles = _iallgather_int(world, mine, timeout, "role exchange")
+    mine = ROLES.index(role) if role in ROLES else -1
+    # the role exchange carries every rank's refusal: one that refuses stops every rank here
+    roles = agree(MPITransport(world), refusal, clock.left(), extra=mine)
     n_send = roles.count(0)
     n_recv = roles.count(1)
     if n_send == 0 or n_recv == 0:
@@ -204,13 +268,14 @@ def _connect_mpmd(role: str, timeout: float) -> Group:
             f"this launch has {n_send} sender(s) and {n_recv} receiver(s): launch both sides MPMD "
             "(mpiexec -n N shardstream refit send ... : -n M shardstream refit recv ...) or join two "
             "jobs with --rendezvous FILE")
-    # senders first, each side keeping its order
-    merged = world.Split(0, mine * world.Get_size() + world.Get_rank())
-    role_comm = world.Split(mine, world.Get_rank())
-    return Group.from_mpi(merged, role_comm, role, n_send, n_recv)
+    # senders first, each side keeping its order (every rank is past the exchange: no one is missing)
+    with clock.watchdog("splitting the launch into the sender and receiver jobs"):
+        merged = world.Split(0, mine * world.Get_size() + world.Get_rank())
+        role_comm = world.Split(mine, world.Get_rank())
+    return Group.from_mpi(merged, role_comm, role or ROLES[0], n_send, n_recv)
 
 
-def _connect_mpi_port(role: str, path: Path, timeout: float) -> Group:
+def _connect_mpi_port(role: str, path: Path, clock: _Clock, refusal: Refusal | None, refused: bool) -> Group:
     from mpi4py import MPI
 
     from streamer.transport.mpi import MPITransport
@@ -218,40 +283,45 @@ def _connect_mpi_port(role: str, path: Path, timeout: float) -> Group:
     world = MPI.COMM_WORLD
     world.Set_errhandler(MPI.ERRORS_RETURN)
     mine = ROLES.index(role)
-    role_comm = world.Dup()
+    quiet = refusal if refused else None
+    with clock.watchdog("copying this job's communicator", refused=quiet):
+        role_comm = world.Dup()
     if role == "recv":
         port = None
         if role_comm.Get_rank() == 0:
             port = MPI.Open_port()
             atomic_write_bytes(path, (port + "\n").encode())
+        clock = clock.restart()  # from here on: waiting for the sender job
 
         def cleanup() -> None:
             # every rank: the first watchdog to fire aborts the job, maybe before rank 0's does
             path.unlink(missing_ok=True)
 
-        with Watchdog(timeout, f"waiting for the sender job to connect through {path}", cleanup):
+        with clock.watchdog(f"waiting for the sender job to connect through {path}", cleanup, quiet):
             inter = role_comm.Accept(port or "", root=0)  # the port matters on the root only
-        cleanup()
-        if port is not None:
-            MPI.Close_port(port)
-        inter.Set_errhandler(MPI.ERRORS_RETURN)
-        merged = inter.Merge(high=True)
+            cleanup()
+            if port is not None:
+                MPI.Close_port(port)
+            inter.Set_errhandler(MPI.ERRORS_RETURN)
+            merged = inter.Merge(high=True)
     else:
         port_s = ""
+        clock = clock.restart()  # from here on: waiting for the receiver job
         if role_comm.Get_rank() == 0:
-            port_s = _read_rendezvous(path, time.monotonic() + timeout)
+            port_s = _read_rendezvous(path, clock.deadline)
         # tell the other sender ranks, even when it never came
-        port_s = MPITransport(role_comm).bcast_bytes(port_s.encode(), 0, timeout + 5).decode()
+        port_s = MPITransport(role_comm).bcast_bytes(port_s.encode(), 0, clock.left()).decode()
         if not port_s:
-            raise PeerTimeoutError(f"timed out after {timeout:g} s waiting for the receiver job to write "
+            raise PeerTimeoutError(f"timed out after {clock.timeout:g} s waiting for the receiver job to write "
                                    f"the rendezvous file {path}")
-        with Watchdog(timeout, f"connecting to the receiver job at the port in {path}"):
+        with clock.watchdog(f"connecting to the receiver job at the port in {path}", refused=quiet):
             inter = role_comm.Connect(port_s, root=0)
-        inter.Set_errhandler(MPI.ERRORS_RETURN)
-        merged = inter.Merge(high=False)
+            inter.Set_errhandler(MPI.ERRORS_RETURN)
+            merged = inter.Merge(high=False)
     merged.Set_errhandler(MPI.ERRORS_RETURN)
     role_comm.Set_errhandler(MPI.ERRORS_RETURN)
-    roles = _iallgather_int(merged, mine, timeout, "role exchange")
+    # the role exchange carries every rank's refusal, as in one launch
+    roles = agree(MPITransport(merged), refusal, clock.left(), extra=mine)
     return Group.from_mpi(merged, role_comm, role, roles.count(0), roles.count(1), str(path))
 
 
@@ -259,22 +329,24 @@ def _connect_mpi_port(role: str, path: Path, timeout: float) -> Group:
 FRESH_SLACK = 60.0
 
 
-def _connect_store(role: str, path: Path, timeout: float, *, epoch: int = 0, store: Any = None,
-                   address: str = "") -> Group:
+def _connect_store(role: str, path: Path, clock: _Clock, refusal: Refusal | None, *, epoch: int = 0,
+                   store: Any = None, address: str = "") -> Group:
     """Join through a TCPStore served by receiver rank 0 (see the module docstring). ``epoch``
     (receivers, with their ``store`` and its ``address``): open the session again for a new
-    sender job (``transport.epochs.rejoin``); senders read the epoch from the rendezvous file."""
-    from streamer.transport.epochs import Heartbeat, SenderWatch, epoch_prefix, parse_address
-    from streamer.transport.store import StoreControl, open_store
+    sender job (``rejoin``); senders read the epoch from the rendezvous file."""
+    from streamer.transport.epochs import parse_address
+    from streamer.transport.store import open_store
     from streamer.transport.torch_dist import free_port, host_address
 
     rank, size = launcher_rank()
-    deadline = time.monotonic() + timeout
     t_start = time.time()
-    if role == "recv" and rank == 0:
+    clock = clock.restart()  # from here on: waiting for the other job
+    server = role == "recv" and rank == 0
+    if server:
         if store is None:
             address = f"{host_address()}:{free_port()}"
-            store = open_store(address.rsplit(":", 1)[0], int(address.rsplit(":", 1)[1]), server=True, timeout=timeout)
+            host, port = address.rsplit(":", 1)
+            store = open_store(host, int(port), server=True, timeout=clock.left())
         suffix = f"/{epoch}" if epoch else ""
         atomic_write_bytes(path, f"{_TCP}{address}{suffix}\n".encode())
     elif store is None:
@@ -282,8 +354,28 @@ def _connect_store(role: str, path: Path, timeout: float, *, epoch: int = 0, sto
         # slack: the ranks of one job start seconds apart on a loaded node (CI once saw rank 1
         # start after rank 0 had written it, and wait out its timeout), and a stale file names a
         # dead store that _dial reads again (a finished job's rank 0 removes the file)
-        store, text = _dial(path, deadline, timeout, fresh_from=t_start - FRESH_SLACK if role == "recv" else None)
+        store, text = _dial(path, clock, fresh_from=t_start - FRESH_SLACK if role == "recv" else None)
         address, epoch = parse_address(text)
+    try:
+        group = _store_group(store, role, rank, size, path, clock, server, epoch, address)
+        try:  # everyone is in; the first collective carries every rank's refusal
+            agree(group.control, refusal, clock.left())
+        except AgreedRefusal:
+            group.close(clock.left(5.0))  # the store's server waits for every rank to sign off
+            raise
+        return group
+    finally:
+        if server:  # everyone is in, or this job gives up: the file has served either way
+            path.unlink(missing_ok=True)
+
+
+def _store_group(store: Any, role: str, rank: int, size: int, path: Path, clock: _Clock, server: bool,
+                 epoch: int = 0, address: str = "") -> Group:
+    """Both jobs' sizes, once each has joined the store (under the epoch's prefix): the group
+    over it. Senders beat a heartbeat from now on; receivers watch it (``transport.epochs``)."""
+    from streamer.transport.epochs import Heartbeat, SenderWatch, epoch_prefix
+    from streamer.transport.store import StoreControl
+
     p = epoch_prefix(epoch)
     store.set(f"{p}job/{role}/size", str(size))
     store.add(f"{p}job/{role}/joined", 1)
@@ -292,7 +384,8 @@ def _connect_store(role: str, path: Path, timeout: float, *, epoch: int = 0, sto
     sizes = {}
     for r in ROLES:
         key = f"{p}job/{r}/size"
-        _store_wait(store, [key], deadline, f"the {'sender' if r == 'send' else 'receiver'} job to join through {path}")
+        _store_wait(store, [key], clock.deadline,
+                    f"the {'sender' if r == 'send' else 'receiver'} job to join through {path}")
         sizes[r] = int(store.get(key))
     n_send, n_recv = sizes["send"], sizes["recv"]
     g = rank if role == "send" else n_send + rank
@@ -305,22 +398,20 @@ def _connect_store(role: str, path: Path, timeout: float, *, epoch: int = 0, sto
         # the senders' close or silence ends the receivers' waits on both jobs' plane (their own
         # plane's waits, e.g. saving after the sender job closed, go on)
         group.control.watch = SenderWatch(store, p, n_send, heartbeats=rank == 0)  # type: ignore[attr-defined]
-    group.control.barrier(max(1.0, deadline - time.monotonic()))
-    if role == "recv" and rank == 0:
-        path.unlink(missing_ok=True)  # everyone is in: the file has served
-    if role == "send":
-        beat = Heartbeat(address, f"{p}hb/{rank}", timeout)
+    else:
+        beat = Heartbeat(address, f"{p}hb/{rank}", clock.timeout)
         group._closers.append(lambda t: beat.stop())
-    group._closers.append(lambda t: _close_store(store, g, n_send + n_recv, role == "recv" and rank == 0, t, p))
+    group._closers.append(lambda t: _close_store(store, g, n_send + n_recv, server, t, p))
     return group
 
 
-def _dial(path: Path, deadline: float, timeout: float, fresh_from: float | None) -> tuple[Any, str]:
+def _dial(path: Path, clock: _Clock, fresh_from: float | None) -> tuple[Any, str]:
     from streamer.transport.store import open_store
 
     last = ""
-    while time.monotonic() < deadline:
-        text = _read_rendezvous(path, deadline, fresh_from)
+    timeout = clock.timeout
+    while time.monotonic() < clock.deadline:
+        text = _read_rendezvous(path, clock.deadline, fresh_from)
         if not text:
             break
         if not text.startswith(_TCP):
@@ -328,7 +419,7 @@ def _dial(path: Path, deadline: float, timeout: float, fresh_from: float | None)
                              "plane; start it with --control store (or launch this job with mpiexec)")
         host, port = text[len(_TCP):].split("/")[0].rsplit(":", 1)
         try:
-            return open_store(host, int(port), server=False, timeout=min(5.0, timeout)), text[len(_TCP):]
+            return open_store(host, int(port), server=False, timeout=min(5.0, clock.left())), text[len(_TCP):]
         except Exception as e:  # noqa: BLE001 - a stale file names a dead store: read it again
             last = str(e).splitlines()[0] if str(e) else type(e).__name__
             time.sleep(0.2)
@@ -370,7 +461,8 @@ def rejoin(group: Group, timeout: float) -> Group:
     path = Path(group.rendezvous)
     group.close(timeout)  # our sign-off of the old epoch (no wait on the dead senders)
     try:
-        return _connect_store("recv", path, timeout, epoch=group.epoch + 1, store=group.store, address=group.address)
+        return _connect_store("recv", path, _Clock.start(timeout), None, epoch=group.epoch + 1, store=group.store,
+                              address=group.address)
     except BaseException:
         if group.role_rank == 0:  # no sender job may join an epoch the receivers gave up on
             path.unlink(missing_ok=True)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from formats.errors import UsageError
 from streamer.cli.app import main
 from streamer.tools import bench
 
@@ -136,3 +137,21 @@ def test_refit_result_reports_the_first_push_apart() -> None:
     assert abs(r["ratio_to_floor"] - 1.1) < 1e-9 and abs(r["first_push_ratio_to_floor"] - 8.0) < 1e-9
     assert abs(r["first_push_ratio_to_steady"] - 0.8 / 0.11) < 1e-9 and r["open_s"] == 0.0
     assert r["bytes_moved"] == stats.moved_bytes and r["peak_extra_bytes_per_rank"] == 7
+
+
+def test_against_prints_each_ratio_beside_its_reference(tmp_path: Path) -> None:
+    """bench refit --against: the committed reference parses, and each figure is judged in the
+    right direction (a ratio to the floor is better smaller, a speedup larger)."""
+    from streamer.tools.bench_against import against_table, load_reference
+
+    root = Path(__file__).resolve().parents[2]
+    ref = load_reference(str(root / "benchmarks" / "refit-reference.json"))
+    result = {"ratio_to_floor": 1.5, "first_push_ratio_to_steady": 1.0, "speedup_vs_broadcast": 30.0}
+    text = against_table(result, ref, "ref.json")
+    lines = {ln.split()[0] + " " + ln.split()[1]: ln for ln in text.splitlines()[2:] if ln.startswith("  ")}
+    assert lines["steady push"].endswith("WORSE") and "1.50" in lines["steady push"]
+    assert lines["first push"].endswith("ok") and lines["gather-broadcast /"].endswith("ok")
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"config": {"preset": "x", "colour": 1}, "reference": {}}')
+    with pytest.raises(UsageError, match="unknown keys \\['colour'\\]"):
+        load_reference(str(bad))

@@ -585,7 +585,7 @@ GOLDEN = {
         '--rendezvous', '--save', '--src-domain-size', '--steps', '--strategy{reshard,broadcast}',
         '--timeout', '--transport{mpi,gloo,nccl,shm,cuda-ipc}', '--verify', '<role>{send,recv}',
         '--control{auto,mpi,store}', '--fp8-block', '--ue8m0'],
-    'bench': ['--bucket-size', '--chunks', '--delta', '--dst-tp', '--json', '--lr', '--memory-limit', '--model',
+    'bench': ['--against', '--bucket-size', '--chunks', '--delta', '--dst-tp', '--json', '--lr', '--memory-limit', '--model',
         '--no-dcp', '--plot',
         '--preset{qwen3-tiny,qwen3-small,qwen3-2g}', '--receivers', '--repeats', '--senders',
         '--serve-mesh', '--src-tp', '--sweep', '--train-mesh', '--work', '<what>{plan,convert,refit,validate,ipc}',
