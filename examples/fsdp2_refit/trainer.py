@@ -1,7 +1,8 @@
 """A TorchTitan-style FSDP2 trainer that refits a bf16 inference job after every step.
 
-It owns its process group (gloo here; the default group), builds a ``transformers`` Llama from
-a config (random init, nothing downloaded) with fp32 master weights, shards it with
+It owns its process group (gloo here; the default group), builds a ``transformers`` causal LM from
+a config (its ``model_type``: Llama, Qwen3, Qwen3-MoE...; random init, nothing downloaded) with
+fp32 master weights, shards it with
 ``fully_shard``, and trains with AdamW. After each step it pushes the module itself: DTensors
 send their local shards (nothing is gathered), cast to bf16 on the way. The trainer's own
 collectives run before and after every push. Adopting shardstream is the three marked lines.
@@ -10,6 +11,10 @@ collectives run before and after every push. Adopting shardstream is the three m
 
 ``--reference DIR``: also write every parameter's ``full_tensor()`` cast to bf16 to
 ``DIR/ref-STEP.pt`` before each push (rank 0), so the server can check what it received.
+``--save-hf DIR``: also write the same bf16 weights as an HF checkpoint, ``DIR/step-STEP/``
+(``save_pretrained``: what a fresh vLLM engine loads, to compare with the one refitted).
+The receiver can be any job that joins through RENDEZVOUS: the example server, or a vLLM engine
+with the ``shardstream`` weight-transfer backend (docs/vllm.md).
 """
 
 from __future__ import annotations
@@ -24,17 +29,23 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from streamer import RefitOptions, RefitSession, manifest_from_state_dict
 
 
-def main(cfg_path: str, rendezvous: str, steps: int, reference: str | None, transport: str = "gloo") -> int:
+def load_config(cfg_path: str) -> object:
+    cfg = json.loads(Path(cfg_path).read_text())
+    return AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+
+
+def main(cfg_path: str, rendezvous: str, steps: int, reference: str | None, transport: str = "gloo",
+         save_hf: str | None = None, timeout: float = 120) -> int:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
-    config = LlamaConfig(**json.loads(Path(cfg_path).read_text()))
-    model = LlamaForCausalLM(config).float()
+    config = load_config(cfg_path)
+    model = AutoModelForCausalLM.from_config(config).float()
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
@@ -42,7 +53,7 @@ def main(cfg_path: str, rendezvous: str, steps: int, reference: str | None, tran
     manifest = manifest_from_state_dict(model.state_dict(), name="fsdp2-trainer")  # shardstream 1/3
     assert {a.data_type for a in manifest.arrays.values()} == {"float32"}, "fp32 masters stay float32"
     data = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
-    with RefitSession.open(manifest, "send", rendezvous=rendezvous, transport=transport, timeout=120,
+    with RefitSession.open(manifest, "send", rendezvous=rendezvous, transport=transport, timeout=timeout,
                            options=RefitOptions(verify=True)) as session:  # shardstream 2/3
         for step in range(steps):
             loss = model(input_ids=data, labels=data).loss
@@ -51,6 +62,8 @@ def main(cfg_path: str, rendezvous: str, steps: int, reference: str | None, tran
             opt.zero_grad()
             if reference is not None:
                 write_reference(model, Path(reference), step, rank)
+            if save_hf is not None:
+                write_hf(model, config, Path(save_hf), step, rank)
             st = session.push(model)  # shardstream 3/3
             dist.all_reduce(torch.ones(1))  # the trainer's group still works after a push
             # one write per line: ranks share torchrun's stdout, and print() may write the text and
@@ -70,6 +83,17 @@ def write_reference(model: torch.nn.Module, out: Path, step: int, rank: int) -> 
         os.replace(tmp, out / f"ref-{step}.pt")
 
 
+def write_hf(model: torch.nn.Module, config: object, out: Path, step: int, rank: int) -> None:
+    full = {k: (v.full_tensor() if isinstance(v, DTensor) else v).to(torch.bfloat16)
+            for k, v in model.state_dict().items()}  # collective: every rank
+    if rank == 0:
+        copy = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+        copy.load_state_dict(full)
+        tmp, final = out / f".step-{step}", out / f"step-{step}"
+        copy.save_pretrained(tmp)  # HF checkpoint names (per-expert MoE names, as on the hub)
+        os.replace(tmp, final)
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("config")
@@ -77,5 +101,7 @@ if __name__ == "__main__":
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--reference", metavar="DIR")
     ap.add_argument("--transport", default="gloo", help="gloo (default), or shm when both jobs share a node")
+    ap.add_argument("--save-hf", metavar="DIR", help="write each step's bf16 weights as an HF checkpoint DIR/step-N")
+    ap.add_argument("--timeout", type=float, default=120, help="seconds any wait may take (default 120)")
     a = ap.parse_args()
-    sys.exit(main(a.config, a.rendezvous, a.steps, a.reference, a.transport))
+    sys.exit(main(a.config, a.rendezvous, a.steps, a.reference, a.transport, a.save_hf, a.timeout))

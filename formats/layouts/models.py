@@ -301,7 +301,9 @@ def arrays_from_config(cfg: Mapping[str, Any] | str | os.PathLike[str], *, fp8: 
             b.add(p + "post_attention_layernorm.weight", (h,))
             moe = mt == "qwen3_moe" and i not in dense_only and (i + 1) % sparse_step == 0
             if moe:
-                e = _int(c, "num_experts", where)
+                # transformers 5 writes Qwen3-MoE's expert count as num_local_experts
+                e = _int(c, "num_experts" if "num_experts" in c or "num_local_experts" not in c
+                         else "num_local_experts", where)
                 mi = _int(c, "moe_intermediate_size", where)
                 b.add(p + "mlp.gate.weight", (e, h))
                 for k in range(e):

@@ -461,6 +461,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from streamer.tools import bench
     from streamer.tools.bench_rank import bench_scale, scale_case, scale_lines
 
+    if args.what == "vllm":  # in the vLLM venv: one engine, three ways to update it
+        from streamer.vllm.bench import bench_cli
+        _out(args, *bench_cli(args.model, args.repeats))
+        return 0
     work = args.work or tempfile.mkdtemp(prefix="shardstream-bench-")
     if args.source == "megatron" and args.what != "convert":
         raise UsageError("--source megatron goes with bench convert")
@@ -688,10 +692,11 @@ def _add_refit(sub: Any) -> None:
 
 def _add_bench(sub: Any) -> None:
     p = sub.add_parser("bench", help="benchmarks: ratios measured side by side in one run")
-    p.add_argument("what", choices=["plan", "convert", "refit", "validate", "ipc"])
+    p.add_argument("what", choices=["plan", "convert", "refit", "validate", "ipc", "vllm"])
     p.add_argument("--sweep", type=_positive_int, nargs="+", default=[1200, 4800, 19200, 102400],
                    help="bench plan: chunk counts of the sweep")
-    p.add_argument("--model", metavar="CFG", help="bench plan: also time the full plan of this HF config")
+    p.add_argument("--model", metavar="CFG", help="bench plan: also time the full plan of this HF config; "
+                                                  "bench vllm: the HF checkpoint directory the engine serves")
     p.add_argument("--plot", metavar="PNG", help="also draw the result (needs matplotlib)")
     p.add_argument("--work", metavar="DIR", help="scratch directory (default: a new temp dir)")
     p.add_argument("--preset", choices=["qwen3-tiny", "qwen3-small", "qwen3-2g"])

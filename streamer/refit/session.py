@@ -180,6 +180,10 @@ class RefitSession:
     #: what stages device tensors over mpi/gloo (``streamer.execute.staging``); None: CUDA tensors are
     #: staged through pinned host buckets on their device (tests pass a ``device_ops.FakeDeviceOps``)
     device_ops: Any = None
+    #: receivers only: picks this job's manifest once the sender's is known (every receiver rank
+    #: calls it with the same sender manifest; it must answer alike on all of them). Used where one
+    #: set of local tensors can publish two array namings (MoE experts fused or one per expert)
+    choose_manifest: Callable[[Manifest], Manifest] | None = None
     steps: list[StepStats] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -214,7 +218,8 @@ class RefitSession:
              transport: str | Transport | None = None, control: str = "auto", timeout: float = 300.0,
              group: Group | None = None, options: RefitOptions | None = None, device_ops: Any = None,
              refusal: Refusal | None = None, announce: Callable[[AgreedRefusal], None] | None = None,
-             prepare: Callable[[Group], None] | None = None) -> RefitSession:
+             prepare: Callable[[Group], None] | None = None,
+             choose_manifest: Callable[[Manifest], Manifest] | None = None) -> RefitSession:
         """Join the refit as ``role`` ("send" or "recv") and plan it: the one collective entry point.
 
         ``transport``: "mpi" (default under mpiexec), "gloo" (default otherwise), "nccl", "shm" or
@@ -227,7 +232,8 @@ class RefitSession:
         checks refused), and ``prepare(group)`` (checks that need the group, e.g. the receivers'
         output directory) are agreed on before any other wait; ``announce`` gets a launch's verdict
         as soon as its own ranks know it (see ``jobs.connect``). ``manifest`` may be None only with
-        a ``refusal`` (the caller could not load it).
+        a ``refusal`` (the caller could not load it). ``choose_manifest`` (receivers): this job's
+        manifest, picked from the sender's (the field).
         """
         t0 = time.perf_counter()
         checks = LocalChecks(refusal)
@@ -244,7 +250,7 @@ class RefitSession:
             kind = _agree_transport(group, transport, timeout, checks, prepare)
             assert m is not None  # a rank without its manifest refused above, on every rank
             session = cls(m, role, group, make_transport(kind, group, timeout), timeout, options or RefitOptions(),
-                          device_ops)
+                          device_ops, choose_manifest)
             session._kind = kind if isinstance(kind, str) else None
             session._reopenable = not (transport is not None and not isinstance(transport, str))
             session.start()
@@ -314,12 +320,15 @@ class RefitSession:
         # the two roots send the compact form (format_version 2: megabytes, not hundreds of them at
         # DeepSeek-V3 scale); the other ranks serialise nothing
         # (without chunk checksums: a refit reads no file's checksum, and peers have no sidecar)
-        mine = dumps_manifest(without_checksums(self.manifest), format_version=COMPACT_FORMAT_VERSION).encode() \
-            if t.rank in (0, S) else None
-        src_txt = t.bcast_bytes(mine if t.rank == 0 else None, 0, self.timeout)
-        dst_txt = t.bcast_bytes(mine if t.rank == S else None, S, self.timeout)
-        self._texts = (src_txt, dst_txt)  # their digests are what the two jobs agree on
+        def text(m: Manifest) -> bytes:
+            return dumps_manifest(without_checksums(m), format_version=COMPACT_FORMAT_VERSION).encode()
+
+        src_txt = t.bcast_bytes(text(self.manifest) if t.rank == 0 else None, 0, self.timeout)
         src = loads_manifest(src_txt, where="sender manifest")
+        if self.role == "recv" and self.choose_manifest is not None:
+            self.manifest = self.choose_manifest(src)
+        dst_txt = t.bcast_bytes(text(self.manifest) if t.rank == S else None, S, self.timeout)
+        self._texts = (src_txt, dst_txt)  # their digests are what the two jobs agree on
         dst = loads_manifest(dst_txt, where="receiver manifest")
         problems = []
         if src.world_size != S:
@@ -428,6 +437,7 @@ class RefitSession:
 
     def _drop_transport(self) -> None:
         self._executor = None
+        self._slots = []  # bucket buffers may be transport memory (shm segments): released before it closes
         t, self.transport = self.transport, None
         if t is not None and t is not self.group.control:
             t.close()

@@ -588,7 +588,7 @@ GOLDEN = {
     'bench': ['--against', '--bucket-size', '--chunks', '--delta', '--dst-tp', '--json', '--lr', '--memory-limit', '--model',
         '--no-dcp', '--plot',
         '--preset{qwen3-tiny,qwen3-small,qwen3-2g}', '--receivers', '--repeats', '--senders',
-        '--serve-mesh', '--src-tp', '--sweep', '--train-mesh', '--work', '<what>{plan,convert,refit,validate,ipc}',
+        '--serve-mesh', '--src-tp', '--sweep', '--train-mesh', '--work', '<what>{plan,convert,refit,validate,ipc,vllm}',
         '--source{files,fsdp2,megatron}', '--size', '--transport{shm,cuda-ipc,mpi,gloo,nccl}'],
     'synth': ['--json', '--max-shard-size', '--out!', '--preset{qwen3-tiny,qwen3-small,qwen3-2g}',
         '--seed'],

@@ -1,0 +1,225 @@
+"""The ``shardstream`` weight-transfer engine: each vLLM worker pulls its own regions in place.
+
+vLLM creates one engine per worker (``WeightTransferEngineFactory``, backend ``shardstream``,
+registered by :mod:`streamer.vllm.plugin`). The calls, from ``LLM`` or ``vllm serve``:
+
+``init_weight_transfer_engine({"init_info": {"rendezvous": PATH, "timeout": S}})``
+    every worker describes what it holds (:func:`~streamer.vllm.manifest.manifest_from_vllm`, one
+    all-gather over the engine's workers) and joins the trainer's ``RefitSession`` as a receiver
+    through the store rendezvous file ``PATH`` (the receivers write it: start the engine side first,
+    or the trainer waits for the file up to its timeout). The expert naming (fused or one per expert)
+    follows the trainer's manifest. Planning happens here, once.
+``start_weight_update()``
+    vLLM's layerwise reload is set up (``initialize_layerwise_reload``): every layer is put back in
+    model format on the meta device, its kernel tensors kept aside.
+``update_weights({"update_info": {}})``
+    one ``pull``: the trainer's matching ``push`` moves each region straight into the tensor it
+    belongs to. Layers that keep weights as loaded (``inplace``: norms; unquantized linear and
+    embedding layers on CUDA) receive into the kernel tensors themselves: same storage, pointers
+    unchanged. Layers that transform weights after loading (``reprocess``: the CPU build's packed
+    linear and embedding weights, FusedMoE, quantized methods) are materialized in model format and
+    receive there; then vLLM's own ``process_weights_after_loading`` runs per layer and the result is
+    copied into the kernel tensors (as vLLM's ``sharded_rdt`` engine does). The device is
+    synchronized afterwards on accelerators only (``torch.accelerator.synchronize()`` raises on CPU).
+``finish_weight_update()``
+    ``finalize_layerwise_reload``: attention layers are processed, the rest restored.
+
+A refused or failed pull restores every layer's kernel tensors before the error is raised (the
+weights of ``reprocess`` layers stay the last good ones; ``inplace`` tensors may hold part of the
+failed push). ``shutdown_weight_transfer_engine`` closes the session; a later
+``init_weight_transfer_engine`` joins a new one.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from streamer.vllm.manifest import VllmManifests, VllmTensor, manifest_from_vllm
+
+__all__ = ["ShardstreamInitInfo", "ShardstreamUpdateInfo", "ShardstreamWeightTransferEngine"]
+
+
+@dataclass
+class ShardstreamInitInfo(WeightTransferInitInfo):  # type: ignore[misc]
+    """``rendezvous``: the store rendezvous file the trainer's ``RefitSession.open`` names;
+    ``timeout``: seconds any wait may take; ``transport``: "gloo" (default) or "nccl" / "shm";
+    ``verify``: checksum every region after each pull."""
+
+    rendezvous: str
+    timeout: float = 300.0
+    transport: str | None = None
+    verify: bool = False
+
+
+@dataclass
+class ShardstreamUpdateInfo(WeightTransferUpdateInfo):  # type: ignore[misc]
+    """Nothing: the trainer's push says what moves."""
+
+
+class ShardstreamWeightTransferEngine(
+        WeightTransferEngine[ShardstreamInitInfo, ShardstreamUpdateInfo]):  # type: ignore[misc]
+    init_info_cls = ShardstreamInitInfo
+    update_info_cls = ShardstreamUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.session: Any = None
+        self.described: VllmManifests | None = None
+        self.naming = "per_expert"
+        self._reloading = False
+        #: seconds and bytes of the last update (pull, then per-layer processing)
+        self.last: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ joining
+    def init_transfer_engine(self, init_info: ShardstreamInitInfo) -> None:
+        from streamer import RefitOptions, RefitSession
+
+        if self.session is not None:
+            self.shutdown()
+        self.described = described = manifest_from_vllm(self.model)
+
+        def choose(src: Any) -> Any:
+            self.naming = described.naming_for(src)
+            return described.manifests[self.naming]
+
+        self.session = RefitSession.open(described.manifests["per_expert"], "recv",
+                                         rendezvous=init_info.rendezvous, transport=init_info.transport,
+                                         timeout=init_info.timeout, options=RefitOptions(verify=init_info.verify),
+                                         choose_manifest=choose)
+
+    # ------------------------------------------------------------------ one update
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        self._need_session()
+        initialize_layerwise_reload(self.model)
+        self._reloading = True
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # the base class calls torch.accelerator.synchronize() unconditionally, which raises on CPU
+        self.receive_weights(self.parse_update_info(update_info))
+        if getattr(self.device, "type", "cpu") != "cpu":
+            import torch
+
+            torch.accelerator.synchronize()
+
+    def receive_weights(self, update_info: ShardstreamUpdateInfo) -> None:
+        session = self._need_session()
+        if not self._reloading:
+            raise RuntimeError("shardstream: update_weights before start_weight_update")
+        try:
+            t0 = time.perf_counter()
+            tensors, layers = self._targets()
+            t1 = time.perf_counter()
+            st = session.pull(tensors)
+            t2 = time.perf_counter()
+            self._process(layers)
+            t3 = time.perf_counter()
+        except BaseException:
+            self._abort()
+            raise
+        self.last = {"materialize_seconds": t1 - t0, "pull_seconds": t2 - t1, "process_seconds": t3 - t2,
+                     "bytes_received": st.bytes_received, "naming": self.naming,
+                     "reprocessed_layers": sum(1 for _, p in layers if p == "reprocess"),
+                     "inplace_layers": sum(1 for _, p in layers if p == "inplace")}
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        if self._reloading:
+            self._reloading = False
+            finalize_layerwise_reload(self.model, self.model_config)
+
+    def shutdown(self) -> None:
+        if self.session is not None:
+            session, self.session = self.session, None
+            session.close()
+
+    # ------------------------------------------------------------------ the pieces
+    def _need_session(self) -> Any:
+        if self.session is None:
+            raise RuntimeError("shardstream: init_weight_transfer_engine has not joined a refit session")
+        return self.session
+
+    def _locals(self) -> tuple[VllmTensor, ...]:
+        assert self.described is not None
+        return self.described.tensors[self.naming]
+
+    def _targets(self) -> tuple[dict[str, Any], list[tuple[Any, str]]]:
+        """The tensors the pull writes: kernel tensors of ``inplace`` layers, freshly materialized
+        model-format parameters of ``reprocess`` layers (vLLM's ``materialize_layer``)."""
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+        from vllm.model_executor.model_loader.reload.meta import materialize_layer
+
+        tensors: dict[str, Any] = {}
+        layers: dict[int, tuple[Any, str]] = {}
+        for t in self._locals():
+            layer = self.model.get_submodule(t.module)
+            info = LAYERWISE_INFO.get(layer)
+            if info is None or not info.can_load() or info.kernel_tensors is None:
+                raise RuntimeError(f"shardstream: {t.module} was not set up for reload (start_weight_update)")
+            if id(layer) not in layers:
+                layers[id(layer)] = (layer, t.path)
+                if t.path == "reprocess":
+                    materialize_layer(layer, info)
+            param = getattr(layer, t.param) if t.path == "reprocess" else info.kernel_tensors[0][t.param]
+            tensors[t.name] = param.data.view(t.shape)
+        return tensors, list(layers.values())
+
+    def _process(self, layers: list[tuple[Any, str]]) -> None:
+        """Per layer, what ``_layerwise_process`` does after its loads: vLLM's processing of the new
+        weights, copied into the kernel tensors (``reprocess``); or just the kernel tensors put back
+        (``inplace``). Either way the layer is done: finalize skips it."""
+        from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+        from vllm.model_executor.model_loader.reload.layerwise import (
+            LAYERWISE_INFO,
+            _copy_and_restore_kernel_tensors,
+            _place_kernel_tensors,
+        )
+
+        for layer, path in layers:
+            info = LAYERWISE_INFO[layer]
+            if path == "reprocess":
+                qm = getattr(layer, "quant_method", None)
+                if isinstance(qm, QuantizeMethodBase):
+                    if hasattr(layer, "_already_called_process_weights_after_loading"):
+                        delattr(layer, "_already_called_process_weights_after_loading")
+                    qm.process_weights_after_loading(layer)
+                    _experts_prepack(qm, layer)
+                    if hasattr(layer, "update_param_tp_status"):
+                        layer.update_param_tp_status()
+                _copy_and_restore_kernel_tensors(layer, info)
+            else:
+                _place_kernel_tensors(layer, info)
+            info.reset()
+
+    def _abort(self) -> None:
+        """Put every layer's kernel tensors back (vLLM's finalize does: nothing was loaded through its
+        loaders), so a failed update leaves a model that still serves."""
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        if self._reloading:
+            self._reloading = False
+            finalize_layerwise_reload(self.model, self.model_config)
+
+
+def _experts_prepack(qm: Any, layer: Any) -> None:
+    """FusedMoE: run the experts kernel's own weight preparation on the new weights. vLLM 0.32's
+    ``UnquantizedFusedMoEMethod._setup_kernel`` runs it on the first load only (the CPU kernels
+    prepack w13 / w2 into their grouped-GEMM layout there) and skips it on a weight update, which
+    would leave the kernel reading unpacked bytes as packed ones; the engine's logprobs then drift
+    from a fresh load's. A hook that is a no-op (GPU backends) costs nothing."""
+    kernel = getattr(qm, "moe_kernel", None)
+    experts = getattr(kernel, "fused_experts", None)
+    hook = getattr(experts, "process_weights_after_loading", None)
+    if hook is not None:
+        hook(layer)

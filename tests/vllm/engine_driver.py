@@ -1,0 +1,131 @@
+"""Runs vLLM engines one after another in one process and prints what they generate (JSON).
+
+    python engine_driver.py JOB.json OUT.json
+
+JOB: ``{"tp": 1, "prompts": [[ids]], "max_tokens": N, "logprobs": K, "runs": [RUN, ...]}`` (and
+``"expert_parallel": true`` for vLLM's EP: experts whole over the TP ranks). A RUN
+is ``{"model": DIR}`` (a fresh engine loaded from DIR) or ``{"model": DIR, "refit": {"rendezvous":
+PATH, "timeout": S, "steps": N, "manifests": DIR, "then": {"rendezvous": PATH2, "timeout": S}}}``:
+an engine with the ``shardstream`` weight-transfer backend that joins the trainer's session and
+generates after each of N updates. ``manifests``: every worker's engine writes the manifests it
+described (both expert namings) and what its updates did to ``DIR/rank-R.json``. ``then``: after
+the N updates, leave the session and join another one at PATH2 for one more update. Greedy tokens
+and the top-K logprobs of every generated position are recorded per prompt.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def generate(llm: Any, job: dict[str, Any]) -> list[dict[str, Any]]:
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=job["max_tokens"], logprobs=job["logprobs"], detokenize=False,
+                        ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in job["prompts"]], sp, use_tqdm=False)
+    got = []
+    for o in outs:
+        c = o.outputs[0]
+        got.append({"tokens": list(c.token_ids),
+                    "logprobs": [{str(t): lp.logprob for t, lp in pos.items()} for pos in c.logprobs]})
+    return got
+
+
+def dump(worker: Any, out: str) -> None:
+    """In each worker (collective_rpc): what its shardstream engine described and did."""
+    from formats.manifest import Manifest, dumps_manifest
+
+    eng = worker.weight_transfer_engine
+    d = eng.described
+    body = {"rank": d.rank, "naming": eng.naming, "last": eng.last,
+            "manifests": {k: json.loads(dumps_manifest(m)) for k, m in d.manifests.items()},
+            "tensors": {k: [dataclasses.asdict(t) for t in ts] for k, ts in d.tensors.items()}}
+    assert all(isinstance(m, Manifest) for m in d.manifests.values())
+    Path(out).mkdir(parents=True, exist_ok=True)
+    Path(out, f"rank-{d.rank}.json").write_text(json.dumps(body))
+
+
+def update(llm: Any, version: str, job: dict[str, Any]) -> dict[str, Any]:
+    t = time.perf_counter()
+    llm.start_weight_update()
+    llm.update_weights({"update_info": {}})
+    llm.finish_weight_update(weight_version=version)
+    return {"update_seconds": time.perf_counter() - t, "version": llm.get_weight_version(), "out": generate(llm, job)}
+
+
+def engine(model: str, job: dict[str, Any], refit: bool) -> Any:
+    from vllm import LLM
+
+    kw: dict[str, Any] = {}
+    if refit:
+        kw["weight_transfer_config"] = {"backend": "shardstream"}
+    if job["tp"] == 1:
+        kw["distributed_executor_backend"] = "uni"
+    if job.get("expert_parallel"):
+        kw["enable_expert_parallel"] = True
+    return LLM(model=model, dtype="bfloat16", skip_tokenizer_init=True, enforce_eager=True, max_model_len=128,
+               tensor_parallel_size=job["tp"], seed=0, **kw)
+
+
+def run(job: dict[str, Any]) -> list[dict[str, Any]]:
+    results = []
+    for r in job["runs"]:
+        t0 = time.perf_counter()
+        llm = engine(r["model"], job, "refit" in r)
+        entry: dict[str, Any] = {"model": r["model"], "start_seconds": time.perf_counter() - t0}
+        if "refit" in r:
+            rf = r["refit"]
+            t1 = time.perf_counter()
+            llm.init_weight_transfer_engine({"init_info": {"rendezvous": rf["rendezvous"], "timeout": rf["timeout"]}})
+            entry["init_seconds"] = time.perf_counter() - t1
+            entry["before"] = generate(llm, job)
+            entry["steps"] = []
+            for step in range(rf["steps"]):
+                entry["steps"].append(update(llm, str(step), job))
+                if rf.get("manifests"):
+                    llm.collective_rpc(dump, args=(str(Path(rf["manifests"], f"step-{step}")),))
+            then = rf.get("then")
+            if then:
+                llm.shutdown_weight_transfer_engine()
+                llm.init_weight_transfer_engine({"init_info": {k: v for k, v in then.items() if k != "refused"}})
+                if then.get("refused"):
+                    # a refused push: update_weights raises, the engine keeps serving its last weights
+                    try:
+                        update(llm, "refused", job)
+                        entry["then"] = {"error": None}
+                    except Exception as e:  # noqa: BLE001 - recorded for the test to read
+                        entry["then"] = {"error": f"{type(e).__name__}: {e}", "out": generate(llm, job),
+                                         "version": llm.get_weight_version()}
+                else:
+                    entry["then"] = update(llm, "then", job)
+                if rf.get("manifests"):
+                    llm.collective_rpc(dump, args=(str(Path(rf["manifests"], "then")),))
+        else:
+            entry["out"] = generate(llm, job)
+        results.append(entry)
+        del llm
+        gc.collect()
+    return results
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc with a function (dump)
+    job = json.loads(Path(sys.argv[1]).read_text())
+    if job["tp"] == 1:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: starts in seconds
+    else:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(job["tp"])))
+        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    out = run(job)
+    tmp = Path(sys.argv[2] + ".tmp")
+    tmp.write_text(json.dumps(out))
+    os.replace(tmp, sys.argv[2])
