@@ -16,6 +16,7 @@ __all__ = [
     "UsageError",
     "TransportError",
     "PeerTimeoutError",
+    "PushFailed",
     "OutputLockedError",
 ]
 
@@ -75,6 +76,17 @@ class TransportError(ShardstreamError, RuntimeError):
 
 class PeerTimeoutError(TransportError, TimeoutError):
     """A peer did not answer within the timeout (exit 3)."""
+
+
+class PushFailed(TransportError):
+    """A push broke off on this receiver (the trainer died, a connection closed, the push
+    stalled): ``version`` is the one it carried (None when it never began), ``reason`` why. The
+    receiver's session stays open; its next ``pull()`` waits for the next push (exit 3)."""
+
+    def __init__(self, reason: str, version: int | None = None) -> None:
+        self.version, self.reason = version, reason
+        what = f"the push of version {version}" if version is not None else "the next push"
+        super().__init__(f"{what} failed: {reason}")
 
 
 class OutputLockedError(ShardstreamError, RuntimeError):

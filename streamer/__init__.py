@@ -17,10 +17,10 @@ try:
 except PackageNotFoundError:  # a source tree that was never installed
     __version__ = "0+unknown"
 
-__all__ = ["ConvertOptions", "Plan", "RefitOptions", "RefitSession", "RefusedError", "StateDictError", "StepStats", "__version__",
+__all__ = ["ConvertOptions", "Plan", "PushFailed", "RefitOptions", "RefitSession", "RefusedError", "StateDictError", "StepStats", "__version__",
            "manifest_from_state_dict", "plan_transfers"]
 
-_LAZY = {"RefitOptions": "refit.options", "RefitSession": "refit.session", "RefusedError": "refit.session", "StepStats": "refit.session",
+_LAZY = {"PushFailed": "refit.session", "RefitOptions": "refit.options", "RefitSession": "refit.session", "RefusedError": "refit.session", "StepStats": "refit.session",
          "manifest_from_state_dict": "refit.torch_state", "StateDictError": "refit.torch_state",
          "plan_transfers": "plan", "Plan": "plan",
          "ConvertOptions": "convert.options"}

@@ -676,6 +676,9 @@ def _add_refit(sub: Any) -> None:
     p.add_argument("--bucket-size", type=parse_size, default=256 << 20, metavar="SIZE")
     p.add_argument("--timeout", type=float, default=300.0, metavar="S")
     p.add_argument("--steps", type=_positive_int, default=1, help="pushes to run over one session")
+    p.add_argument("--stay", action="store_true",
+                   help="refit recv: outlive failed pushes and trainer restarts, pulling until the sender job "
+                        "closes the session (store control plane; docs/resilience.md)")
     p.add_argument("--verify", action="store_true", help="compare per-region checksums with the senders'")
     p.add_argument("--delta", action="store_true",
                    help="after the first push, send only what changed (encoded); senders keep a copy of what they sent")

@@ -79,7 +79,7 @@ def run_refit(role: str | None, manifest: Manifest | None, refusal: Refusal | No
                                src_domain_size=args.src_domain_size, dst_domain_size=args.dst_domain_size,
                                allow_extra=args.allow_extra, planned_steps=args.steps)
     job = RefitJob(role, manifest, rendezvous=args.rendezvous, transport=args.transport,
-                   control=args.control, timeout=args.timeout, steps=args.steps, save=args.save,
+                   control=args.control, timeout=args.timeout, steps=args.steps, save=args.save, stay=args.stay,
                    options=options, refusal=checks.refusal, announce=announce)
     try:
         report = job.run()

@@ -68,9 +68,9 @@ class DeltaSend:
 
     kind = "send"
 
-    def __init__(self, t: Any, m: Any, encoding: int, payload: Any, version: int) -> None:
+    def __init__(self, t: Any, m: Any, encoding: int, payload: Any, version: int, base: int) -> None:
         self.peer = m.dst
-        self.hdr = np.array([encoding, payload.shape[0], version, version - 1], dtype=np.uint64)
+        self.hdr = np.array([encoding, payload.shape[0], version, base], dtype=np.uint64)
         self.wire = self.hdr.nbytes + payload.shape[0]
         self.reqs = [t.isend(self.hdr, m.dst, HEADER_TAG + m.phase)]
         if payload.shape[0]:
@@ -201,12 +201,17 @@ class DeltaState:
 
 @dataclass
 class DeltaPush:
-    """One push of a delta session: its version, and the ranks not at ``version - 1`` (they
-    send and receive full bytes: a delta is never applied to, or computed from, a wrong base)."""
+    """One push of a delta session: its version, the version its deltas apply to (``base``; None:
+    every message full), and the ranks not at ``base`` (they send and receive full bytes: a delta
+    is never applied to, or computed from, a wrong base). ``stage``: a receiver keeps the deltas
+    it receives and applies them only once every message arrived intact (a transactional push:
+    one that breaks off leaves the tensors at ``base``)."""
 
     state: DeltaState
     version: int
     stale: frozenset[int]
+    base: int | None = None
+    stage: bool = False
 
     def is_delta(self, src: int, dst: int) -> bool:
-        return self.version > 1 and src not in self.stale and dst not in self.stale
+        return self.base is not None and src not in self.stale and dst not in self.stale

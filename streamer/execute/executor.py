@@ -147,6 +147,8 @@ class _Run:
     done: set[int] = field(default_factory=set)
     in_use: int = 0
     problems: list[str] = field(default_factory=list)
+    #: a staged delta push: (message, encoding, payload) received, applied once all arrived
+    staged: list[tuple[Message, int, Any]] = field(default_factory=list)
 
 
 class Executor:
@@ -307,37 +309,68 @@ class Executor:
         enc, n = encode(x, new)
         st.encodings[ENCODINGS[enc]] = st.encodings.get(ENCODINGS[enc], 0) + 1
         st.encode_seconds += time.thread_time() - t0
-        return DeltaSend(self.t, m, enc, buf[:n], delta.version)
+        assert delta.base is not None  # is_delta
+        return DeltaSend(self.t, m, enc, buf[:n], delta.version, delta.base)
 
     def _keep_base(self, m: Message, buf: Any, delta: DeltaPush) -> None:
         """A full message of a delta session: what it carries is the base of the next delta."""
         delta.state.base(m.uid, m.nbytes)[:] = host_array(buf).reshape(-1)
 
-    def _delta_apply(self, m: Message, r: DeltaRecv, delta: DeltaPush, st: ExecStats) -> list[str]:
-        """Decode a delta message and apply it to this rank's tensors; problems name the regions."""
-        t0 = time.thread_time()
+    def _delta_check(self, m: Message, r: DeltaRecv, delta: DeltaPush, st: ExecStats) -> str:
+        """What is wrong with a received delta's header ("" when nothing); counts its encoding."""
         enc = r.encoding
         name = ENCODINGS[enc] if enc < len(ENCODINGS) else "unknown"
         st.encodings[name] = st.encodings.get(name, 0) + 1
+        if r.versions != (delta.version, delta.base):
+            return f"carries version {r.versions[0]} over base {r.versions[1]}, expected {delta.version} over " \
+                   f"{delta.base}"
+        if int(r.hdr[1]) != r.payload.shape[0]:
+            return f"announces {int(r.hdr[1])} bytes for a {m.nbytes}-byte message"
+        return ""
+
+    def _delta_apply(self, m: Message, enc: int, payload: Any, delta: DeltaPush, st: ExecStats) -> str:
+        """Decode a delta message and apply it to this rank's tensors ("" or what went wrong)."""
+        t0 = time.thread_time()
         why = ""
-        if r.versions != (delta.version, delta.version - 1):
-            why = f"carries version {r.versions[0]} over base {r.versions[1]}, expected {delta.version} over " \
-                  f"{delta.version - 1}"
-        elif int(r.hdr[1]) != r.payload.shape[0]:
-            why = f"announces {int(r.hdr[1])} bytes for a {m.nbytes}-byte message"
-        elif enc == RAW:
-            self._unpack(m, r.payload)
+        if enc == RAW:
+            self._unpack(m, payload)
         elif enc != SAME:
             x = delta.state.xor_buffer(m.nbytes)
             try:
-                decode_into(enc, host_array(r.payload), x)
+                decode_into(enc, host_array(payload), x)
             except ValueError as e:
                 why = f"does not decode ({e})"
             else:
                 self._unpack(m, x, _xor_into)
         st.decode_seconds += time.thread_time() - t0
+        return why
+
+    def _delta_recv(self, m: Message, r: DeltaRecv, delta: DeltaPush, run: _Run) -> None:
+        """A delta arrived: apply it now, or (``delta.stage``) keep a copy of its payload until
+        every message of the push has arrived (the bucket slot it sits in is reused)."""
+        why = self._delta_check(m, r, delta, run.st)
+        if not why and delta.stage:
+            t0 = time.thread_time()
+            run.staged.append((m, r.encoding, host_array(r.payload).copy()))
+            run.st.decode_seconds += time.thread_time() - t0
+            return
+        why = why or self._delta_apply(m, r.encoding, r.payload, delta, run.st)
+        run.problems += self._delta_problems(m, why)
+
+    def _delta_problems(self, m: Message, why: str) -> list[str]:
         return [f"{tr.fqn}: region {tr.region} received by rank {self.rank} from rank {m.src}: the delta {why}"
                 for tr in m.transfers] if why else []
+
+    def _apply_staged(self, run: _Run, delta: DeltaPush) -> None:
+        """A staged push: every message arrived and its header checked: apply them all."""
+        for m, enc, payload in run.staged:
+            run.problems += self._delta_problems(m, self._delta_apply(m, enc, payload, delta, run.st))
+        run.staged.clear()
+
+    @property
+    def forwards(self) -> bool:
+        """Whether this rank forwards bytes it receives (phase 2): they must land before it sends."""
+        return any(m.phase == 2 and m.src == self.rank for m in self.mine)
 
     def _inplace(self, m: Message, send: bool) -> Any:
         if len(m.transfers) != 1:
@@ -400,6 +433,8 @@ class Executor:
                 time.sleep(sleep)
             sleep = min(nap, sleep + 2e-5)
         st = run.st
+        if delta is not None and delta.stage and not run.problems:
+            self._apply_staged(run, delta)
         if self._stager is not None:
             st.staged_bytes = self._stager.staged_bytes - staged0
         if self.verify:
@@ -502,7 +537,7 @@ class Executor:
         if a.is_recv:
             if isinstance(a.req, DeltaRecv):
                 assert delta is not None
-                run.problems += self._delta_apply(a.msg, a.req, delta, st)
+                self._delta_recv(a.msg, a.req, delta, run)
             elif a.slot >= 0 and self._stager is None:  # staged receives unpacked on the device
                 self._unpack(a.msg, a.buf)  # type: ignore[arg-type]
             st.bytes_received += wire

@@ -1,29 +1,33 @@
 """One side of a refit run from files: what ``shardstream refit send|recv`` does, as a library call.
 
 Senders load their local tensors from the files their manifest names; receivers allocate
-theirs. Both open a ``RefitSession``, run ``steps`` pushes (each timed from a barrier of the
-job to its slowest rank), and receivers may save what they received (into an empty directory,
-locked while they write). Bad input on any rank (its manifest, an option, the --save
-directory, its files) ends every rank of both jobs with the reason and one exit code, in an
-agreement round (``ops.agree``), instead of leaving the others to wait out the timeout.
+theirs. Both open a ``RefitSession`` and run ``steps`` pushes (timed to the job's slowest rank:
+senders from a barrier of their job, receivers from the call, whose agreement round is one);
+the sender job's ``close()`` ends the receivers' loop early, and ``stay`` keeps receivers
+waiting after a failed push until the sender job closes (store plane). Receivers may save what
+they received (into an empty directory, locked while they write). Bad input on any rank (its
+manifest, an option, the --save directory, its files) ends every rank of both jobs with the
+reason and one exit code, in an agreement round (``ops.agree``), instead of leaving the others
+to wait out the timeout.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from formats.errors import ShardstreamError, UsageError
+from formats.errors import PushFailed, ShardstreamError, UsageError
 from formats.manifest import Manifest
 from formats.outdir import Lock, open_output, remove_state
 from streamer.ops.agree import AgreedRefusal, LocalChecks, Refusal
 from streamer.refit.options import RefitOptions
 from streamer.refit.session import RefitSession, StepStats
-from streamer.transport.jobs import Group
+from streamer.transport.jobs import Group, launched_by_mpi
 
 __all__ = ["RefitJob", "RefitReport"]
 
@@ -86,6 +90,9 @@ class RefitJob:
     steps: int = 1
     save: str | None = None
     options: RefitOptions = field(default_factory=RefitOptions)
+    #: sender job closes the session (store plane; ``steps`` then does not end the loop)
+    stay: bool = False
+    on_push_failed: Callable[[PushFailed], None] | None = None  # None: one line on stderr per job
     #: what this rank refused before the job (its manifest, an option): every rank of both jobs
     #: then ends with it (``ops.agree``)
     refusal: Refusal | None = None
@@ -96,6 +103,9 @@ class RefitJob:
     _lock: Lock | None = None
 
     def run(self) -> RefitReport:
+        if self.stay and (self.role != "recv" or self.control == "mpi" or (self.control == "auto" and launched_by_mpi())):
+            raise UsageError("--stay is for refit recv on the store control plane (--control store, or a job not "
+                             "started by mpiexec): under MPI a peer's death ends the whole launch (docs/resilience.md)")
         checks = LocalChecks(self.refusal)
         with checks.capture():
             if self.save and self.role != "recv":
@@ -132,7 +142,8 @@ class RefitJob:
         except ShardstreamError as e:  # refused in the first push's agreement, on every rank
             problems = [f"{session.group.name(session.group.rank)}: {p}" for p in e.problems or [str(e)]]
         tensors = _on_device(tensors, session.transport, session.local_tensors())
-        seconds = [self._timed_step(session, tensors, problems) for _ in range(session.options.planned_steps)]
+        seconds = [self._timed_step(session, tensors, problems) for _ in range(session.options.planned_steps)] \
+            if self.role == "send" else self._pulls(session, tensors, problems)
         save = Path(self.save) if self.save else None
         if save is not None:
             session.save(save, tensors)
@@ -156,6 +167,31 @@ class RefitJob:
         session.push(tensors) if self.role == "send" else session.pull(tensors)
         times = role_t.allgather_bytes(f"{time.perf_counter() - t0:.9f}".encode(), self.timeout)
         return max(float(x) for x in times)
+
+    def _pulls(self, session: RefitSession, tensors: dict[str, Any], problems: list[str]) -> list[float]:
+        """Receivers: ``steps`` pulls, fewer when the sender job closes the session first, or
+        (``stay``) every push until it does; the seconds of each pull on the job's slowest rank."""
+        mine: list[float] = []
+        while self.stay or len(mine) < session.options.planned_steps:
+            if problems:
+                session.refuse(problems)
+            t0 = time.perf_counter()
+            try:
+                st = session.pull(tensors)
+            except PushFailed as e:
+                if not self.stay:
+                    raise
+                if self.on_push_failed is not None:
+                    self.on_push_failed(e)
+                elif session.group.role_rank == 0:
+                    print(f"{e} (--stay: waiting for the next push)", file=sys.stderr, flush=True)
+                continue
+            if st is None:
+                break
+            mine.append(time.perf_counter() - t0)
+        every = [json.loads(x) for x in session.group.role_control.allgather_bytes(json.dumps(mine).encode(),
+                                                                                      self.timeout)]
+        return [max(t[i] for t in every) for i in range(min(len(t) for t in every))]
 
 
 def _delta_totals(session: RefitSession) -> list[dict[str, Any]]:

@@ -23,10 +23,18 @@ Quantize on refit (``streamer.execute.quant``): an FP8 destination array with a 
 from a bf16/fp32 trainer array, is quantized by the senders when their shards are whole blocks,
 else by the receivers after the push (``fp8_block``, ``ue8m0``: the scheme, agreed by both jobs).
 
-Delta sessions (``delta=True``) number their pushes. The agreement round also carries each rank's
-version (the last push it completed, or unknown), so every rank takes the same decision: a pair
-of ranks at the previous version exchanges encoded changes (``streamer.execute.delta``); any other pair
-moves full bytes, which the sender keeps as its next base.
+Versions: every push carries one (``push(state, version=N)``, else one more than the last). The
+agreement round also carries each rank's version (the one its tensors, or a sender's delta bases,
+hold completely, or unknown), so every rank takes the same decision: in a delta session a pair of
+ranks at the senders' base version exchanges encoded changes (``streamer.execute.delta``); any other
+pair moves full bytes, which the sender keeps as its next base. A receiver's ``version`` is the
+version its tensors hold completely: None while a full push is under way and after one broke off;
+a delta push is staged and applied only once it all arrived, so a broken one leaves it unchanged.
+
+On the store control plane the receivers outlive the trainer (``docs/resilience.md``): a push
+that breaks off raises ``PushFailed`` from ``pull()`` and the session stays open; the next
+``pull()`` waits for a new sender job (``streamer.transport.epochs``), whose first push is full.
+A sender's ``close()`` ends the session for good: waiting ``pull()`` calls return None.
 """
 
 from __future__ import annotations
@@ -39,7 +47,14 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from formats.errors import PlanError, TransportError, UsageError, ValidationError
+from formats.errors import (
+    PeerTimeoutError,
+    PlanError,
+    PushFailed,
+    TransportError,
+    UsageError,
+    ValidationError,
+)
 from formats.manifest import (
     COMPACT_FORMAT_VERSION,
     Manifest,
@@ -48,7 +63,7 @@ from formats.manifest import (
     loads_manifest,
     without_checksums,
 )
-from streamer.execute.delta import DeltaPush, DeltaState
+from streamer.execute.delta import DeltaChecksumError, DeltaPush, DeltaState
 from streamer.execute.executor import ExecStats, Executor, bucket_slots
 from streamer.execute.quant import ReceiverQuant, RefitQuant, SenderQuant, refit_quant, refit_quant_report
 from streamer.execute.schedule import SCHEDULE_VERSION
@@ -62,12 +77,17 @@ from streamer.refit.local import check_local, collect_local
 from streamer.refit.options import RefitOptions, agree
 from streamer.refit.rankstart import input_digests, input_problems, plan_own
 from streamer.refit.replicas import replica_digests, replica_problems
-from streamer.transport.base import Transport
-from streamer.transport.jobs import Group, connect
+from streamer.transport.base import PeerClosedError, Transport
+from streamer.transport.jobs import Group, connect, rejoin
 
-__all__ = ["RefitOptions", "RefitSession", "RefusedError", "StepStats", "make_transport", "transport_kind"]
+__all__ = ["PushFailed", "RefitOptions", "RefitSession", "RefusedError", "StepStats", "make_transport", "transport_kind"]
 
 TRANSPORTS = ("mpi", "gloo", "nccl", "shm", "cuda-ipc")
+#: how a receiver whose wait for the next push timed out tells the others (they time out too)
+NO_PUSH = "no push came within the timeout: "
+#: a receiver on the MPI plane does not outlive a failed push: the line that says so
+MPI_NOTE = ("(receivers end with a failed push on the MPI control plane, where a peer's death ends the launch; "
+            "on the store control plane they outlive it: docs/resilience.md)")
 
 
 class RefusedError(ValidationError):
@@ -81,7 +101,7 @@ class StepStats(ExecStats):
     #: the push's index in this session (0, 1, ...)
     step: int = 0
     strategy: str = "reshard"
-    #: the push's number in its session (1, 2, ...); delta sessions only, else 0
+    #: the version this push delivered (``push(version=N)``, else one more than the last)
     version: int = 0
     #: of the elements this rank sent as deltas, the fraction that changed (None: no delta sent)
     changed_fraction: float | None = None
@@ -122,7 +142,8 @@ def make_transport(kind: str | Transport | None, group: Group, timeout: float) -
         return open_handle_transport(kind, group, timeout)
     from streamer.transport.torch_dist import TorchDistTransport
 
-    return TorchDistTransport(group.control, kind, store=group.store, timeout=timeout)
+    return TorchDistTransport(group.control, kind, store=group.store, timeout=timeout,
+                              prefix=f"{group.prefix}shardstream")
 
 
 def _agree_transport(group: Group, transport: str | Transport | None, timeout: float, checks: LocalChecks,
@@ -171,11 +192,18 @@ class RefitSession:
         self._started = False
         self._executor: Executor | None = None
         self._tensor_key: tuple[Any, ...] = ()
-        # delta sessions: the last version pushed here, and the one this rank's tensors (and,
-        # when it sends, its bases) are known to hold -- None when unknown (never pushed, new
+        # the last version pushed here, and the one this rank's tensors (and, when it sends in a
+        # delta session, its bases) are known to hold -- None when unknown (never pushed, new
         # buffers handed in, or a push that failed half-way)
-        self._attempted = 0
+        self._last: int | None = None
         self._synced: int | None = None
+        self._proposed: int | None = None  # push(version=N)
+        self._pushing: int | None = None  # the version of the push under way
+        # store plane: the session outlives a failed sender job (see transport/epochs.py)
+        self._broken = False
+        self._closed = False
+        self._kind: str | None = None  # the transport asked for (None: the plane's default)
+        self._reopenable = False  # open() built the transport: it can build one for a new sender job
         self._synced_ptrs: tuple[Any, ...] = ()
         self._delta_state: DeltaState | None = None
         self.quant: RefitQuant | None = None
@@ -223,6 +251,8 @@ class RefitSession:
             assert m is not None  # a rank without its manifest refused above, on every rank
             session = cls(m, role, group, make_transport(kind, group, timeout), timeout, options or RefitOptions(),
                           device_ops, choose_manifest)
+            session._kind = kind if isinstance(kind, str) else None
+            session._reopenable = not (transport is not None and not isinstance(transport, str))
             session.start()
             session.open_seconds = time.perf_counter() - t0
         except (AgreedRefusal, PlanError, UsageError):
@@ -233,8 +263,8 @@ class RefitSession:
     def __enter__(self) -> RefitSession:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.close(done=exc_type is None)
 
     def start(self) -> None:
         """Exchange manifests and options, agree on the inputs, and plan this rank's part."""
@@ -342,18 +372,85 @@ class RefitSession:
         """Shapes/dtypes of this rank's local tensors (from its manifest)."""
         return dict(self.manifest.local_tensors(self.local_rank))
 
-    def push(self, tensors: Any) -> StepStats:
+    def push(self, tensors: Any, *, version: int | None = None) -> StepStats:
         """Send this trainer rank's regions. ``tensors``: a state dict (DTensors send their local
-        shard, never gathered; plain tensors; numpy arrays) or an ``nn.Module``."""
+        shard, never gathered; plain tensors; numpy arrays) or an ``nn.Module``. ``version``: the
+        number this push carries (e.g. the training step; greater than this session's last),
+        the same on every sender rank; without it, one more than the last version pushed."""
         if self.role != "send":
             raise UsageError("push() is for the sending side; receivers call pull()")
+        if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
+            raise UsageError(f"push(version=...) takes a number >= 0, got {version!r}")
+        self._proposed = version
         return self._step(tensors)
 
-    def pull(self, tensors: Any) -> StepStats:
-        """Receive into this inference rank's existing local tensors, in place."""
+    def pull(self, tensors: Any) -> StepStats | None:
+        """Receive into this inference rank's existing local tensors, in place. Returns None once
+        the sender job closed the session. On the store control plane a push that breaks off
+        raises ``PushFailed`` and the session stays open: the next call waits for the next push,
+        from this sender job or a new one (``docs/resilience.md``)."""
         if self.role != "recv":
             raise UsageError("pull() is for the receiving side; senders call push()")
-        return self._step(tensors)
+        if self._closed:
+            return None
+        try:
+            if self._broken:
+                self._reopen()
+            return self._step(tensors)
+        except PeerClosedError:
+            self._closed = True
+            return None
+        except (RefusedError, DeltaChecksumError):
+            raise  # every rank's verdict, or wrong data over a working connection: the session stands
+        except TransportError as e:
+            if not self._survives():
+                if self.group.plane == "mpi":  # say why this receiver goes down with its trainer
+                    e.problems = [*(e.problems or [str(e)]), MPI_NOTE]
+                raise
+            raise self._failed(e) from e
+
+    @property
+    def version(self) -> int | None:
+        """The version this rank's tensors hold completely (receivers: the last buffers pulled
+        into), or None: nothing received yet, or a full push broke off (or is under way)."""
+        return self._synced
+
+    def _survives(self) -> bool:
+        """Whether this receiver outlives its sender job: on the store plane, with a transport
+        it builds itself (so it can build one for the next sender job)."""
+        return self.group.plane == "store" and self._reopenable
+
+    def _failed(self, e: TransportError) -> TransportError:
+        """A push broke off here: leave this opening of the session (its other ranks end too) and
+        say why; the next ``pull()`` waits for a new one."""
+        if self._broken:  # waiting for a new sender job timed out: nothing else changed
+            return e
+        reason = "; ".join(e.problems) if e.problems else str(e)
+        self._broken, version, self._pushing = True, self._pushing, None
+        # no push came within the timeout (here, or on the receiver whose notice ended this wait)
+        timed_out = version is None and (isinstance(e, PeerTimeoutError) or NO_PUSH in reason)
+        self.group.leave(f"{self.group.name(self._t.rank)}: {NO_PUSH if timed_out else ''}{reason}")
+        self._drop_transport()
+        if timed_out:
+            return e if isinstance(e, PeerTimeoutError) else PeerTimeoutError(reason)
+        return PushFailed(reason, version)
+
+    def _drop_transport(self) -> None:
+        self._executor = None
+        self._slots = []  # bucket buffers may be transport memory (shm segments): released before it closes
+        t, self.transport = self.transport, None
+        if t is not None and t is not self.group.control:
+            t.close()
+
+    def _reopen(self) -> None:
+        """Receivers: wait for a new sender job (the timeout bounds it) and plan again with it."""
+        self.group = rejoin(self.group, self.timeout)
+        kind = _agree_transport(self.group, self._kind, self.timeout, LocalChecks(), None)  # as open() does
+        self._broken = False
+        self.transport = make_transport(kind, self.group, self.timeout)
+        self._started, self._delta_state, self._executor = False, None, None
+        self._recv_quant = None
+        self.start()
 
     def refuse(self, problems: list[str]) -> None:
         """Join the next push's agreement with ``problems`` (e.g. this rank could not load its
@@ -373,16 +470,11 @@ class RefitSession:
             digests = replica_digests(self.src, self.local_rank, local)
         if self._send_quant is not None:
             self._send_quant.new_push()
-        if not self.options.delta:
-            self._agree(problems, digests)
-            es = self._baseline(local) if self.options.strategy == "broadcast" else self._exec(local).run()
-        else:
-            es = self._delta_step(local, problems, digests)
+        es = self._versioned_step(local, problems, digests)
         quantize_s = self._recv_quant.finish(local) if self._recv_quant is not None else 0.0
         if self._send_quant is not None:
             quantize_s = self._send_quant.seconds
-        st = StepStats.of(es, step=len(self.steps), strategy=self.options.strategy,
-                          version=self._attempted if self.options.delta else 0,
+        st = StepStats.of(es, step=len(self.steps), strategy=self.options.strategy, version=self._last or 0,
                           base_bytes=self._delta_state.base_bytes if self._delta_state else 0,
                           quantize_seconds=quantize_s)
         self.steps.append(st)
@@ -404,22 +496,57 @@ class RefitSession:
             return [f"{who}: {what} with --strategy broadcast: the baseline moves host memory (use reshard)"]
         return []
 
-    def _delta_step(self, local: Mapping[str, Any], problems: list[str], digests: Mapping[str, int]) -> ExecStats:
-        """A delta push: the agreement also exchanges each rank's version, so every rank takes the
-        same full-or-delta decision per pair of ranks; this rank's version is unknown until the
-        push completes here (verified, with verify)."""
+    def _versioned_step(self, local: Mapping[str, Any], problems: list[str], digests: Mapping[str, int]) -> ExecStats:
+        """One push: the agreement also exchanges each rank's versions, so every rank takes the
+        same decisions (the version, and in delta sessions full or delta per pair of ranks); this
+        rank's version is unknown until the push completes here (verified, with verify), except a
+        receiver's staged delta push, which changes nothing until it all arrived."""
         ptrs = _memory_key(local)
         if self.role == "recv" and ptrs != self._synced_ptrs:
             self._synced = None  # other buffers: nothing says they hold the last version
-        got = self._agree(problems, digests, {"attempted": self._attempted, "synced": self._synced})
-        version = max(g["attempted"] for g in got) + 1
-        stale = frozenset(r for r, g in enumerate(got) if g["synced"] != version - 1)
-        self._attempted, self._synced = version, None
-        if self._delta_state is None:
-            self._delta_state = DeltaState()
-        es = self._exec(local).run(DeltaPush(self._delta_state, version, stale))
-        self._synced, self._synced_ptrs = version, ptrs
+        got = self._agree(problems, digests, {"proposed": self._proposed, "last": self._last, "synced": self._synced})
+        version, base = self._decide(got)
+        self._last = self._pushing = version
+        delta = None
+        if self.options.delta:
+            stale = frozenset(r for r, g in enumerate(got) if base is None or g["synced"] != base)
+            if self._delta_state is None:
+                self._delta_state = DeltaState()
+            ex = self._exec(local)
+            stage = self.role == "recv" and base is not None and self._t.rank not in stale and not ex.forwards
+            delta = DeltaPush(self._delta_state, version, stale, base, stage)
+        if delta is None or not delta.stage:
+            self._synced = None
+        try:
+            if self.options.strategy == "broadcast":
+                es = self._baseline(local)
+            else:
+                es = self._exec(local).run(delta)
+        except DeltaChecksumError:
+            self._synced = None  # applied, then found wrong
+            raise
+        self._synced, self._synced_ptrs, self._pushing = version, ptrs, None
         return es
+
+    def _decide(self, got: list[dict[str, Any]]) -> tuple[int, int | None]:
+        """(this push's version, the senders' common base version or None) from the agreement;
+        a bad version is refused on every rank alike."""
+        senders = got[:self.group.n_send]
+        proposed = {g["proposed"] for g in senders}
+        mine = [g["last"] for g in senders if g["last"] is not None]
+        problems = []
+        if len(proposed) > 1:
+            problems.append(f"the sender ranks pushed different versions {sorted(proposed, key=str)}: pass the same "
+                            "version= on every sender rank")
+        version = next(iter(proposed))
+        if version is None:
+            version = max([g["last"] or 0 for g in got] + [g["synced"] or 0 for g in got]) + 1
+        elif mine and version <= max(mine):
+            problems.append(f"push(version={version}) does not follow this session's last version {max(mine)}")
+        if problems:
+            raise RefusedError(problems=problems)
+        bases = {g["synced"] for g in senders}
+        return int(version), bases.pop() if len(bases) == 1 else None
 
     def forget_base(self) -> None:
         """Say this rank's tensors no longer hold the last version pushed (e.g. the engine reloaded
@@ -486,12 +613,12 @@ class RefitSession:
             finish_save(out, self.manifest, allsums)
         role_t.barrier(self.timeout)
 
-    def close(self) -> None:
-        self._executor = None
-        self._slots = []  # bucket buffers may be transport memory (shm segments): released before it closes
-        t = self.transport
-        if t is not None and t is not self.group.control:
-            t.close()
+    def close(self, done: bool = True) -> None:
+        """Leave the session. A sender job's ``close()`` (``done``; not after an error in a
+        ``with`` block) ends it for good: receivers waiting in ``pull()`` get None."""
+        if done and self.role == "send":
+            self.group.post_done()
+        self._drop_transport()
         self.group.close(self.timeout)
 
 

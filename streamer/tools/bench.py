@@ -27,6 +27,7 @@ from pathlib import Path
 from statistics import median
 from typing import TYPE_CHECKING, Any
 
+from formats.errors import TransportError
 from formats.limits import RANK_FILE_PATTERN
 
 if TYPE_CHECKING:
@@ -460,6 +461,8 @@ def refit_worker(argv: list[str]) -> int:
             t0 = time.perf_counter()
             st = sess[name].push(tensors) if role == "send" else sess[name].pull(tensors)
             dt = time.perf_counter() - t0
+            if st is None:
+                raise TransportError("the sender job closed the session before the bench ended")
             return dt, st.peak_buffer_bytes if name == "reshard" else 0
         return step
 

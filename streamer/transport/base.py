@@ -39,6 +39,13 @@ class RemoteAbortError(TransportError):
         self.exit_code = exit_code
 
 
+class PeerClosedError(RemoteAbortError):
+    """The sender job closed the session for good (store plane): a waiting receiver ends cleanly."""
+
+    def __init__(self, message: str = "the sender job closed the session") -> None:
+        super().__init__(message, 0)
+
+
 class Request(Protocol):
     """A pending send or receive."""
 

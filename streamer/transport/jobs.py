@@ -31,10 +31,10 @@ from typing import Any
 from formats.errors import PeerTimeoutError, UsageError
 from formats.manifest import atomic_write_bytes
 from streamer.ops.agree import AgreedRefusal, LocalChecks, Refusal, agree
-from streamer.transport.base import Transport
+from streamer.transport.base import RemoteAbortError, Transport
 from streamer.transport.watchdog import Watchdog, abort
 
-__all__ = ["CONTROLS", "Group", "Watchdog", "abort", "connect", "launcher_rank"]
+__all__ = ["CONTROLS", "Group", "Watchdog", "abort", "connect", "launcher_rank", "rejoin"]
 
 ROLES = ("send", "recv")
 CONTROLS = ("auto", "mpi", "store")
@@ -78,6 +78,11 @@ class Group:
     comm: Any = None
     store: Any = None
     plane: str = "mpi"
+    #: store plane: which opening of the session this is (0, then one more per trainer restart;
+    #: its keys live under ``prefix``), and the store's ``host:port``
+    epoch: int = 0
+    prefix: str = ""
+    address: str = ""
     _closers: list[Any] = field(default_factory=list)
 
     @property
@@ -96,6 +101,24 @@ class Group:
         for c in self._closers:
             c(timeout)
         self._closers.clear()
+
+    def post_done(self) -> None:
+        """The sender job ends the session for good: waiting receivers return from ``pull()``."""
+        if self.plane == "store" and self.role == "send" and self.role_rank == 0:
+            try:
+                self.store.set(f"{self.prefix}done", "1")
+            except Exception:  # noqa: BLE001 - the receivers are gone already
+                pass
+
+    def leave(self, message: str) -> None:
+        """Receivers leave a broken epoch (store plane): the others in it end with ``message``,
+        and closing no longer waits for the senders' sign-off (they are gone); the rank serving
+        the store still waits for the other receivers'."""
+        from streamer.transport.epochs import sign_off
+
+        self.control.post_abort(message, 3)
+        store, key, n, server = self.store, f"{self.prefix}ss/rclosed", self.n_recv, self.role_rank == 0
+        self._closers = [lambda t: sign_off(store, key, n, t, server)]
 
     @classmethod
     def from_mpi(cls, comm: Any, role_comm: Any, role: str, n_send: int, n_recv: int,
@@ -306,8 +329,12 @@ def _connect_mpi_port(role: str, path: Path, clock: _Clock, refusal: Refusal | N
 FRESH_SLACK = 60.0
 
 
-def _connect_store(role: str, path: Path, clock: _Clock, refusal: Refusal | None) -> Group:
-    """Join through a TCPStore served by receiver rank 0 (see the module docstring)."""
+def _connect_store(role: str, path: Path, clock: _Clock, refusal: Refusal | None, *, epoch: int = 0,
+                   store: Any = None, address: str = "") -> Group:
+    """Join through a TCPStore served by receiver rank 0 (see the module docstring). ``epoch``
+    (receivers, with their ``store`` and its ``address``): open the session again for a new
+    sender job (``rejoin``); senders read the epoch from the rendezvous file."""
+    from streamer.transport.epochs import parse_address
     from streamer.transport.store import open_store
     from streamer.transport.torch_dist import free_port, host_address
 
@@ -316,17 +343,21 @@ def _connect_store(role: str, path: Path, clock: _Clock, refusal: Refusal | None
     clock = clock.restart()  # from here on: waiting for the other job
     server = role == "recv" and rank == 0
     if server:
-        host, port = host_address(), free_port()
-        store = open_store(host, port, server=True, timeout=clock.left())
-        atomic_write_bytes(path, f"{_TCP}{host}:{port}\n".encode())
-    else:
+        if store is None:
+            address = f"{host_address()}:{free_port()}"
+            host, port = address.rsplit(":", 1)
+            store = open_store(host, int(port), server=True, timeout=clock.left())
+        suffix = f"/{epoch}" if epoch else ""
+        atomic_write_bytes(path, f"{_TCP}{address}{suffix}\n".encode())
+    elif store is None:
         # receiver ranks wait for the file their rank 0 writes now, not a stale one; "now" with
         # slack: the ranks of one job start seconds apart on a loaded node (CI once saw rank 1
         # start after rank 0 had written it, and wait out its timeout), and a stale file names a
         # dead store that _dial reads again (a finished job's rank 0 removes the file)
-        store = _dial(path, clock, fresh_from=t_start - FRESH_SLACK if role == "recv" else None)
+        store, text = _dial(path, clock, fresh_from=t_start - FRESH_SLACK if role == "recv" else None)
+        address, epoch = parse_address(text)
     try:
-        group = _store_group(store, role, rank, size, path, clock, server)
+        group = _store_group(store, role, rank, size, path, clock, server, epoch, address)
         try:  # everyone is in; the first collective carries every rank's refusal
             agree(group.control, refusal, clock.left())
         except AgreedRefusal:
@@ -338,15 +369,21 @@ def _connect_store(role: str, path: Path, clock: _Clock, refusal: Refusal | None
             path.unlink(missing_ok=True)
 
 
-def _store_group(store: Any, role: str, rank: int, size: int, path: Path, clock: _Clock, server: bool) -> Group:
-    """Both jobs' sizes, once each has joined the store: the group over it."""
+def _store_group(store: Any, role: str, rank: int, size: int, path: Path, clock: _Clock, server: bool,
+                 epoch: int = 0, address: str = "") -> Group:
+    """Both jobs' sizes, once each has joined the store (under the epoch's prefix): the group
+    over it. Senders beat a heartbeat from now on; receivers watch it (``transport.epochs``)."""
+    from streamer.transport.epochs import Heartbeat, SenderWatch, epoch_prefix
     from streamer.transport.store import StoreControl
 
-    store.set(f"job/{role}/size", str(size))
-    store.add(f"job/{role}/joined", 1)
+    p = epoch_prefix(epoch)
+    store.set(f"{p}job/{role}/size", str(size))
+    store.add(f"{p}job/{role}/joined", 1)
+    if role == "send":  # alive from now on: receivers notice a silent sender within seconds
+        store.add(f"{p}hb/{rank}", 1)
     sizes = {}
     for r in ROLES:
-        key = f"job/{r}/size"
+        key = f"{p}job/{r}/size"
         _store_wait(store, [key], clock.deadline,
                     f"the {'sender' if r == 'send' else 'receiver'} job to join through {path}")
         sizes[r] = int(store.get(key))
@@ -354,14 +391,21 @@ def _store_group(store: Any, role: str, rank: int, size: int, path: Path, clock:
     g = rank if role == "send" else n_send + rank
     if size != sizes[role]:
         raise UsageError(f"two {role} jobs joined through {path}: one rendezvous file serves one pair of jobs")
-    group = Group(StoreControl(store, g, n_send + n_recv, "ss/all", lambda r: _rank_name(r, n_send)),
-                  StoreControl(store, rank, size, f"ss/{role}"), role, n_send, n_recv, str(path),
-                  store=store, plane="store")
-    group._closers.append(lambda t: _close_store(store, g, n_send + n_recv, server, t))
+    group = Group(StoreControl(store, g, n_send + n_recv, f"{p}ss/all", lambda r: _rank_name(r, n_send)),
+                  StoreControl(store, rank, size, f"{p}ss/{role}"), role, n_send, n_recv, str(path),
+                  store=store, plane="store", epoch=epoch, prefix=p, address=address)
+    if role == "recv":
+        # the senders' close or silence ends the receivers' waits on both jobs' plane (their own
+        # plane's waits, e.g. saving after the sender job closed, go on)
+        group.control.watch = SenderWatch(store, p, n_send, heartbeats=rank == 0)  # type: ignore[attr-defined]
+    else:
+        beat = Heartbeat(address, f"{p}hb/{rank}", clock.timeout)
+        group._closers.append(lambda t: beat.stop())
+    group._closers.append(lambda t: _close_store(store, g, n_send + n_recv, server, t, p))
     return group
 
 
-def _dial(path: Path, clock: _Clock, fresh_from: float | None) -> Any:
+def _dial(path: Path, clock: _Clock, fresh_from: float | None) -> tuple[Any, str]:
     from streamer.transport.store import open_store
 
     last = ""
@@ -373,9 +417,9 @@ def _dial(path: Path, clock: _Clock, fresh_from: float | None) -> Any:
         if not text.startswith(_TCP):
             raise UsageError(f"{path} holds an MPI port, not a store address: the receiver job uses the MPI control "
                              "plane; start it with --control store (or launch this job with mpiexec)")
-        host, port = text[len(_TCP):].rsplit(":", 1)
+        host, port = text[len(_TCP):].split("/")[0].rsplit(":", 1)
         try:
-            return open_store(host, int(port), server=False, timeout=min(5.0, clock.left()))
+            return open_store(host, int(port), server=False, timeout=min(5.0, clock.left())), text[len(_TCP):]
         except Exception as e:  # noqa: BLE001 - a stale file names a dead store: read it again
             last = str(e).splitlines()[0] if str(e) else type(e).__name__
             time.sleep(0.2)
@@ -384,19 +428,42 @@ def _dial(path: Path, clock: _Clock, fresh_from: float | None) -> Any:
 
 
 def _store_wait(store: Any, keys: list[str], deadline: float, what: str) -> None:
-    while not store.check(keys):
+    while True:
+        try:
+            if store.check(keys):
+                return
+        except Exception as e:  # noqa: BLE001 - the server's rank ended
+            raise RemoteAbortError(f"waiting for {what}: the rendezvous store went away (receiver rank 0 "
+                                   f"ended: {str(e).splitlines()[0] if str(e) else type(e).__name__})", 3) from e
         if time.monotonic() > deadline:
             raise PeerTimeoutError(f"timed out waiting for {what}")
         time.sleep(0.01)
 
 
-def _close_store(store: Any, g: int, size: int, server: bool, timeout: float) -> None:
+def _close_store(store: Any, g: int, size: int, server: bool, timeout: float, prefix: str = "") -> None:
     """Everyone signs off; the rank serving the store waits for all (else its exit strands them)."""
     try:
-        store.add("ss/closed", 1)
+        store.add(f"{prefix}ss/closed", 1)
         if server:
             deadline = time.monotonic() + timeout
-            while int(store.add("ss/closed", 0)) < size and time.monotonic() < deadline:
+            while int(store.add(f"{prefix}ss/closed", 0)) < size and time.monotonic() < deadline:
                 time.sleep(0.02)
     except Exception:  # noqa: BLE001 - peers that already left took nothing with them
         pass
+
+
+def rejoin(group: Group, timeout: float) -> Group:
+    """Receivers, after ``group.leave``: wait (up to ``timeout``) for a new sender job in the
+    next epoch (``transport.epochs``); its rank count may differ. Raises ``PeerTimeoutError``
+    when none comes."""
+    if group.plane != "store" or group.rendezvous is None:
+        raise UsageError("a session reopens for a new sender job on the store control plane only")
+    path = Path(group.rendezvous)
+    group.close(timeout)  # our sign-off of the old epoch (no wait on the dead senders)
+    try:
+        return _connect_store("recv", path, _Clock.start(timeout), None, epoch=group.epoch + 1, store=group.store,
+                              address=group.address)
+    except BaseException:
+        if group.role_rank == 0:  # no sender job may join an epoch the receivers gave up on
+            path.unlink(missing_ok=True)
+        raise

@@ -41,11 +41,13 @@ class StoreControl(HostBuffers):
     name = "store"
 
     def __init__(self, store: Any, rank: int, size: int, prefix: str,
-                 names: Any = None) -> None:
+                 names: Any = None, abort_key: str | None = None) -> None:
         self.store, self.rank, self.size, self.prefix = store, rank, size, prefix
         self.names = names or (lambda r: f"rank {r}")
         self._seq: dict[str, int] = {}
-        self._abort_key = prefix.split("/")[0] + "/abort"
+        self._abort_key = abort_key or prefix.rsplit("/", 1)[0] + "/abort"
+        #: what else ends a wait (``transport.epochs.SenderWatch``: a sender's silence, its close)
+        self.watch: Any = None
 
     # -- data movement is not this plane's job
     def isend(self, buf: Any, dst: int, tag: int) -> Request:
@@ -66,6 +68,10 @@ class StoreControl(HostBuffers):
             pass
 
     def poll_abort(self) -> RemoteAbortError | None:
+        if self.watch is not None:
+            err = self.watch.poll()
+            if err is not None:
+                return err  # type: ignore[no-any-return]
         try:
             if not self.store.check([self._abort_key]):
                 return None

@@ -6,11 +6,12 @@ and the reason, and leaves the receivers' output untouched."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 import pytest
-from mpi_helpers import BIN, Ckpt, Saved, launch_pair, same_files
+from mpi_helpers import BIN, Ckpt, Saved, launch_pair, run, same_files
 
 SEND = ["shardstream", "refit", "send"]
 RECV = ["shardstream", "refit", "recv"]
@@ -135,3 +136,28 @@ def test_diverged_replica_refused_under_verify(ckpt: Ckpt, tmp_path: Path) -> No
     assert f"{name}: region" in se and "differs between its replicas" in se, se[-3000:]
     assert "sender rank 0" in se and "sender rank 1" in se, se[-3000:]
     assert not (out / "manifest.json").exists()
+
+
+def test_stay_receivers_pull_until_the_trainer_closes(ckpt: Ckpt, mpmd_saved: Saved, tmp_path: Path) -> None:
+    """``refit recv --stay`` pulls every push until the sender job closes the session (the jobs
+    agree on the larger ``--steps``; with ``--stay`` the receivers' loop ends only at the close),
+    then saves and exits 0."""
+    rdv, out = tmp_path / "rdv", tmp_path / "saved"
+    send, recv, rc_s, rc_r, _ = launch_pair(
+        tmp_path,
+        _torchrun(4, "refit", "recv", "--manifest", ckpt.serve, "--rendezvous", rdv, "--save", out,
+                  "--timeout", "60", "--json", "--stay"),
+        _torchrun(4, "refit", "send", "--manifest", ckpt.train / "manifest.json", "--rendezvous", rdv,
+                  "--timeout", "60", "--steps", "2"), file_wait=60)
+    assert rc_s == 0 and rc_r == 0, f"send {rc_s} recv {rc_r}\n{send.stderr[-3000:]}\n{recv.stderr[-3000:]}"
+    report = json.loads(recv.stdout.strip().splitlines()[-1])
+    assert report["steps"] == 2, report
+    assert same_files(out, mpmd_saved.dir) == []
+
+
+def test_stay_is_refused_where_it_cannot_hold(ckpt: Ckpt, tmp_path: Path) -> None:
+    """Under MPI a peer's death ends the launch: --stay there is a usage error, before any wait."""
+    for cmd in (["mpiexec", "-n", "1", *RECV, "--control", "auto"], [*RECV, "--control", "mpi"],
+                [*SEND, "--control", "store"]):
+        rc, _, err = run([*cmd, "--manifest", ckpt.serve, "--rendezvous", tmp_path / "rdv", "--stay"], 60)
+        assert rc == 2 and "--stay is for refit recv on the store control plane" in err, (cmd, rc, err)

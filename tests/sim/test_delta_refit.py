@@ -191,8 +191,8 @@ def test_without_delta_nothing_is_kept_or_encoded() -> None:
     S = src.world_size
     _check_each_version(dst, versions, results, S)
     for g, r in results.items():
-        for st, _ in r:
-            assert st.version == 0 and st.base_bytes == 0 and st.encodings == {}
+        for i, (st, _) in enumerate(r):  # every session numbers its pushes
+            assert st.version == i + 1 and st.base_bytes == 0 and st.encodings == {}
             assert (st.bytes_sent, st.bytes_received) == (st.full_bytes_sent, st.full_bytes_received)
 
 

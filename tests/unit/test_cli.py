@@ -582,7 +582,7 @@ GOLDEN = {
         '--megatron-tp',
         '--memory-limit', '--out!', '--resume', '--ue8m0', '--zarr-compressor{zstd,none}', '<dst>', '<src>'],
     'refit': ['--allow-extra', '--bucket-size', '--delta', '--dst-domain-size', '--json', '--manifest!',
-        '--rendezvous', '--save', '--src-domain-size', '--steps', '--strategy{reshard,broadcast}',
+        '--rendezvous', '--save', '--src-domain-size', '--stay', '--steps', '--strategy{reshard,broadcast}',
         '--timeout', '--transport{mpi,gloo,nccl,shm,cuda-ipc}', '--verify', '<role>{send,recv}',
         '--control{auto,mpi,store}', '--fp8-block', '--ue8m0'],
     'bench': ['--against', '--bucket-size', '--chunks', '--delta', '--dst-tp', '--json', '--lr', '--memory-limit', '--model',

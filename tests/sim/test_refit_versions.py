@@ -1,0 +1,123 @@
+"""Push versions over the loopback transport (every rank a thread): ``push(version=N)`` numbers a
+push, later pushes count up from the last, every rank's ``StepStats.version`` and a receiver's
+``version`` say what it holds; a version that does not follow, or differs across sender ranks,
+is refused on every rank; a delta push whose header arrives wrong applies nothing (staged)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from helpers import check_dest_tensors, empty_dest_tensors, lay_out, make_source_tensors, run_sessions
+
+from formats.layouts import Mesh, Shard
+from streamer.execute.delta import DeltaChecksumError
+from streamer.refit.session import RefitSession, RefusedError
+
+SHAPES = {"w": (64, 48), "v": (40, 32)}
+
+
+def _pair() -> tuple[Any, Any]:
+    arrays = {n: (s, "float32") for n, s in SHAPES.items()}
+    src = lay_out(arrays, Mesh(("tp",), (2,)), {n: (Shard(0),) for n in SHAPES})
+    dst = lay_out(arrays, Mesh(("tp",), (3,)), {n: (Shard(1),) for n in SHAPES})
+    return src, dst
+
+
+def _full(seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {n: rng.standard_normal(s).astype(np.float32) for n, s in SHAPES.items()}
+
+
+def test_versions_named_counted_and_refused() -> None:
+    src, dst = _pair()
+    fulls = [_full(i) for i in range(4)]
+    srcs = [make_source_tensors(src, f) for f in fulls]
+    dsts = empty_dest_tensors(dst)
+
+    def act(s: RefitSession, r: int) -> list[Any]:
+        out: list[Any] = [s.version]
+        plan = [(0, 10), (1, 20), (2, None), (3, 21)]  # the last repeats 21: refused everywhere
+        for i, v in plan:
+            try:
+                st = s.push(srcs[i][r], version=v) if s.role == "send" else s.pull(dsts[r])
+                assert st is not None
+                out.append((st.version, s.version))
+            except RefusedError as e:
+                out.append(str(e))
+        if s.role == "send":  # unequal versions across sender ranks: refused too
+            try:
+                s.push(srcs[3][r], version=30 + r)
+            except RefusedError as e:
+                out.append(str(e))
+        else:
+            try:
+                s.pull(dsts[r])
+            except RefusedError as e:
+                out.append(str(e))
+        return out
+
+    results, errors = run_sessions(src, dst, act, join_timeout=60)
+    assert not errors, errors
+    S = src.world_size
+    for g, out in results.items():
+        assert out[0] is None  # nothing pushed yet
+        assert out[1:4] == [(10, 10), (20, 20), (21, 21)], (g, out)
+        assert "push(version=21) does not follow this session's last version 21" in out[4], out[4]
+        assert "the sender ranks pushed different versions [30, 31]" in out[5], out[5]
+    got = {g - S: dsts[g - S] for g in results if g >= S}
+    assert check_dest_tensors(dst, got, fulls[2]) == []  # the refused pushes changed nothing
+
+
+def test_a_delta_push_with_a_bad_header_applies_nothing() -> None:
+    """Every delta message but one arrives intact; the one's header says another base: the
+    receiver applies none of them (they were staged), and says it holds no known version."""
+    src, dst = _pair()
+    v1 = _full(0)
+    v2 = {n: a.copy() for n, a in v1.items()}
+    for a in v2.values():
+        a.reshape(-1)[::7] += 1.0
+    srcs = [make_source_tensors(src, f) for f in (v1, v2)]
+    dsts = empty_dest_tensors(dst)
+    hits: list[int] = []
+
+    def corrupt(s: int, d: int, tag: int, data: bytearray) -> None:
+        if 16 <= tag < 32 and not hits and d == src.world_size:  # a delta header to receiver 0
+            data[24] ^= 0x01  # its base version
+            hits.append(d)
+
+    def act(s: RefitSession, r: int) -> list[Any]:
+        out: list[Any] = []
+        for i in range(2):
+            try:
+                st = s.push(srcs[i][r]) if s.role == "send" else s.pull(dsts[r])
+                out.append(st.version if st is not None else None)
+            except DeltaChecksumError as e:
+                out.append(e)
+        out.append(s.version)
+        return out
+
+    results, errors = run_sessions(src, dst, act, join_timeout=60, corrupt=corrupt, delta=True,
+                                   bucket_size=1 << 10)
+    assert not errors, errors
+    assert hits
+    S = src.world_size
+    r0 = results[S]
+    assert r0[0] == 1 and isinstance(r0[1], DeltaChecksumError) and r0[2] is None, r0
+    assert "carries version 2 over base 0, expected 2 over 1" in str(r0[1].problems), r0[1].problems
+    # receiver 0 still holds version 1 exactly: none of the other, intact deltas was applied
+    assert _holds(dst, dsts[0], 0, v1)
+    for g in results:
+        if g > S:
+            assert results[g] == [1, 2, 2], results[g]
+
+
+def _holds(dst: Any, local: dict[str, np.ndarray], rank: int, full: dict[str, np.ndarray]) -> bool:
+    """Whether ``rank``'s local tensors hold ``full`` exactly."""
+    for fqn, _, c in dst.iter_chunks():
+        if rank in c.holders:
+            sl = tuple(slice(o, o + s) for o, s in zip(c.region.offsets, c.region.sizes))
+            dl = tuple(slice(o, o + s) for o, s in zip(c.local_box.offsets, c.local_box.sizes))
+            if local[c.tensor(fqn)][dl].tobytes() != np.ascontiguousarray(full[fqn][sl]).tobytes():
+                return False
+    return True
