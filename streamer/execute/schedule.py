@@ -71,8 +71,9 @@ INPLACE_MIN_BYTES = 256 << 10
 WAVE_BYTES = 256 << 10
 #: the bucket layout's version: refit sessions compare it with the plan digest, so that jobs
 #: that would lay out buckets differently (2: transfers grouped by local tensor; 3: messages
-#: ordered by byte waves, forwards placed by ``forwards.forward_keys``) are refused
-SCHEDULE_VERSION = 3
+#: ordered by byte waves, forwards placed by ``forwards.forward_keys``; 4: the delta header
+#: carries the base version) are refused
+SCHEDULE_VERSION = 4
 
 
 def _by_tensor(ts: Sequence[Transfer]) -> tuple[Transfer, ...]:
