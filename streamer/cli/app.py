@@ -15,7 +15,7 @@ from typing import Any
 from formats.errors import ShardstreamError, UsageError
 from streamer import __version__
 from streamer.cli.args import emit as _out
-from streamer.cli.args import parse_size
+from streamer.cli.args import parse_size, seconds
 from streamer.cli.args import positive_int as _positive_int
 from streamer.cli.collective import ArgvError, Parser, announce, argv_refused
 from streamer.cli.convert import add_convert
@@ -145,7 +145,7 @@ def _add_refit(sub: Any) -> None:
     p.add_argument("--strategy", choices=["reshard", "broadcast"], default="reshard",
                    help="broadcast: the gather-broadcast baseline, for comparison")
     p.add_argument("--bucket-size", type=parse_size, default=256 << 20, metavar="SIZE")
-    p.add_argument("--timeout", type=float, default=300.0, metavar="S")
+    p.add_argument("--timeout", type=seconds, default=300.0, metavar="S")
     p.add_argument("--steps", type=_positive_int, default=1, help="pushes to run over one session")
     p.add_argument("--stay", action="store_true",
                    help="refit recv: outlive failed pushes and trainer restarts, pulling until the sender job "

@@ -46,6 +46,17 @@ def positive_int(text: str) -> int:
     return v
 
 
+def seconds(text: str) -> float:
+    """A wait bound in seconds: positive and finite (0 or ``inf`` would mean no bound at all)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds (a positive number), got {text!r}") from None
+    if not 0 < v < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected seconds (a positive number), got {text}")
+    return v
+
+
 def emit(args: argparse.Namespace, obj: dict[str, Any], text: str) -> None:
     """One JSON object on stdout with --json (human text then goes to stderr), else text."""
     if getattr(args, "json", False):

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from formats.errors import UsageError
 from streamer.cli.args import emit as _out
-from streamer.cli.args import parse_size
+from streamer.cli.args import parse_size, seconds
 from streamer.cli.args import positive_int as _positive_int
 from streamer.cli.collective import mpi_comm, on_workers
 from streamer.cli.inputs import load_input, where
@@ -38,14 +38,14 @@ def _convert(args: argparse.Namespace, comm: Any) -> int:
         from streamer.transport.mpi import MPITransport
 
         workers = MPITransport(comm)
-    with agreed(workers, ConvertOptions.timeout):  # a refusal on one worker is every worker's
+    with agreed(workers, args.timeout):  # a refusal on one worker is every worker's
         src, dst = _convert_inputs(args, comm)
     out = Path(args.out) / ".staging" if torch_dist else Path(args.out)
     opts = ConvertOptions(memory_limit=args.memory_limit, resume=args.resume, max_shard_size=args.max_shard_size,
                           allow_extra=args.allow_extra, progress=None if not args.json else False,
                           cast=args.cast, format="safetensors" if torch_dist else args.format,
                           zarr_compressor=args.zarr_compressor or "none", fp8_block=args.fp8_block, ue8m0=args.ue8m0,
-                          manifest_version=args.format_version)
+                          manifest_version=args.format_version, timeout=args.timeout)
     rep = convert(src, dst, out, opts, comm=comm, control=workers, src_where=where(args.src),
                   dst_where=where(args.dst))
     if torch_dist:  # a Megatron save root: the one-rank megatron layout packed into torch_dist chunks
@@ -122,5 +122,8 @@ def add_convert(sub: Any) -> None:
     p.add_argument("--format-version", type=int, choices=(1, 2), default=2,
                    help="the output manifest: 2 compact, chunk checksums in manifest.checksums beside it "
                         "(default); 1 lists every chunk with its checksum")
+    p.add_argument("--timeout", type=seconds, default=300.0, metavar="S",
+                   help="under mpiexec: bound on every wait for the other workers (default 300); "
+                        "a timeout ends every worker with exit 3")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_convert)

@@ -305,6 +305,9 @@ def test_debug_shows_the_traceback(world: World) -> None:
     ["convert", "a.json", "b.json", "--out", "o", "--memory-limit", "0"],
     ["convert", "a.json", "b.json", "--out", "o", "--max-shard-size", "12 parsecs"],
     ["convert", "a.json", "b.json", "--out", "o", "--format", "hdf5"],
+    ["convert", "a.json", "b.json", "--out", "o", "--timeout", "0"],
+    ["convert", "a.json", "b.json", "--out", "o", "--timeout", "inf"],
+    ["refit", "send", "--manifest", "a.json", "--timeout", "-1"],
     ["layout", "--mesh", "tp=2", "-o", "x.json"],
     ["plan", "a.json", "b.json", "--src-domain-size", "0"],
     ["validate"],
@@ -316,6 +319,29 @@ def test_usage_errors_exit_2(tmp_path: Path, capsys: Any, argv: list[str], monke
     assert rc == 2
     assert "Traceback" not in err and err.strip()
     assert not (tmp_path / "o").exists() and not (tmp_path / "x.json").exists()
+
+
+def test_convert_timeout_reaches_the_workers(world: World, capsys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--timeout`` bounds the workers' waits: it is the agreement round's and the pipeline's."""
+    import streamer.convert as conv
+    import streamer.ops.agree as agree_mod
+
+    seen: dict[str, float] = {}
+    real_convert, real_agreed = conv.convert, agree_mod.agreed
+
+    def spy_convert(*a: Any, **k: Any) -> Any:
+        seen["pipeline"] = a[3].timeout
+        return real_convert(*a, **k)
+
+    def spy_agreed(control: Any, timeout: float) -> Any:
+        seen["agree"] = timeout
+        return real_agreed(control, timeout)
+
+    monkeypatch.setattr(conv, "convert", spy_convert)
+    monkeypatch.setattr(agree_mod, "agreed", spy_agreed)
+    rc, _, err = run(capsys, "convert", world.src, world.dst, "--out", world.out, "--timeout", "7.5")
+    assert rc == 0, err
+    assert seen == {"pipeline": 7.5, "agree": 7.5}
 
 
 def test_zarr_compressor_without_zarr_format_is_a_usage_error(world: World, capsys: Any) -> None:
@@ -580,7 +606,7 @@ GOLDEN = {
     'convert': ['--allow-extra', '--cast{float16,bfloat16,float32,float64}',
         '--format{safetensors,zarr,torch_dist}', '--format-version{1,2}', '--fp8-block', '--json', '--max-shard-size',
         '--megatron-tp',
-        '--memory-limit', '--out!', '--resume', '--ue8m0', '--zarr-compressor{zstd,none}', '<dst>', '<src>'],
+        '--memory-limit', '--out!', '--resume', '--timeout', '--ue8m0', '--zarr-compressor{zstd,none}', '<dst>', '<src>'],
     'refit': ['--allow-extra', '--bucket-size', '--delta', '--dst-domain-size', '--json', '--manifest!',
         '--rendezvous', '--save', '--src-domain-size', '--stay', '--steps', '--strategy{reshard,broadcast}',
         '--timeout', '--transport{mpi,gloo,nccl,shm,cuda-ipc}', '--verify', '<role>{send,recv}',
