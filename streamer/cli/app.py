@@ -64,6 +64,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     work = args.work or tempfile.mkdtemp(prefix="shardstream-bench-")
     if args.source == "megatron" and args.what != "convert":
         raise UsageError("--source megatron goes with bench convert")
+    if args.plot:  # before the benchmark runs, not after it
+        bench.require_matplotlib()
     if args.what == "convert" and args.source == "megatron":
         from streamer.tools.bench_megatron import bench_convert_megatron, megatron_table
 

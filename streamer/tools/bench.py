@@ -603,17 +603,23 @@ def bench_plan(sizes: tuple[int, ...] = (1_200, 4_800, 19_200, 102_400), *, mode
     return out
 
 
-def plot(result: dict[str, Any], kind: str, path: str) -> None:
-    """A PNG of a bench result (matplotlib, optional)."""
-    try:
-        import matplotlib  # type: ignore[import-not-found, unused-ignore]
+def require_matplotlib() -> None:
+    """Refuse ``--plot`` up front when matplotlib is missing (the optional ``plot`` extra)."""
+    import importlib.util
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # type: ignore[import-not-found, unused-ignore]
-    except ImportError as e:
+    if importlib.util.find_spec("matplotlib") is None:
         from formats.errors import UsageError
 
-        raise UsageError("--plot needs matplotlib (pip install matplotlib)") from e
+        raise UsageError("--plot needs matplotlib: pip install 'shardstream[plot]'")
+
+
+def plot(result: dict[str, Any], kind: str, path: str) -> None:
+    """A PNG of a bench result (matplotlib, optional)."""
+    require_matplotlib()
+    import matplotlib  # type: ignore[import-not-found, unused-ignore]
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # type: ignore[import-not-found, unused-ignore]
     if kind == "convert":
         fig, (ax, ax2) = plt.subplots(1, 2, figsize=(9, 4))
     else:

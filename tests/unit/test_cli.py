@@ -344,6 +344,23 @@ def test_convert_timeout_reaches_the_workers(world: World, capsys: Any, monkeypa
     assert seen == {"pipeline": 7.5, "agree": 7.5}
 
 
+def test_bench_plot_without_matplotlib_refused_before_the_run(tmp_path: Path, capsys: Any,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    from streamer.tools import bench
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+
+    def must_not_run(*a: Any, **k: Any) -> Any:
+        raise AssertionError("the benchmark ran before --plot was checked")
+
+    monkeypatch.setattr(bench, "bench_refit", must_not_run)
+    rc, _, err = run(capsys, "bench", "refit", "--plot", str(tmp_path / "p.png"), "--work", str(tmp_path / "w"))
+    assert rc == 2 and lines(err) == ["--plot needs matplotlib: pip install 'shardstream[plot]'"]
+
+
 def test_zarr_compressor_without_zarr_format_is_a_usage_error(world: World, capsys: Any) -> None:
     rc, _, err = run(capsys, "convert", world.src, world.dst, "--out", world.out, "--zarr-compressor", "zstd")
     assert rc == 2 and "zarr" in err and "Traceback" not in err
