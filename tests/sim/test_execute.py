@@ -383,6 +383,13 @@ def test_corruption_goes_unnoticed_without_verify() -> None:
     assert check_dest_tensors(dst, d, full)
 
 
+def _run_without(plan: Plan, src: Manifest, dst: Manifest, dead: int, timeout: float) -> Any:
+    """Run the plan on loopback with rank ``dead`` never started, verify on, every wait ``timeout``."""
+    full = oracle_arrays(FAULT_ARRAYS)
+    return run_plan_loopback(plan, src, dst, make_source_tensors(src, full), empty_dest_tensors(dst), bucket=64,
+                             verify=True, timeout=timeout, skip_ranks=[dead], join_timeout=timeout + 10)
+
+
 def _receivers_of(plan: Plan, rank: int, sched: list[Message]) -> set[int]:
     return {m.dst for m in sched if m.src == rank}
 
@@ -394,19 +401,7 @@ def test_dead_source_peer_times_out_naming_it(dds: int | None) -> None:
     src, dst = _fault_layout()
     plan = plan_transfers(src, dst, dst_domain_size=dds, split_bytes=16)
     dead, timeout = 1, 1.0
-    full = oracle_arrays(FAULT_ARRAYS)
-    res = run_plan_loopback(
-        plan,
-        src,
-        dst,
-        make_source_tensors(src, full),
-        empty_dest_tensors(dst),
-        bucket=64,
-        verify=True,
-        timeout=timeout,
-        skip_ranks=[dead],
-        join_timeout=timeout + 10,
-    )
+    res = _run_without(plan, src, dst, dead, timeout)
     assert not res.hung
     direct = _receivers_of(plan, dead, res.schedule)
     assert direct
@@ -433,19 +428,7 @@ def test_dead_destination_peer_does_not_hang_anyone() -> None:
     plan = plan_transfers(src, dst, dst_domain_size=6, split_bytes=16)
     dead = plan.dst_global(0)  # a phase-1 landing rank that also forwards in phase 2
     timeout = 1.0
-    full = oracle_arrays(FAULT_ARRAYS)
-    res = run_plan_loopback(
-        plan,
-        src,
-        dst,
-        make_source_tensors(src, full),
-        empty_dest_tensors(dst),
-        bucket=64,
-        verify=True,
-        timeout=timeout,
-        skip_ranks=[dead],
-        join_timeout=timeout + 10,
-    )
+    res = _run_without(plan, src, dst, dead, timeout)
     assert not res.hung
     assert set(res.stats) | set(res.errors) == set(range(plan.world_size)) - {dead}
     for g, e in res.errors.items():
