@@ -13,6 +13,8 @@ collectives run before and after every push. Adopting shardstream is the three m
 ``DIR/ref-STEP.pt`` before each push (rank 0), so the server can check what it received.
 ``--save-hf DIR``: also write the same bf16 weights as an HF checkpoint, ``DIR/step-STEP/``
 (``save_pretrained``: what a fresh vLLM engine loads, to compare with the one refitted).
+``--delta``: a delta session (``RefitOptions(delta=True)``): the first push is full, the next ones
+send each message's change since the last push (docs/refit.md, "Delta refit").
 The receiver can be any job that joins through RENDEZVOUS: the example server, or a vLLM engine
 with the ``shardstream`` weight-transfer backend (docs/vllm.md).
 """
@@ -40,7 +42,7 @@ def load_config(cfg_path: str) -> object:
 
 
 def main(cfg_path: str, rendezvous: str, steps: int, reference: str | None, transport: str = "gloo",
-         save_hf: str | None = None, timeout: float = 120) -> int:
+         save_hf: str | None = None, timeout: float = 120, delta: bool = False) -> int:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
@@ -54,7 +56,7 @@ def main(cfg_path: str, rendezvous: str, steps: int, reference: str | None, tran
     assert {a.data_type for a in manifest.arrays.values()} == {"float32"}, "fp32 masters stay float32"
     data = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     with RefitSession.open(manifest, "send", rendezvous=rendezvous, transport=transport, timeout=timeout,
-                           options=RefitOptions(verify=True)) as session:  # shardstream 2/3
+                           options=RefitOptions(verify=True, delta=delta)) as session:  # shardstream 2/3
         for step in range(steps):
             loss = model(input_ids=data, labels=data).loss
             loss.backward()  # FSDP2's own reduce-scatters on the trainer's group
@@ -68,7 +70,8 @@ def main(cfg_path: str, rendezvous: str, steps: int, reference: str | None, tran
             dist.all_reduce(torch.ones(1))  # the trainer's group still works after a push
             # one write per line: ranks share torchrun's stdout, and print() may write the text and
             # its newline apart (unbuffered), which lets another rank's line land in between
-            line = json.dumps({"rank": rank, "step": step, "loss": float(loss), "bytes_sent": st.bytes_sent})
+            line = json.dumps({"rank": rank, "step": step, "loss": float(loss), "bytes_sent": st.bytes_sent,
+                               "full_bytes_sent": st.full_bytes_sent, "changed_fraction": st.changed_fraction})
             os.write(1, (line + "\n").encode())
     dist.destroy_process_group()
     return 0
@@ -103,5 +106,6 @@ if __name__ == "__main__":
     ap.add_argument("--transport", default="gloo", help="gloo (default), or shm when both jobs share a node")
     ap.add_argument("--save-hf", metavar="DIR", help="write each step's bf16 weights as an HF checkpoint DIR/step-N")
     ap.add_argument("--timeout", type=float, default=120, help="seconds any wait may take (default 120)")
+    ap.add_argument("--delta", action="store_true", help="a delta session: pushes after the first send changes only")
     a = ap.parse_args()
-    sys.exit(main(a.config, a.rendezvous, a.steps, a.reference, a.transport, a.save_hf, a.timeout))
+    sys.exit(main(a.config, a.rendezvous, a.steps, a.reference, a.transport, a.save_hf, a.timeout, a.delta))

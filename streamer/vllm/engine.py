@@ -24,6 +24,10 @@ registered by :mod:`streamer.vllm.plugin`). The calls, from ``LLM`` or ``vllm se
 ``finish_weight_update()``
     ``finalize_layerwise_reload``: attention layers are processed, the rest restored.
 
+Delta sessions (``RefitOptions(delta=True)`` on the trainer, or ``"delta": true`` in ``init_info``):
+the pull writes into a host base that the engine keeps per session (one model-format copy of the
+worker's parameters), the XOR deltas apply to it, and it is copied into the update's tensors.
+
 A refused or failed pull restores every layer's kernel tensors before the error is raised (the
 weights of ``reprocess`` layers stay the last good ones; ``inplace`` tensors may hold part of the
 failed push). ``shutdown_weight_transfer_engine`` closes the session; a later
@@ -51,12 +55,14 @@ __all__ = ["ShardstreamInitInfo", "ShardstreamUpdateInfo", "ShardstreamWeightTra
 class ShardstreamInitInfo(WeightTransferInitInfo):  # type: ignore[misc]
     """``rendezvous``: the store rendezvous file the trainer's ``RefitSession.open`` names;
     ``timeout``: seconds any wait may take; ``transport``: "gloo" (default) or "nccl" / "shm";
-    ``verify``: checksum every region after each pull."""
+    ``verify``: checksum every region after each pull; ``delta``: ask for a delta session (on if
+    either job asks; the engine then keeps a host base, see ``ShardstreamWeightTransferEngine``)."""
 
     rendezvous: str
     timeout: float = 300.0
     transport: str | None = None
     verify: bool = False
+    delta: bool = False
 
 
 @dataclass
@@ -76,6 +82,9 @@ class ShardstreamWeightTransferEngine(
         self.described: VllmManifests | None = None
         self.naming = "per_expert"
         self._reloading = False
+        #: delta sessions: this worker's model-format bytes of the last push, one host tensor per
+        #: local tensor (what the next push's XOR deltas apply to); None outside a delta session
+        self.base: dict[str, Any] | None = None
         #: seconds and bytes of the last update (pull, then per-layer processing)
         self.last: dict[str, Any] = {}
 
@@ -93,7 +102,8 @@ class ShardstreamWeightTransferEngine(
 
         self.session = RefitSession.open(described.manifests["per_expert"], "recv",
                                          rendezvous=init_info.rendezvous, transport=init_info.transport,
-                                         timeout=init_info.timeout, options=RefitOptions(verify=init_info.verify),
+                                         timeout=init_info.timeout,
+                                         options=RefitOptions(verify=init_info.verify, delta=init_info.delta),
                                          choose_manifest=choose)
 
     # ------------------------------------------------------------------ one update
@@ -120,7 +130,10 @@ class ShardstreamWeightTransferEngine(
             t0 = time.perf_counter()
             tensors, layers = self._targets()
             t1 = time.perf_counter()
-            st = session.pull(tensors)
+            st = session.pull(self._with_base(tensors) if session.options.delta else tensors)
+            if session.options.delta:
+                for n, t in tensors.items():
+                    t.copy_(self.base[n])  # type: ignore[index]  # _with_base made it
             t2 = time.perf_counter()
             self._process(layers)
             t3 = time.perf_counter()
@@ -130,7 +143,9 @@ class ShardstreamWeightTransferEngine(
         self.last = {"materialize_seconds": t1 - t0, "pull_seconds": t2 - t1, "process_seconds": t3 - t2,
                      "bytes_received": st.bytes_received, "naming": self.naming,
                      "reprocessed_layers": sum(1 for _, p in layers if p == "reprocess"),
-                     "inplace_layers": sum(1 for _, p in layers if p == "inplace")}
+                     "inplace_layers": sum(1 for _, p in layers if p == "inplace"),
+                     "delta": session.options.delta, "full_bytes_received": st.full_bytes_received,
+                     "encodings": dict(st.encodings), "base_bytes": sum(b.nbytes for b in (self.base or {}).values())}
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
@@ -140,6 +155,7 @@ class ShardstreamWeightTransferEngine(
             finalize_layerwise_reload(self.model, self.model_config)
 
     def shutdown(self) -> None:
+        self.base = None
         if self.session is not None:
             session, self.session = self.session, None
             session.close()
@@ -153,6 +169,19 @@ class ShardstreamWeightTransferEngine(
     def _locals(self) -> tuple[VllmTensor, ...]:
         assert self.described is not None
         return self.described.tensors[self.naming]
+
+    def _with_base(self, tensors: dict[str, Any]) -> dict[str, Any]:
+        """Delta sessions: the pull writes into this worker's host base, not into the tensors the
+        update fills. Those change storage on every update (``reprocess`` layers are materialized
+        afresh) and no longer hold the last push's bytes once vLLM processed them, so a delta could
+        not apply to them; the base keeps one storage per session, which is what lets the session
+        send deltas (a receiver's other buffers count as unknown: full bytes). The base is copied
+        into the targets after each pull, so every update writes every tensor whole."""
+        import torch
+
+        if self.base is None:
+            self.base = {n: torch.zeros(t.shape, dtype=t.dtype, device="cpu") for n, t in tensors.items()}
+        return self.base
 
     def _targets(self) -> tuple[dict[str, Any], list[tuple[Any, str]]]:
         """The tensors the pull writes: kernel tensors of ``inplace`` layers, freshly materialized

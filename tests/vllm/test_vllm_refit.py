@@ -89,39 +89,43 @@ class Proc:
         return f"--- stdout\n{self.out.read_text()[-3000:]}\n--- stderr\n{self.err.read_text()[-6000:]}"
 
 
-def _refit_case(tmp: Path, kind: str, tp: int, then_hub: bool) -> dict[str, Any]:
+def _refit_case(tmp: Path, kind: str, tp: int, then: str | None, delta: bool = False) -> dict[str, Any]:
     """One engine refitted by the FSDP2 trainer (2 steps), then fresh engines on each step's
-    checkpoint; ``then_hub``: after the trainer, a hub-checkpoint sender pushes the initial model."""
+    checkpoint. ``then``: after the trainer, the same engine joins a second session where a hub
+    checkpoint sender pushes the initial model ("hub": per-expert names) or a push refused by the
+    agreement round ("refused"); None: no second session. ``delta``: the trainer's session is a
+    delta session (its second push sends changes)."""
     model = tiny_models.make_model(kind, tmp / "initial")
     hf = tmp / "hf"
     hf.mkdir()
     rdv, rdv2 = tmp / "rdv", tmp / "rdv2"
     refit: dict[str, Any] = {"rendezvous": str(rdv), "timeout": 240, "steps": 2, "manifests": str(tmp / "manifests")}
-    # after the trainer, the same engine joins a second session: the MoE model gets a hub checkpoint
-    # (per-expert names), the dense one a push refused by the agreement round
-    refit["then"] = {"rendezvous": str(rdv2), "timeout": 240, "refused": not then_hub}
+    if then is not None:
+        refit["then"] = {"rendezvous": str(rdv2), "timeout": 240, "refused": then == "refused"}
     job = {"tp": tp, "prompts": PROMPTS, "max_tokens": 6, "logprobs": 5,
            "runs": [{"model": str(model), "refit": refit},
                     {"model": str(hf / "step-0")}, {"model": str(hf / "step-1")}]}
     (tmp / "job.json").write_text(json.dumps(job))
     assert TORCHRUN is not None, "torchrun not found beside this python"
-    trainer = Proc([TORCHRUN, "--standalone", "--nproc-per-node", 2, TRAINER, model / "config.json", rdv,
-                    "--save-hf", hf, "--timeout", 420], tmp, "trainer")
-    hub = Proc([sys.executable, HERE / "hub_sender.py", model, rdv2, 840] + ([] if then_hub else ["--bad"]), tmp, "hub")
-    driver = Proc([sys.executable, HERE / "engine_driver.py", tmp / "job.json", tmp / "out.json"], tmp, "driver")
+    procs = {"trainer": Proc([TORCHRUN, "--standalone", "--nproc-per-node", 2, TRAINER, model / "config.json", rdv,
+                              "--save-hf", hf, "--timeout", 420] + (["--delta"] if delta else []), tmp, "trainer")}
+    if then is not None:
+        procs["hub"] = Proc([sys.executable, HERE / "hub_sender.py", model, rdv2, 840]
+                            + ([] if then == "hub" else ["--bad"]), tmp, "hub")
+    procs["driver"] = Proc([sys.executable, HERE / "engine_driver.py", tmp / "job.json", tmp / "out.json"], tmp,
+                           "driver")
+    rcs: dict[str, int] = {}
     try:
-        rc_d = driver.wait(840)
-        rc_t = trainer.wait(60)
-        rc_h = hub.wait(60)
+        rcs["driver"] = procs["driver"].wait(840)
+        rcs.update({n: p.wait(60) for n, p in procs.items() if n != "driver"})
     finally:
-        for p in (driver, trainer, hub):
+        for p in procs.values():
             p.kill()
-    assert (rc_d, rc_t, rc_h) == (0, 0, 0), (f"driver {rc_d} trainer {rc_t} hub {rc_h}\n{driver.tail()}\n"
-                                             f"{trainer.tail()}\n{hub.tail()}")
+    assert set(rcs.values()) == {0}, f"{rcs}\n" + "\n".join(f"=== {n}\n{p.tail()}" for n, p in procs.items())
     refit_run, fresh0, fresh1 = json.loads((tmp / "out.json").read_text())
-    losses = [json.loads(x)["loss"] for x in trainer.out.read_text().splitlines() if x.startswith("{")]
-    return {"refit": refit_run, "fresh": [fresh0, fresh1], "losses": losses, "model": model,
-            "manifests": tmp / "manifests"}
+    lines = [json.loads(x) for x in procs["trainer"].out.read_text().splitlines() if x.startswith("{")]
+    return {"refit": refit_run, "fresh": [fresh0, fresh1], "losses": [x["loss"] for x in lines], "trainer": lines,
+            "model": model, "manifests": tmp / "manifests"}
 
 
 def _check_served(case: dict[str, Any]) -> None:
@@ -148,7 +152,7 @@ def _dumped(case: dict[str, Any], where: str, tp: int) -> list[dict[str, Any]]:
                          ids=["qwen3-tp1", "qwen3moe-tp1", "qwen3moe-tp2"])
 def test_fsdp2_trainer_refits_vllm(tmp_path: Path, kind: str, tp: int) -> None:
     t0 = time.monotonic()
-    case = _refit_case(tmp_path, kind, tp, then_hub=(kind == "moe"))
+    case = _refit_case(tmp_path, kind, tp, then="hub" if kind == "moe" else "refused")
     _check_served(case)
     ranks = _dumped(case, "step-1", tp)
     # the transformers 5 trainer publishes fused experts; dense models have one naming
@@ -186,3 +190,28 @@ def _nbytes(t: dict[str, Any]) -> int:
     for s in t["shape"]:
         n *= s
     return n
+
+
+@pytest.mark.timeout(600)
+def test_delta_session_refits_vllm(tmp_path: Path) -> None:
+    """A delta session through the engine: the trainer's first push is full, its second sends each
+    message's change since the first (XOR, encoded). The engine applies it to its host base (the
+    tensors it fills are materialized afresh on every update, so they cannot hold the base) and
+    then serves exactly what a fresh engine serves from step 1's checkpoint. A delta applied to
+    anything but the first push's bytes would decode to other weights, and the exact check fails."""
+    case = _refit_case(tmp_path, "dense", 1, then=None, delta=True)
+    _check_served(case)
+    first, second = (json.loads((case["manifests"] / f"step-{s}" / "rank-0.json").read_text())["last"]
+                     for s in (0, 1))
+    assert first["delta"] and second["delta"]
+    # the first push is full: nothing encoded
+    assert first["encodings"] == {} and first["bytes_received"] == first["full_bytes_received"], first
+    # the second is a delta: encoded messages, and fewer bytes than the full push (some messages
+    # decoded against the base: "same", "sparse" or "zstd", not only "raw")
+    assert sum(second["encodings"].values()) > 0 and set(second["encodings"]) - {"raw"}, second
+    assert second["bytes_received"] < second["full_bytes_received"], second
+    assert second["base_bytes"] >= second["full_bytes_received"], second  # one model-format copy (padding too)
+    sent = [x for x in case["trainer"] if x["step"] == 1]
+    assert all(x["changed_fraction"] is not None for x in sent), sent
+    print(f"delta: step 1 received {second['bytes_received']} of {second['full_bytes_received']} bytes, "
+          f"encodings {second['encodings']}, changed {[round(x['changed_fraction'], 3) for x in sent]}")
