@@ -73,6 +73,7 @@ from streamer.ops.agree import agree as agree_refusals
 from streamer.ops.quant import FP8_BLOCK
 from streamer.plan.gcpause import paused_gc
 from streamer.refit.baseline import Baseline, gather_broadcast
+from streamer.refit.fleet import Fleet, ReplicaResult, check_fleet_args
 from streamer.refit.local import check_local, collect_local
 from streamer.refit.options import RefitOptions, agree
 from streamer.refit.rankstart import input_digests, input_problems, plan_own
@@ -80,7 +81,7 @@ from streamer.refit.replicas import replica_digests, replica_problems
 from streamer.transport.base import PeerClosedError, Transport
 from streamer.transport.jobs import Group, connect, rejoin
 
-__all__ = ["PushFailed", "RefitOptions", "RefitSession", "RefusedError", "StepStats", "make_transport", "transport_kind"]
+__all__ = ["PushFailed", "RefitOptions", "RefitSession", "RefusedError", "ReplicaResult", "StepStats", "make_transport", "transport_kind"]
 
 TRANSPORTS = ("mpi", "gloo", "nccl", "shm", "cuda-ipc")
 #: how a receiver whose wait for the next push timed out tells the others (they time out too)
@@ -109,6 +110,8 @@ class StepStats(ExecStats):
     base_bytes: int = 0
     #: seconds this rank spent quantizing FP8 weights (senders while packing, receivers after)
     quantize_seconds: float = 0.0
+    #: a trainer serving replicas (``open(..., replicas=True)``): what each replica received
+    replicas: list[ReplicaResult] = field(default_factory=list)
 
     @classmethod
     def of(cls, es: ExecStats, **session: Any) -> StepStats:
@@ -204,6 +207,8 @@ class RefitSession:
         self._closed = False
         self._kind: str | None = None  # the transport asked for (None: the plane's default)
         self._reopenable = False  # open() built the transport: it can build one for a new sender job
+        self._replica: str | None = None  # receivers: this replica's name
+        self._fleet: Fleet | None = None  # a trainer serving replicas: its per-replica sessions
         self._synced_ptrs: tuple[Any, ...] = ()
         self._delta_state: DeltaState | None = None
         self.quant: RefitQuant | None = None
@@ -219,7 +224,8 @@ class RefitSession:
              group: Group | None = None, options: RefitOptions | None = None, device_ops: Any = None,
              refusal: Refusal | None = None, announce: Callable[[AgreedRefusal], None] | None = None,
              prepare: Callable[[Group], None] | None = None,
-             choose_manifest: Callable[[Manifest], Manifest] | None = None) -> RefitSession:
+             choose_manifest: Callable[[Manifest], Manifest] | None = None, replica: str | None = None,
+             replicas: bool = False) -> RefitSession:
         """Join the refit as ``role`` ("send" or "recv") and plan it: the one collective entry point.
 
         ``transport``: "mpi" (default under mpiexec), "gloo" (default otherwise), "nccl", "shm" or
@@ -234,8 +240,17 @@ class RefitSession:
         as soon as its own ranks know it (see ``jobs.connect``). ``manifest`` may be None only with
         a ``refusal`` (the caller could not load it). ``choose_manifest`` (receivers): this job's
         manifest, picked from the sender's (the field).
+
+        Replicas (store plane, ``docs/resilience.md``): each inference replica's receiver job opens
+        with ``replica="NAME"`` and the same ``rendezvous``; the trainer opens with ``replicas=True``
+        and pushes to every replica that joins (``streamer.refit.fleet``).
         """
         t0 = time.perf_counter()
+        if replicas:
+            return cls._open_fleet(manifest, check_fleet_args(role, rendezvous, transport), transport, timeout,
+                                   options, device_ops)
+        if replica is not None:
+            rendezvous, control = _replica_rendezvous(role, replica, rendezvous, control)
         checks = LocalChecks(refusal)
         m: Manifest | None = None
         with checks.capture():  # a rank whose manifest does not load still joins, to say so
@@ -253,12 +268,35 @@ class RefitSession:
                           device_ops, choose_manifest)
             session._kind = kind if isinstance(kind, str) else None
             session._reopenable = not (transport is not None and not isinstance(transport, str))
+            session._replica = replica
             session.start()
             session.open_seconds = time.perf_counter() - t0
         except (AgreedRefusal, PlanError, UsageError):
             group.close(timeout)  # every rank holds this verdict: they sign off together
             raise
         return session
+
+    @classmethod
+    def _open_fleet(cls, manifest: Manifest | str | Path | None, rendezvous: str, transport: Any, timeout: float,
+                    options: RefitOptions | None, device_ops: Any) -> RefitSession:
+        """The trainer's session over every replica that joins through ``rendezvous``: waits (up
+        to ``timeout``) for the first replicas and joins them (``streamer.refit.fleet``)."""
+        from streamer.transport.roster import trainer_group
+
+        t0 = time.perf_counter()
+        if manifest is None:
+            raise UsageError("RefitSession.open needs a manifest")
+        m = manifest if isinstance(manifest, Manifest) else load_manifest(manifest)
+        group = trainer_group(rendezvous, timeout)
+        owner = cls(m, "send", group, group.control, timeout, options or RefitOptions(), device_ops)
+        owner._fleet = Fleet(owner, cls.open, rendezvous, transport)
+        try:
+            owner._fleet.fresh = owner._fleet.admit({}, wait=True)
+        except BaseException:
+            owner.close(done=False)
+            raise
+        owner.open_seconds = time.perf_counter() - t0
+        return owner
 
     def __enter__(self) -> RefitSession:
         return self
@@ -382,7 +420,15 @@ class RefitSession:
         if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
             raise UsageError(f"push(version=...) takes a number >= 0, got {version!r}")
         self._proposed = version
-        return self._step(tensors)
+        if self._fleet is None:
+            return self._step(tensors)
+        es, v, results, parts = self._fleet.push(tensors, version)
+        st = StepStats.of(es, step=len(self.steps), strategy=self.options.strategy, version=v, replicas=results,
+                          base_bytes=sum(p.base_bytes for p in parts),
+                          quantize_seconds=sum(p.quantize_seconds for p in parts))
+        self._last = v
+        self.steps.append(st)
+        return st
 
     def pull(self, tensors: Any) -> StepStats | None:
         """Receive into this inference rank's existing local tensors, in place. Returns None once
@@ -616,10 +662,29 @@ class RefitSession:
     def close(self, done: bool = True) -> None:
         """Leave the session. A sender job's ``close()`` (``done``; not after an error in a
         ``with`` block) ends it for good: receivers waiting in ``pull()`` get None."""
-        if done and self.role == "send":
+        if self._fleet is not None:
+            self._fleet.close(done)
+        elif done and self.role == "send":
             self.group.post_done()
+        if self._replica is not None and not self._broken and self.group.plane == "store":
+            # a replica leaving: the trainer's next push to it ends at once, and drops it
+            self.group.leave(f"replica {self._replica} closed its session")
         self._drop_transport()
         self.group.close(self.timeout)
+
+
+def _replica_rendezvous(role: str, name: str, rendezvous: str | None, control: str) -> tuple[str, str]:
+    """A replica's rendezvous file (``RENDEZVOUS@NAME``) and control plane (the store's)."""
+    from streamer.transport.roster import replica_path
+
+    if role != "recv":
+        raise UsageError("replica=NAME is for an inference replica (recv); the trainer opens with replicas=True")
+    if rendezvous is None:
+        raise UsageError("replica=NAME joins the trainer through a rendezvous file: pass rendezvous=FILE")
+    if control == "mpi":
+        raise UsageError("replicas join and leave on the store control plane only (under MPI a peer's death "
+                         "ends the launch): use control='store'")
+    return str(replica_path(rendezvous, name)), "store"
 
 
 def _memory_key(tensors: Mapping[str, Any]) -> tuple[Any, ...]:

@@ -169,12 +169,12 @@ def _die_midway(s: RefitSession, d: Path, rank: int, fraction: float) -> None:
     t.isend = counting  # type: ignore[method-assign]
 
 
-def launch(n: int, argv: list[str]) -> int:
+def launch(n: int, argv: list[str], script: str = __file__) -> int:
     """A launcher as torchrun starts its workers (RANK, WORLD_SIZE, LOCAL_RANK; a rank that dies
     takes the others down), without torchrun's own seconds of start-up: the job's exit code."""
     import subprocess
 
-    procs = [subprocess.Popen([sys.executable, __file__, *argv],
+    procs = [subprocess.Popen([sys.executable, script, *argv],
                               env={**os.environ, "RANK": str(r), "WORLD_SIZE": str(n), "LOCAL_RANK": str(r)})
              for r in range(n)]
     rc = 0

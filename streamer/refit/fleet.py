@@ -1,0 +1,227 @@
+"""A trainer that serves several inference replicas (``RefitSession.open(..., replicas=True)``).
+
+Each replica is a receiver job of its own (``open(..., replica="NAME")``: its own launcher,
+manifest and layout) that joins through ``RENDEZVOUS@NAME`` (``transport.roster``). The trainer
+holds one ordinary session per replica, planned on its own: each moves the lower bound of bytes
+for its layout, and keeps its own delta bases (the senders' base copies are per replica).
+
+Before each push trainer rank 0 lists the replica files and its ranks join the new replicas
+together; a joiner's first push is full (its tensors hold no version the trainer knows), while
+the others keep getting deltas. Each replica's push runs in turn; a replica that fails (died,
+closed, timed out) is dropped on every trainer rank (their verdicts are exchanged over the
+trainer's own store, ``roster.trainer_group``) and the push goes on for the others.
+``StepStats.replicas`` says what each replica received, or why it was dropped. ``push()`` raises
+``PushFailed`` only when no replica is left; a refused push (``RefusedError``) raises as before.
+A dropped replica whose receivers survive (``--stay``) waits for a new sender job: the trainer
+joins it again at a later push, with a full push.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Any
+
+from formats.errors import (
+    PeerTimeoutError,
+    PushFailed,
+    ShardstreamError,
+    TransportError,
+    UsageError,
+    ValidationError,
+)
+from streamer.execute.executor import ExecStats
+from streamer.transport.roster import agree_names, replica_files, replica_path
+
+__all__ = ["Fleet", "ReplicaResult", "check_fleet_args"]
+
+#: seconds a listed replica's store gets to answer before its file counts as stale
+PROBE = 5.0
+
+
+@dataclass(frozen=True)
+class ReplicaResult:
+    """One replica's part in a trainer's push: the version it now holds, or why it was dropped."""
+
+    name: str
+    #: the version the push delivered to it (None: it failed, see ``error``)
+    version: int | None
+    #: why it was dropped (it died, closed, or could not join); None: it received the push
+    error: str | None = None
+    #: True when this push was its first from this trainer (full bytes, not a delta)
+    joined: bool = False
+
+
+def check_fleet_args(role: str, rendezvous: str | None, transport: Any) -> str:
+    """The rendezvous path of a trainer serving replicas, or the usage error."""
+    if role != "send":
+        raise UsageError("replicas=True is for the trainer (send); an inference replica opens with replica=NAME")
+    if rendezvous is None:
+        raise UsageError("replicas=True joins replica jobs through a rendezvous file: pass rendezvous=FILE")
+    if transport is not None and (not isinstance(transport, str) or transport not in ("gloo", "nccl")):
+        raise UsageError(f"replicas move over gloo or nccl (the store control plane), not {transport!r}")
+    return rendezvous
+
+
+class Fleet:
+    """The per-replica sessions of one trainer rank (see the module docstring)."""
+
+    def __init__(self, owner: Any, opener: Callable[..., Any], rendezvous: str, transport: str | None) -> None:
+        #: the trainer's own session (its group: the trainer's ranks), and ``RefitSession.open``
+        self.owner = owner
+        self.opener = opener
+        self.rendezvous = rendezvous
+        self.kind = transport
+        self.subs: dict[str, Any] = {}
+        #: the rendezvous file each session was joined through (a replica's receivers write a new
+        #: one when they wait for a new sender job), and files that failed to join
+        self.joined_by: dict[str, str] = {}
+        self.refused: dict[str, str] = {}
+        self.last: int | None = None
+        #: the replicas joined at open: their first push counts as their joining one
+        self.fresh: set[str] = set()
+
+    @property
+    def group(self) -> Any:
+        return self.owner.group
+
+    @property
+    def timeout(self) -> float:
+        return float(self.owner.timeout)
+
+    # ------------------------------------------------------------------ joining
+    def _listing(self, wait: bool) -> dict[str, str]:
+        """Trainer rank 0: the replica files that are new (not the one a session joined through,
+        nor one that failed to join) and whose store answers; with ``wait``, until one is there."""
+        from streamer.transport.store import open_store
+
+        deadline = time.monotonic() + self.timeout
+        while True:
+            found = {}
+            for name, text in replica_files(self.rendezvous).items():
+                if text in (self.joined_by.get(name), self.refused.get(name)):
+                    continue
+                host, port = text.removeprefix("tcp://").split("/")[0].rsplit(":", 1)
+                try:
+                    open_store(host, int(port), server=False, timeout=PROBE)
+                except Exception:  # noqa: BLE001 - a stale file: its job is gone
+                    self.refused[name] = text
+                    continue
+                found[name] = text
+            if found or not wait or time.monotonic() > deadline:
+                return found
+            time.sleep(0.1)
+
+    def admit(self, results: dict[str, ReplicaResult], *, wait: bool = False) -> set[str]:
+        """Join the replicas waiting now (every trainer rank alike); the names joined. A replica
+        that fails to join is reported in ``results`` and not tried again through the same file."""
+        found = agree_names(self.group, self._listing(wait) if self.group.role_rank == 0 else None,
+                            self.timeout + 10 if wait else self.timeout)
+        if wait and not found:
+            raise PeerTimeoutError(f"no replica joined through {self.rendezvous}@NAME within {self.timeout:g} s")
+        fresh = set()
+        for name, text in sorted(found.items()):
+            if name in self.subs:  # its receivers wait for a new sender job: the old session is over
+                self.drop(name, "it opened the session again")
+            error = ""
+            try:
+                self.subs[name] = self.opener(self.owner.manifest, "send",
+                                                    rendezvous=str(replica_path(self.rendezvous, name)),
+                                                    transport=self.kind, control="store", timeout=self.timeout,
+                                                    options=self.owner.options, device_ops=self.owner.device_ops)
+            except ShardstreamError as e:
+                error = _reason(e)
+            errors = self._agree({name: error} if error else {})
+            if name in errors:
+                self.refused[name] = text
+                results[name] = ReplicaResult(name, None, f"could not join: {errors[name]}")
+                if name in self.subs:
+                    self.drop(name, errors[name])
+            else:
+                self.joined_by[name] = text
+                fresh.add(name)
+        return fresh
+
+    def _agree(self, errors: dict[str, str]) -> dict[str, str]:
+        """Every trainer rank's failures, merged (the first rank's reason for each replica)."""
+        merged: dict[str, str] = {}
+        for got in self.group.role_control.allgather_bytes(json.dumps(errors).encode(), self.timeout):
+            for name, reason in json.loads(got).items():
+                merged.setdefault(name, reason)
+        return merged
+
+    def drop(self, name: str, reason: str) -> None:
+        """Leave replica ``name``'s session: its receivers end the push with ``reason``."""
+        sub = self.subs.pop(name)
+        self.joined_by.pop(name, None)
+        sub.group.control.post_abort(f"the trainer dropped replica {name}: {reason}", 3)
+        try:
+            sub.close(done=False)
+        except ShardstreamError:  # its store went away with it
+            pass
+
+    # ------------------------------------------------------------------ pushing
+    def push(self, tensors: Any, version: int | None) -> tuple[ExecStats, int, list[ReplicaResult], list[Any]]:
+        """One push to every replica (see the module docstring): the replicas' figures added up,
+        the version, what each replica received, and their sessions' own step figures."""
+        t0 = time.perf_counter()
+        results: dict[str, ReplicaResult] = {}
+        fresh = self.admit(results) | self.fresh
+        self.fresh = set()
+        v = version if version is not None else (self.last or 0) + 1
+        if not self.subs:
+            raise PushFailed(_none_left(results), v)
+        stats: list[Any] = []
+        errors: dict[str, str] = {}
+        for name in sorted(self.subs):
+            try:
+                stats.append(self.subs[name].push(tensors, version=v))
+            except ValidationError:
+                raise  # a refused push: every rank of the trainer and that replica raise it
+            except TransportError as e:
+                errors[name] = _reason(e)
+        errors = self._agree(errors)
+        for name in sorted(self.subs):
+            if name in errors:
+                self.drop(name, errors[name])
+                results[name] = ReplicaResult(name, None, errors[name])
+            else:
+                results[name] = ReplicaResult(name, v, None, joined=name in fresh)
+        if not self.subs:
+            raise PushFailed(_none_left(results), v)
+        self.last = v
+        return _combined(stats, time.perf_counter() - t0), v, [results[n] for n in sorted(results)], stats
+
+    def close(self, done: bool) -> None:
+        for name in sorted(self.subs):
+            try:
+                self.subs.pop(name).close(done)
+            except ShardstreamError:  # a replica that went away meanwhile
+                pass
+
+
+def _reason(e: ShardstreamError) -> str:
+    return "; ".join(e.problems) if e.problems else str(e)
+
+
+def _none_left(results: dict[str, ReplicaResult]) -> str:
+    why = "; ".join(f"{r.name}: {r.error}" for r in results.values() if r.error)
+    return "no replica is left" + (f" ({why})" if why else "")
+
+
+def _combined(stats: list[Any], seconds: float) -> ExecStats:
+    """The replicas' figures added up (the largest buffer peak; the push's wall seconds)."""
+    es = ExecStats()
+    for st in stats:
+        for f in fields(ExecStats):
+            if f.name == "encodings":
+                for k, n in st.encodings.items():
+                    es.encodings[k] = es.encodings.get(k, 0) + n
+            elif f.name == "peak_buffer_bytes":
+                es.peak_buffer_bytes = max(es.peak_buffer_bytes, st.peak_buffer_bytes)
+            else:
+                setattr(es, f.name, getattr(es, f.name) + getattr(st, f.name))
+    es.seconds = seconds
+    return es

@@ -1,0 +1,115 @@
+"""Replicas: several receiver jobs, one per inference replica, share one rendezvous (store plane).
+
+Replica ``NAME`` joins through its own file beside the rendezvous path, ``PATH@NAME``: its rank 0
+serves the replica's TCPStore and writes the file as a single receiver job writes ``PATH``
+(``transport.jobs``), so each replica is one ordinary session with the trainer, with its own
+epochs (a replica outlives a trainer restart as before). The trainer lists the ``PATH@*`` files
+before each push and joins the new ones.
+
+The trainer's ranks must agree on which replicas they join and which they dropped, with no replica
+in between (any may die): they share a small store of their own (``trainer_group``), served by
+trainer rank 0, whose address the others read from ``PATH.trainer``.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+from formats.errors import UsageError
+from formats.manifest import atomic_write_bytes
+from streamer.transport.jobs import (
+    FRESH_SLACK,
+    Group,
+    _Clock,
+    _close_store,
+    _dial,
+    _store_wait,
+    launcher_rank,
+)
+
+__all__ = ["replica_files", "replica_path", "trainer_group"]
+
+_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+def check_name(name: str) -> str:
+    if not isinstance(name, str) or not _NAME.fullmatch(name) or name.startswith("."):
+        raise UsageError(f"replica name {name!r}: use letters, digits, '_', '-' and '.' (not first)")
+    return name
+
+
+def replica_path(rendezvous: str | Path, name: str) -> Path:
+    """The file through which replica ``name`` joins: ``RENDEZVOUS@NAME``."""
+    p = Path(rendezvous)
+    return p.with_name(f"{p.name}@{check_name(name)}")
+
+
+def replica_files(rendezvous: str | Path) -> dict[str, str]:
+    """The replicas waiting for a trainer now: name -> their file's content (a store address)."""
+    p = Path(rendezvous)
+    prefix = f"{p.name}@"
+    out: dict[str, str] = {}
+    try:
+        entries = sorted(p.parent.iterdir())
+    except FileNotFoundError:
+        return out
+    for f in entries:
+        name = f.name[len(prefix):]
+        if not f.name.startswith(prefix) or not _NAME.fullmatch(name) or name.startswith("."):
+            continue
+        try:
+            text = f.read_text().strip()
+        except OSError:  # removed between the listing and the read: it joined someone
+            continue
+        if text:
+            out[name] = text
+    return out
+
+
+def trainer_group(rendezvous: str | Path, timeout: float) -> Group:
+    """The trainer job's own group (every rank a sender, no receiver) over a store served by its
+    rank 0, found through ``RENDEZVOUS.trainer`` (written fresh, removed once every rank joined)."""
+    from streamer.transport.jobs import _rank_name
+    from streamer.transport.store import StoreControl, open_store
+    from streamer.transport.torch_dist import free_port, host_address
+
+    p = Path(rendezvous)
+    path = p.with_name(f"{p.name}.trainer")
+    rank, size = launcher_rank()
+    clock = _Clock.start(timeout)
+    t_start = time.time()
+    if rank == 0:
+        address = f"{host_address()}:{free_port()}"
+        host, port = address.rsplit(":", 1)
+        store = open_store(host, int(port), server=True, timeout=timeout)
+        atomic_write_bytes(path, f"tcp://{address}\n".encode())
+    else:
+        store, _ = _dial(path, clock, fresh_from=t_start - FRESH_SLACK)
+    try:
+        store.add("trainer/joined", 1)
+        store.set(f"trainer/in/{rank}", "1")
+        _store_wait(store, [f"trainer/in/{r}" for r in range(size)], clock.deadline,
+                    f"the trainer's {size} ranks to join through {path}")
+    finally:
+        if rank == 0:
+            path.unlink(missing_ok=True)
+
+    def names(r: int) -> str:
+        return _rank_name(r, size)
+
+    group = Group(StoreControl(store, rank, size, "trainer/all", names), StoreControl(store, rank, size, "trainer/send"),
+                  "send", size, 0, str(p), store=store, plane="store", prefix="trainer/")
+    group._closers.append(lambda t: _close_store(store, rank, size, rank == 0, t, "trainer/"))
+    return group
+
+
+def agree_names(group: Group, found: dict[str, str] | None, timeout: float) -> dict[str, str]:
+    """Trainer rank 0's listing of the replica files, on every trainer rank."""
+    import json
+
+    data = json.dumps(found or {}).encode() if group.role_rank == 0 else None
+    got: Any = json.loads(group.role_control.bcast_bytes(data, 0, timeout))
+    return {str(k): str(v) for k, v in got.items()}

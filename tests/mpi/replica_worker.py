@@ -1,0 +1,169 @@
+"""One job of a trainer serving several inference replicas (``test_replicas.py``), on the store
+control plane with gloo, started by ``resilient_worker.launch`` (torchrun's environment):
+
+    replica_worker.py --ranks N recv DIR --name a --rule 'S(1)' [--pulls K] [--die-after V] [--after FILE]
+    replica_worker.py --ranks N send DIR --versions 1,...,7 --expect a,b --join c:3
+
+Both sides compute version v's weights alike (seeded changes of 2% of the elements per version),
+so a replica checks what it holds after each pull. Replicas log one JSON line per event to
+DIR/NAME-RANK.jsonl; the trainer's rank 0 logs each push (what each replica received) to
+DIR/send.jsonl and touches DIR/pushed-V once version V is pushed. ``--die-after V``: the replica
+SIGKILLs itself once the trainer pushed V (after its own pull of V); ``--pulls K``: it closes its
+session after K pulls; ``--after FILE``: it opens only once FILE exists (a replica joining late).
+The trainer opens once the replicas of ``--expect`` wait, and pushes version V of ``--join c:V``
+once replica c waits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from resilient_worker import digest, launch
+
+from formats.errors import PushFailed
+from formats.layouts import apply_layout, manifest_from_arrays, parse_mesh, parse_rule
+from streamer.refit.options import RefitOptions
+from streamer.refit.persist import alloc_local
+from streamer.refit.session import RefitSession
+from streamer.transport.jobs import launcher_rank
+
+#: ~3 MB of float32 weights
+ARRAYS = {"w": (512, 1024), "v": (256, 1024)}
+
+
+def manifest(rule: str, n: int) -> Any:
+    mesh = parse_mesh(f"tp={n}")
+    return apply_layout(manifest_from_arrays({k: (s, "float32") for k, s in ARRAYS.items()}), mesh,
+                        [parse_rule(f"{k}={rule}", mesh) for k in ARRAYS], file_pattern=None)
+
+
+def weights(version: int) -> dict[str, np.ndarray]:
+    full = {k: np.random.default_rng(0).standard_normal(s).astype(np.float32) for k, s in ARRAYS.items()}
+    for v in range(1, version + 1):
+        rng = np.random.default_rng(v)
+        for a in full.values():
+            flat = a.reshape(-1)
+            idx = rng.choice(flat.size, flat.size // 50, replace=False)
+            flat[idx] += rng.standard_normal(idx.size).astype(np.float32)
+    return full
+
+
+def fill(m: Any, rank: int, local: dict[str, np.ndarray], version: int) -> None:
+    full = weights(version)
+    for fqn, _, c in m.iter_chunks():
+        if rank in c.holders:
+            sl = tuple(slice(o, o + s) for o, s in zip(c.region.offsets, c.region.sizes))
+            dl = tuple(slice(o, o + s) for o, s in zip(c.local_box.offsets, c.local_box.sizes))
+            local[c.tensor(fqn)][dl] = full[fqn][sl]
+
+
+def wait_file(path: Path, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} never appeared")
+        time.sleep(0.05)
+
+
+def recv(d: Path, args: argparse.Namespace) -> int:
+    rank, n = launcher_rank()
+    m = manifest(args.rule, n)
+    local = alloc_local(m, rank)
+    log = (d / f"{args.name}-{rank}.jsonl").open("a", buffering=1)
+
+    def note(**kw: Any) -> None:
+        log.write(json.dumps({"t": time.time(), **kw}) + "\n")
+
+    def holds(v: int | None) -> bool | None:
+        if v is None:
+            return None
+        expect = alloc_local(m, rank)
+        fill(m, rank, expect, v)
+        return digest(expect) == digest(local)
+
+    if args.after:
+        wait_file(d / args.after)
+    s = RefitSession.open(m, "recv", rendezvous=str(d / "rdv"), transport="gloo", timeout=args.timeout,
+                          options=RefitOptions(delta=True), replica=args.name)
+    pulled = 0
+    while pulled < args.pulls:
+        try:
+            st = s.pull(local)
+        except PushFailed as e:
+            note(event="failed", version=e.version, reason=e.reason, held=s.version)
+            continue
+        if st is None:
+            note(event="closed", held=s.version)
+            break
+        pulled += 1
+        note(event="ok", version=st.version, held=s.version, match=holds(s.version), wire=st.bytes_received,
+             full=st.full_bytes_received)
+        if st.version == args.die_after:
+            wait_file(d / f"pushed-{st.version}")
+            note(event="killed")
+            os.kill(os.getpid(), signal.SIGKILL)
+    s.close()
+    note(event="exit")
+    return 0
+
+
+def send(d: Path, args: argparse.Namespace) -> int:
+    rank, n = launcher_rank()
+    m = manifest("S(0)", n)
+    local = alloc_local(m, rank)
+    for name in args.expect.split(","):
+        wait_file(d / f"rdv@{name}")
+    join, join_at = args.join.split(":") if args.join else ("", "-1")
+    log = (d / "send.jsonl").open("a", buffering=1) if rank == 0 else None
+    if log is not None:
+        log.write(json.dumps({"t": time.time(), "event": "start"}) + "\n")
+    with RefitSession.open(m, "send", rendezvous=str(d / "rdv"), transport="gloo", timeout=args.timeout,
+                           options=RefitOptions(delta=True), replicas=True) as s:
+        for v in (int(x) for x in args.versions.split(",")):
+            if v == int(join_at):
+                wait_file(d / f"rdv@{join}")
+            fill(m, rank, local, v)
+            try:
+                st = s.push(local, version=v)
+            except PushFailed as e:
+                if log is not None:
+                    log.write(json.dumps({"version": v, "raised": e.reason}) + "\n")
+                break
+            if log is not None:
+                log.write(json.dumps({"t": time.time(), "version": st.version, "sent": st.bytes_sent, "replicas": [
+                    [r.name, r.version, r.error, r.joined] for r in st.replicas]}) + "\n")
+                (d / f"pushed-{v}").touch()
+    if log is not None:
+        log.write(json.dumps({"t": time.time(), "event": "closed"}) + "\n")
+    return 0
+
+
+def main() -> int:
+    if sys.argv[1] == "--ranks":
+        return launch(int(sys.argv[2]), sys.argv[3:], __file__)
+    p = argparse.ArgumentParser()
+    p.add_argument("role", choices=["send", "recv"])
+    p.add_argument("dir", type=Path)
+    p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--name", default="")
+    p.add_argument("--rule", default="S(0)")
+    p.add_argument("--pulls", type=int, default=1 << 30)
+    p.add_argument("--die-after", type=int, default=-1)
+    p.add_argument("--after", default="")
+    p.add_argument("--versions", default="1")
+    p.add_argument("--expect", default="")
+    p.add_argument("--join", default="")
+    args = p.parse_args()
+    return recv(args.dir, args) if args.role == "recv" else send(args.dir, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

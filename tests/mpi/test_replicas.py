@@ -1,0 +1,71 @@
+"""Replicas join and leave (issue 22 item 4; ``docs/resilience.md``): one trainer job serves
+several inference replica jobs, real processes on the store control plane with gloo
+(``replica_worker.py``), in one launch of all of them:
+
+- the trainer (2 ranks, rows split) opens with ``replicas=True`` once replicas ``a`` (2 ranks,
+  columns split) and ``b`` (1 rank: a different layout) wait, and pushes versions 1..7 as deltas;
+- ``c`` (1 rank) opens after version 2: it joins at push 3 with a full push of version 3 while
+  ``a`` and ``b`` get deltas, then gets deltas itself;
+- ``b`` is SIGKILLed after version 4: push 5 reports it dropped (``StepStats.replicas``) and
+  completes for the others, byte for byte;
+- ``a`` and ``c`` close after version 6: push 7 has no replica left and raises ``PushFailed``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mpi_helpers import BIN, Background
+
+WORKER = Path(__file__).with_name("replica_worker.py")
+
+pytestmark = pytest.mark.skipif(shutil.which("torchrun", path=str(BIN)) is None,
+                                reason="torch.distributed not installed (the torch extra)")
+
+
+def _job(d: Path, name: str, n: int, *args: object) -> Background:
+    return Background([BIN / "python", WORKER, "--ranks", n, *args], d, name)
+
+
+def _lines(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_replicas_join_and_leave(tmp_path: Path) -> None:
+    d = tmp_path
+    jobs = {"a": _job(d, "a", 2, "recv", d, "--name", "a", "--rule", "S(1)", "--pulls", 6),
+            "b": _job(d, "b", 1, "recv", d, "--name", "b", "--die-after", 4),
+            "c": _job(d, "c", 1, "recv", d, "--name", "c", "--after", "pushed-2", "--pulls", 4),
+            "trainer": _job(d, "trainer", 2, "send", d, "--versions", "1,2,3,4,5,6,7", "--expect", "a,b",
+                            "--join", "c:3")}
+    try:
+        codes = {name: job.wait(90) for name, job in jobs.items()}
+        assert codes == {"a": 0, "b": 137, "c": 0, "trainer": 0}, \
+            {n: (codes[n], j.stderr[-2000:]) for n, j in jobs.items()}
+    finally:
+        for job in jobs.values():
+            job.close()
+    pushes = [p for p in _lines(d / "send.jsonl") if "event" not in p]
+    got = [(p["version"], p.get("replicas") and [tuple(r[:2]) + (r[3],) for r in p["replicas"]]) for p in pushes]
+    assert got == [
+        (1, [("a", 1, True), ("b", 1, True)]),
+        (2, [("a", 2, False), ("b", 2, False)]),
+        (3, [("a", 3, False), ("b", 3, False), ("c", 3, True)]),  # c joins
+        (4, [("a", 4, False), ("b", 4, False), ("c", 4, False)]),
+        (5, [("a", 5, False), ("b", None, False), ("c", 5, False)]),  # b was killed: dropped, the others go on
+        (6, [("a", 6, False), ("c", 6, False)]),
+        (7, None)], pushes
+    assert "store went away" in pushes[4]["replicas"][1][2] or "failed" in pushes[4]["replicas"][1][2], pushes[4]
+    assert "no replica is left" in pushes[6]["raised"] and "a closed its session" in pushes[6]["raised"], pushes[6]
+    for name, ranks, versions in (("a", 2, [1, 2, 3, 4, 5, 6]), ("b", 1, [1, 2, 3, 4]), ("c", 1, [3, 4, 5, 6])):
+        for rank in range(ranks):
+            ev = _lines(d / f"{name}-{rank}.jsonl")
+            ok = [e for e in ev if e["event"] == "ok"]
+            assert [e["version"] for e in ok] == versions and all(e["match"] and e["held"] == e["version"] for e in ok), ev
+            assert ok[0]["wire"] == ok[0]["full"], ev  # a replica's first push is full ...
+            assert all(e["wire"] < e["full"] // 10 for e in ok[1:]), ev  # ... then deltas
+            assert ev[-1]["event"] == ("killed" if name == "b" else "exit"), ev
