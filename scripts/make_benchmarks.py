@@ -497,8 +497,9 @@ def _delta_section(rows: list[tuple[Row, float, dict[float, dict[str, Any]]]]) -
             "lr 1e-6, served in bf16) changed 3.2 %, 2.3 % and 1.9 % of the bf16 elements in three steps, and the "
             "delta pushes carried 3.7 %, 2.7 % and 2.3 % of the full bytes; the fractions below bracket those. "
             "Every GPU encodes what it sends and decodes what it receives at G GB/s, pipelined with the wire. "
-            "One CPU core encoded at 0.7–0.9 GB/s and decoded at 1.3–1.5 GB/s here (CPU time per rank); the GPU "
-            "rates are assumptions, not measurements.", "",
+            "One CPU core encoded at 0.3–1.3 GB/s and decoded at 0.4–2.6 GB/s here (CPU time per rank; "
+            "`delta.ENCODE_GBPS` = 0.5, the default of `simulate --delta-fraction`); the GPU rates are "
+            "assumptions, not measurements.", "",
             md_table(["model", "layout (trainer → generator)", "published refit", "full-weight reshard (sim.)",
                       "bytes on the wire", "wire alone"]
                      + [f"delta at {g:g} GB/s per GPU" for g in DELTA_GBPS], table), "",
@@ -627,7 +628,14 @@ The refit floor ratio is not reliably met on this 2-core machine, where 8 ranks 
 
 **Quantize on refit** (4 senders + 2 receivers, synthetic Qwen3-small, bf16 Megatron TP4 → vLLM block-FP8 TP2, 3 pushes): 0.240 GB on the wire per push instead of 0.332 GB (92 MB saved); a push takes 0.65–0.92 s (median), of which the slowest sender quantizes 0.57–0.77 s and the receivers 0.08–0.14 s (33.6 MB of staging buffers), against 0.14–0.16 s for the same refit into a bf16 server. On shared memory quantizing costs more than the bytes it saves; the halved bytes pay on a network, and the numpy quantizer (about 80 M elements/s on one free core) is the CPU path only.
 
-**Delta refit** (`bench refit --delta`: a 12.6M-parameter Llama with fp32 masters, real AdamW steps at lr 1e-6, TP2 fp32 → TP2 bf16): 3.2 %, 2.3 % and 1.9 % of the bf16 elements changed in three steps, and the pushes carried 3.7 %, 2.7 % and 2.3 % of the full bytes (headers included). One core encodes at 0.7–0.9 GB/s and decodes at 1.3–1.5 GB/s. On shared memory a delta push is slower than a full one (the codec is slower than a copy); it pays where the network is the bottleneck. On bf16 with 2 % of the elements changed, Zstd gave 2.6 % of the full size where LZ4 gave 5.5 % and Blosc (byte/bit shuffle) 3.6–7.5 %, more slowly.
+**Delta refit** (`bench refit --delta --repeats 7`, 2026-12-04: a 12.6M-parameter Llama with fp32 masters, real AdamW steps at lr 1e-6 and 1e-5 in one run, TP2 fp32 → TP2 bf16, 4 ranks on the 2 shared cores). Each step pushes three times, side by side: full; delta as a user gets it (`auto`: one host, so shared memory, where encoding loses to a copy and the session sends full bytes, keeping no base); and encoded (a slow link stated, every message encoded). Medians of the 7 steps after the first push:
+
+| lr | elements changed | encoded bytes / full | delta (auto) / full, wall time | encoded / full, wall time | encode GB/s per core | decode GB/s per core | break-even link (delta wins below) |
+|---|---|---|---|---|---|---|---|
+| 1e-6 | 1.67 % | 2.11 % | **0.87×** | 2.49× | 1.01 | 2.00 | 0.65 GB/s |
+| 1e-5 | 10.63 % | 9.88 % | **1.01×** | 6.44× | 0.42 | 0.89 | 0.25 GB/s |
+
+Before the `auto` choice a delta push here was the encoded one (2.5–6.4× a full push; issue 23 measured 3.9×). The break-even is `delta.break_even_gbps`: `(1 − r) / (1/encode + 1/decode)` with `r` the encoded fraction; `refit --link-gbps G` states a link, and a message is encoded only below its break-even. On bf16 with 2 % of the elements changed, Zstd gave 2.6 % of the full size where LZ4 gave 5.5 % and Blosc (byte/bit shuffle) 3.6–7.5 %, more slowly.
 
 **GPU tensors over mpi/gloo** (device packing, counted on CPU with the fake device): on the Qwen3-small layouts (Megatron TP2 → vLLM TP2) 326 regions per push become 214 device ops on each side (all ranks together); on a Qwen3-MoE with 32 experts (Megatron EP4 → vLLM TP2) the receivers' 1050 regions become 186 ops. The index costs 1–8 KiB.
 

@@ -106,7 +106,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from streamer.tools.bench_delta import bench_refit_delta, delta_table
 
         r = bench_refit_delta(work, senders=args.senders, receivers=args.receivers, train_mesh=args.train_mesh,
-                              serve_mesh=args.serve_mesh, steps=args.repeats or 3, lr=args.lr,
+                              serve_mesh=args.serve_mesh, steps=args.repeats or 3, lrs=tuple(args.lr),
                               bucket_size=args.bucket_size)
         text = delta_table(r)
     elif args.against:
@@ -155,6 +155,9 @@ def _add_refit(sub: Any) -> None:
     p.add_argument("--verify", action="store_true", help="compare per-region checksums with the senders'")
     p.add_argument("--delta", action="store_true",
                    help="after the first push, send only what changed (encoded); senders keep a copy of what they sent")
+    p.add_argument("--link-gbps", type=float, default=None, metavar="G",
+                   help="--delta: the link between the jobs, GB/s; messages are encoded only where that pays "
+                        "(default: ranks on one host share memory and send full bytes, across hosts always encode)")
     p.add_argument("--src-domain-size", type=_positive_int)
     p.add_argument("--dst-domain-size", type=_positive_int)
     p.add_argument("--allow-extra", action="store_true")
@@ -189,7 +192,8 @@ def _add_bench(sub: Any) -> None:
                         "bench convert: megatron = a Megatron torch_dist save -> HF (import --to hf + convert)")
     p.add_argument("--delta", action="store_true",
                    help="bench refit: full vs delta pushes after real AdamW steps of a small Llama (--repeats steps)")
-    p.add_argument("--lr", type=float, default=1e-6, help="bench refit --delta: the AdamW learning rate")
+    p.add_argument("--lr", type=float, nargs="+", default=[1e-6, 1e-5], metavar="LR",
+                   help="bench refit --delta: the AdamW learning rates, one run each (default 1e-6 1e-5)")
     p.add_argument("--against", metavar="FILE", help="bench refit: rerun FILE's reference configuration and print each "
                                                      "ratio beside its reference (benchmarks/refit-reference.json)")
     p.add_argument("--bucket-size", type=parse_size, default=64 << 20)

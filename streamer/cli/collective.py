@@ -75,7 +75,8 @@ def run_refit(role: str | None, manifest: Manifest | None, refusal: Refusal | No
     options = RefitOptions()
     with checks.capture():  # options this rank alone may refuse
         options = RefitOptions(bucket_size=args.bucket_size, verify=args.verify, strategy=args.strategy,
-                               delta=args.delta, fp8_block=args.fp8_block, ue8m0=args.ue8m0,
+                               delta=args.delta, link_gbps=args.link_gbps, fp8_block=args.fp8_block,
+                               ue8m0=args.ue8m0,
                                src_domain_size=args.src_domain_size, dst_domain_size=args.dst_domain_size,
                                allow_extra=args.allow_extra, planned_steps=args.steps)
     job = RefitJob(role, manifest, rendezvous=args.rendezvous, transport=args.transport,

@@ -17,6 +17,17 @@ delta message travels as a fixed 32-byte header (``HEADER_WORDS`` uint64: encodi
 bytes, version, base version) followed by the payload, which the receiver posts once the header
 told it the size. A payload is never larger than the message's raw bytes, so it fits the
 receiver's bucket slot.
+
+Auto: raw bytes where encoding loses to the link. Encoding costs CPU time (``ENCODE_GBPS`` and
+``DECODE_GBPS`` per core); a message of ``n`` bytes whose encoded form is a fraction ``r`` of it
+saves ``(1 - r) n / link`` on the wire and pays ``n / encode + n / decode``, so a delta wins only
+on links slower than ``break_even_gbps(r)`` (at most about 0.3 GB/s on one core). A pair of
+ranks whose link is faster than the break-even of an unchanged message never sends deltas (full
+bytes, in place, no base kept: a delta push then costs what a full push costs); on a slower link
+each message is XOR-scanned (memory-bound, chunked) and sent ``RAW`` without trying the codec
+when its changed bytes say the codec would not pay. ``pair_link`` says what link a pair has: the
+one the user stated (``RefitOptions.link_gbps``), else shared memory between ranks on one host
+(fast) and unknown across hosts (always encoded).
 """
 
 from __future__ import annotations
@@ -28,8 +39,8 @@ import numpy as np
 
 from formats.errors import TransportError
 
-__all__ = ["ENCODINGS", "HEADER_WORDS", "DeltaChecksumError", "DeltaPush", "DeltaRecv", "DeltaSend", "DeltaState",
-           "decode_into", "encode", "host_array"]
+__all__ = ["DECODE_GBPS", "ENCODE_GBPS", "ENCODINGS", "HEADER_WORDS", "DeltaChecksumError", "DeltaPush", "DeltaRecv",
+           "DeltaSend", "DeltaState", "break_even_gbps", "decode_into", "encode", "host_array", "pair_link", "xor_scan"]
 
 RAW, SAME, SPARSE, ZSTD = 0, 1, 2, 3
 ENCODINGS = ("raw", "same", "sparse", "zstd")
@@ -42,6 +53,15 @@ _PAYLOAD_TAGS = 8192
 _SPARSE_ONLY = 64
 #: positions are uint32: larger messages never use the sparse form
 _SPARSE_MAX = 1 << 32
+#: GB/s of one core encoding (XOR scan + Zstd) and decoding a message of bf16 weights a real AdamW
+#: step changed (``bench refit --delta``, lr 1e-6 and 1e-5, on a shared 2-core machine)
+ENCODE_GBPS = 0.5
+DECODE_GBPS = 1.0
+#: bytes XOR-scanned at a time: the new bytes, the base and the XOR stay in cache between the
+#: XOR, the base update and the counts (one pass over memory, no whole-message temporaries)
+SCAN_CHUNK = 256 << 10
+#: the link of two ranks on one host (shared memory): faster than any break-even
+SHARED_MEMORY_GBPS = float("inf")
 
 
 class DeltaChecksumError(TransportError):
@@ -51,6 +71,51 @@ class DeltaChecksumError(TransportError):
     unknown, so the next push sends it full bytes."""
 
     exit_code = 1
+
+
+def break_even_gbps(wire_ratio: float, encode_gbps: float = ENCODE_GBPS, decode_gbps: float = DECODE_GBPS) -> float:
+    """The link speed (GB/s) below which sending a delta that is ``wire_ratio`` of the full bytes
+    beats sending the full bytes: ``n/link > n/encode + r n/link + n/decode``. 0 when nothing is
+    saved (``wire_ratio >= 1``)."""
+    if encode_gbps <= 0 or decode_gbps <= 0:
+        raise ValueError(f"encode and decode speeds must be positive, got {encode_gbps} and {decode_gbps}")
+    return max(0.0, 1.0 - wire_ratio) / (1.0 / encode_gbps + 1.0 / decode_gbps)
+
+
+def pair_link(hosts: tuple[str, ...], link_gbps: float | None, src: int, dst: int) -> float | None:
+    """The link (GB/s) between ranks ``src`` and ``dst``: the stated one, else shared memory on one
+    host, else None (unknown: deltas are always encoded)."""
+    if link_gbps is not None:
+        return link_gbps
+    if hosts and hosts[src] == hosts[dst]:
+        return SHARED_MEMORY_GBPS
+    return None
+
+
+def xor_scan(new: np.ndarray, base: np.ndarray, xor: np.ndarray, sizes: list[tuple[int, int]]) -> tuple[int, int]:
+    """``xor = new ^ base``, then ``base = new``, in ``SCAN_CHUNK`` pieces. ``sizes``: (bytes,
+    itemsize) of the message's transfers in order. Returns (changed elements, changed bytes)."""
+    elements = nbytes = off = 0
+    for n, isz in sizes:
+        step = max(isz, SCAN_CHUNK - SCAN_CHUNK % isz)
+        for s in range(off, off + n, step):
+            e = min(off + n, s + step)
+            x = xor[s:e]
+            np.bitwise_xor(new[s:e], base[s:e], out=x)
+            base[s:e] = new[s:e]
+            c = int(np.count_nonzero(x))
+            nbytes += c
+            if c:
+                elements += _changed(x, isz)
+        off += n
+    return elements, nbytes
+
+
+def _changed(x: np.ndarray, itemsize: int) -> int:
+    """Elements of ``itemsize`` bytes with a nonzero byte in the XOR ``x`` (flat uint8)."""
+    if itemsize in (2, 4, 8):
+        return int(np.count_nonzero(x.view(f"<u{itemsize}")))
+    return int(np.count_nonzero(x.reshape(-1, itemsize).any(axis=1)))
 
 
 def payload_tag(phase: int, index: int) -> int:
@@ -129,13 +194,20 @@ def _zstd() -> Any:
     return Zstd(level=1)
 
 
-def encode(xor: np.ndarray, new: np.ndarray) -> tuple[int, int]:
+def encode(xor: np.ndarray, new: np.ndarray, *, changed: int | None = None,
+           link_gbps: float | None = None) -> tuple[int, int]:
     """Encode a message whose change is ``xor`` (flat uint8) and whose new bytes are ``new`` (a
-    buffer of the same size, overwritten with the payload). Return (encoding, payload bytes)."""
+    buffer of the same size, overwritten with the payload). Return (encoding, payload bytes).
+    ``changed``: the nonzero bytes of ``xor`` when known. ``link_gbps``: the link's speed; when
+    it is faster than the break-even of a message whose payload were its changed bytes alone (the
+    least any encoding sends), the codec is not tried: ``RAW``."""
     n = xor.size
-    changed = int(np.count_nonzero(xor))
+    if changed is None:
+        changed = int(np.count_nonzero(xor))
     if changed == 0:
         return SAME, 0
+    if link_gbps is not None and link_gbps >= break_even_gbps(changed / n):
+        return RAW, n
     sparse = 5 * changed if n < _SPARSE_MAX else n + 1
     if sparse > _SPARSE_ONLY:
         z = _zstd().encode(xor)
@@ -213,5 +285,19 @@ class DeltaPush:
     base: int | None = None
     stage: bool = False
 
+    #: every rank's host name (``pair_link``) and the link the jobs stated (GB/s; None: measured)
+    hosts: tuple[str, ...] = ()
+    link_gbps: float | None = None
+
+    def link(self, src: int, dst: int) -> float | None:
+        return pair_link(self.hosts, self.link_gbps, src, dst)
+
+    def keeps_base(self, src: int, dst: int) -> bool:
+        """Whether the pair may ever send deltas: not when its link beats the break-even of an
+        unchanged message (it then moves full bytes, in place, and no base is kept)."""
+        link = self.link(src, dst)
+        return link is None or link < break_even_gbps(0.0)
+
     def is_delta(self, src: int, dst: int) -> bool:
-        return self.base is not None and src not in self.stale and dst not in self.stale
+        return (self.base is not None and src not in self.stale and dst not in self.stale
+                and self.keeps_base(src, dst))

@@ -43,6 +43,7 @@ from streamer.execute.delta import (
     decode_into,
     encode,
     host_array,
+    xor_scan,
 )
 from streamer.execute.schedule import Message, build_schedule, is_contiguous
 from streamer.execute.staging import Part, Program, Stager, build_program, device_ops_for
@@ -299,14 +300,10 @@ class Executor:
         if base is None:  # is_delta promised the previous push recorded it
             raise UsageError(f"rank {self.rank}: no base for a delta to rank {m.dst} (a bug: please report)")
         x = delta.state.xor_buffer(m.nbytes)
-        np.bitwise_xor(new, base, out=x)
-        base[:] = new
-        off = 0
-        for tr in m.transfers:
-            st.changed_elements += _changed(x[off:off + tr.nbytes], tr.itemsize)
-            st.delta_elements += tr.nbytes // tr.itemsize
-            off += tr.nbytes
-        enc, n = encode(x, new)
+        elements, changed = xor_scan(new, base, x, [(tr.nbytes, tr.itemsize) for tr in m.transfers])
+        st.changed_elements += elements
+        st.delta_elements += sum(tr.nbytes // tr.itemsize for tr in m.transfers)
+        enc, n = encode(x, new, changed=changed, link_gbps=delta.link(m.src, m.dst))
         st.encodings[ENCODINGS[enc]] = st.encodings.get(ENCODINGS[enc], 0) + 1
         st.encode_seconds += time.thread_time() - t0
         assert delta.base is not None  # is_delta
@@ -494,7 +491,7 @@ class Executor:
             req = self._delta_send(m, buf, delta, run.st) if send else DeltaRecv(self.t, m, buf)
         else:
             req = self.t.isend(buf, m.dst, m.phase) if send else self.t.irecv(buf, m.src, m.phase)
-            if send and delta is not None:
+            if send and delta is not None and delta.keeps_base(m.src, m.dst):
                 self._keep_base(m, buf, delta)
         run.active.append(_Active(m, req, buf, not send, slot))
         return True
@@ -618,9 +615,3 @@ class Executor:
                                f"is corrupt (xxh64 expected {want:016x}, got {got:016x})")
         return n, bad
 
-
-def _changed(x: np.ndarray, itemsize: int) -> int:
-    """Elements of ``itemsize`` bytes with a nonzero byte in the XOR ``x`` (flat uint8)."""
-    if itemsize in (2, 4, 8) and x.size:
-        return int(np.count_nonzero(x.view(f"<u{itemsize}")))
-    return int(np.count_nonzero(x.reshape(-1, itemsize).any(axis=1))) if x.size else 0

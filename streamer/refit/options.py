@@ -2,8 +2,8 @@
 
 Each job passes its own ``RefitOptions``; ``RefitSession.open`` sends them round in one allgather
 and every rank computes the same agreed options with ``agree``: verify or delta if either job
-asks, the smallest bucket, the most planned steps, and one strategy, FP8 block and domain size
-(a difference there is refused by name). Nothing is negotiated that a user cannot set.
+asks, the smallest bucket and the slower stated link, the most planned steps, and one strategy,
+FP8 block and domain size (a difference there is refused by name). Nothing is negotiated that a user cannot set.
 """
 
 from __future__ import annotations
@@ -39,6 +39,9 @@ class RefitOptions:
     planned_steps: int = 1
     #: after the first push, send what changed since the last one
     delta: bool = False
+    #: delta: the link between the two jobs, GB/s (None: measured at open -- ranks on one host share
+    #: memory, where full bytes win; across hosts every delta is encoded); the jobs use the slower
+    link_gbps: float | None = None
     #: quantize on refit: elements per float32 scale of block-FP8 weights (None: 128x128, or what
     #: the other job asks), and UE8M0 power-of-two scales
     fp8_block: tuple[int, int] | None = None
@@ -55,6 +58,8 @@ class RefitOptions:
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise UsageError(f"{name} must be at least 1, got {v}")
+        if self.link_gbps is not None and not (0 < self.link_gbps < float("inf")):
+            raise UsageError(f"link_gbps must be a positive number of GB/s, got {self.link_gbps}")
         if self.fp8_block is not None and (len(self.fp8_block) != 2 or min(self.fp8_block) < 1):
             raise UsageError(f"fp8_block must be two positive sizes, got {self.fp8_block}")
 
@@ -82,6 +87,7 @@ def agree(cfgs: Sequence[dict[str, Any]], host: Sequence[bool]) -> RefitOptions:
         RefitOptions(), strategy=strategy,
         verify=any(c["verify"] for c in cfgs), delta=any(c["delta"] for c in cfgs),
         ue8m0=any(c["ue8m0"] for c in cfgs), allow_extra=cfgs[0]["allow_extra"],
+        link_gbps=min((c["link_gbps"] for c in cfgs if c.get("link_gbps") is not None), default=None),
         bucket_size=min(c["bucket_size"] for c in cfgs), planned_steps=max(c["planned_steps"] for c in cfgs),
         src_domain_size=_one(cfgs, "src_domain_size", "--src-domain-size"),
         dst_domain_size=_one(cfgs, "dst_domain_size", "--dst-domain-size"),

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import socket
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
@@ -211,6 +212,7 @@ class RefitSession:
         self._fleet: Fleet | None = None  # a trainer serving replicas: its per-replica sessions
         self._synced_ptrs: tuple[Any, ...] = ()
         self._delta_state: DeltaState | None = None
+        self.hostnames: tuple[str, ...] = ()  # every rank's host, from open (a delta's shared-memory pairs)
         self.quant: RefitQuant | None = None
         self._send_quant: SenderQuant | None = None
         self._recv_quant: ReceiverQuant | None = None
@@ -388,7 +390,9 @@ class RefitSession:
                                {"allow_extra": o.allow_extra, "schedule": SCHEDULE_VERSION})
         host = getattr(self.transport, "device", None) is None
         cfgs = [json.loads(c) for c in self._t.allgather_bytes(json.dumps(
-            {"options": o.wire(), "host": host, "inputs": inputs}).encode(), self.timeout)]
+            {"options": o.wire(), "host": host, "inputs": inputs, "hostname": socket.gethostname()}).encode(),
+            self.timeout)]
+        self.hostnames = tuple(str(c["hostname"]) for c in cfgs)
         self.options = agree([c["options"] for c in cfgs], [c["host"] for c in cfgs])
         problems = input_problems([c["inputs"] for c in cfgs], lambda r: f"rank {r}")
         if problems:
@@ -560,7 +564,8 @@ class RefitSession:
                 self._delta_state = DeltaState()
             ex = self._exec(local)
             stage = self.role == "recv" and base is not None and self._t.rank not in stale and not ex.forwards
-            delta = DeltaPush(self._delta_state, version, stale, base, stage)
+            delta = DeltaPush(self._delta_state, version, stale, base, stage, hosts=self.hostnames,
+                              link_gbps=self.options.link_gbps)
         if delta is None or not delta.stage:
             self._synced = None
         try:

@@ -424,9 +424,14 @@ def simulate(arrays: Mapping[str, tuple[Sequence[int], str]], train: Mapping[str
     ``network_bytes``, ``local_bytes``, the busiest link, bytes per GPU, and how it was planned.
     ``direct`` also plans without destination domains (every generator rank fed over the
     network, NCCL M2N's DIRECT algorithm) and reports ``direct_s``. ``delta_fraction`` (with
-    ``encode_gbps`` per GPU) also reports ``delta``: a delta refit's time (:func:`delta_cost`)."""
-    if (delta_fraction is None) != (encode_gbps is None):
-        raise UsageError("simulate: --delta-fraction and --encode-gbps go together")
+    ``encode_gbps`` per GPU; default ``delta.ENCODE_GBPS``, one CPU core as ``bench refit --delta``
+    measures it) also reports ``delta``: a delta refit's time (:func:`delta_cost`)."""
+    if encode_gbps is not None and delta_fraction is None:
+        raise UsageError("simulate: --encode-gbps goes with --delta-fraction")
+    if delta_fraction is not None and encode_gbps is None:
+        from streamer.execute.delta import ENCODE_GBPS
+
+        encode_gbps = ENCODE_GBPS
     cluster = _cluster(cluster, planning)
     if num_layers is None:
         idx = [li for li in (layer_index(n) for n in arrays) if li is not None]
@@ -557,8 +562,10 @@ def add_simulate_parser(sub: Any) -> None:
     p.add_argument("--include-mtp", action="store_true", help="HF config: DeepSeek-V3 MTP layers too")
     p.add_argument("--direct", action="store_true", help="also plan without destination domains (M2N DIRECT)")
     p.add_argument("--delta-fraction", type=float, metavar="F",
-                   help="also a delta refit: F of the bytes cross the network (refit --delta; needs --encode-gbps)")
-    p.add_argument("--encode-gbps", type=float, metavar="G", help="delta encode and decode rate per GPU, GB/s")
+                   help="also a delta refit: F of the bytes cross the network (refit --delta)")
+    p.add_argument("--encode-gbps", type=float, metavar="G",
+                   help="delta encode and decode rate per GPU, GB/s (default: one CPU core as bench refit --delta "
+                        "measured it, streamer.execute.delta.ENCODE_GBPS)")
     p.add_argument("--planning", choices=PLANNING_MODES, default="scaled",
                    help="scaled (default): one plan per layer kind; whole: one exact plan (small models)")
     p.add_argument("--json", action="store_true")

@@ -59,7 +59,7 @@ def main(kind: str) -> int:
 
     problems = []
     with RefitSession.open(m, role, options=RefitOptions(delta=True, verify=True, dst_domain_size=W - S,
-                                                          bucket_size=bucket), **opts) as s:
+                                                          link_gbps=0.01, bucket_size=bucket), **opts) as s:
         for step in range(4):
             if step:  # the same change on every rank: replicas stay identical
                 for a in full.values():

@@ -92,7 +92,7 @@ def recv(d: Path, args: argparse.Namespace) -> int:
         return digest(expect) == digest(local)
 
     s = RefitSession.open(m, "recv", rendezvous=str(d / "rdv"), transport="gloo", control="store",
-                          timeout=args.timeout, options=RefitOptions(delta=args.delta, bucket_size=BUCKET))
+                          timeout=args.timeout, options=_options(args))
     note(event="open")
     if args.pull_timeout:  # the open's wait for the trainer is long; the wait for a push short
         s.timeout = args.pull_timeout
@@ -132,7 +132,7 @@ def send(d: Path, args: argparse.Namespace) -> int:
     local = alloc_local(m, rank)
     kill_v, kill_f = (int(args.kill_at.split(":")[0]), float(args.kill_at.split(":")[1])) if args.kill_at else (-1, 0.0)
     with RefitSession.open(m, "send", rendezvous=str(d / "rdv"), transport="gloo", control="store",
-                           timeout=args.timeout, options=RefitOptions(delta=args.delta, bucket_size=BUCKET)) as s:
+                           timeout=args.timeout, options=_options(args)) as s:
         for v in (int(x) for x in args.versions.split(",")):
             fill(m, rank, local, weights(v))
             if v == kill_v:
@@ -190,6 +190,11 @@ def launch(n: int, argv: list[str], script: str = __file__) -> int:
                     q.terminate()
         time.sleep(0.05)
     return rc
+
+
+def _options(args: argparse.Namespace) -> RefitOptions:
+    """A slow link stated: on one host the deltas would otherwise travel as full bytes."""
+    return RefitOptions(delta=args.delta, bucket_size=BUCKET, link_gbps=0.01 if args.delta else None)
 
 
 def main() -> int:

@@ -112,10 +112,11 @@ def test_broadcast_strategy_same_bytes(ckpt: Ckpt, mpmd_saved: Saved, tmp_path: 
 
 def test_delta_refit_same_bytes(ckpt: Ckpt, mpmd_saved: Saved, tmp_path: Path) -> None:
     """``--delta --verify`` over 3 steps saves what a full refit saves. The senders push the same
-    weights each step, so after the full first push every delta is a header alone."""
+    weights each step over a slow link (stated by the senders alone), so after the full first push
+    every delta is a header alone."""
     out = tmp_path / "saved"
     rc, so, se = run(["mpiexec", "-n", "4", *SEND, "--manifest", ckpt.train, "--timeout", "30", "--steps", "3",
-                      "--delta", "--verify", ":",
+                      "--delta", "--link-gbps", "0.1", "--verify", ":",
                       "-n", "4", *RECV, "--manifest", ckpt.serve, "--save", out, "--timeout", "30", "--steps", "3",
                       "--delta"], timeout=90)
     assert rc == 0, f"rc {rc}\nstdout:\n{so}\nstderr:\n{se}"

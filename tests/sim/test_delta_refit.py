@@ -26,6 +26,9 @@ SRC_TYPES = {"w": "float32", "b": "float32", "q": "float32", "k": "float32", "e"
              "x8": "float8_e4m3fn", "x8_scale": "float32"}
 DST_TYPES = {**SRC_TYPES, "w": "bfloat16", "q": "bfloat16", "k": "bfloat16"}
 FRACTIONS = (0.0, 0.001, 0.02, 0.5, 1.0)  # of the elements changed by versions 2..6
+#: a link slow enough (GB/s) that every delta pays: threads on one host otherwise share memory,
+#: where a delta session sends full bytes (test_shared_memory_sends_full_bytes)
+SLOW_LINK = 0.001
 
 
 def _fused_qk(fqn: str, region: Box, holders: tuple[int, ...]) -> list[Chunk]:
@@ -83,6 +86,7 @@ def _want(full: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 def _run(src: Manifest, dst: Manifest, act: Callable[[RefitSession, int], Any],
          corrupt: Callable[[int, int, int, bytearray], None] | None = None,
          **options: Any) -> dict[int, Any]:
+    options.setdefault("link_gbps", SLOW_LINK)
     results, errors = run_sessions(src, dst, act, join_timeout=60, corrupt=corrupt, **options)
     assert not errors, {g: repr(e) for g, e in errors.items()}
     return results
@@ -154,6 +158,37 @@ def test_five_versions_byte_exact_and_small(dds: int | None) -> None:
     assert all(ss[v].verify_seconds > 0 for ss in steps.values() for v in range(len(versions)))
     recv = [steps[g] for g in steps if g >= S]
     assert all(st.decode_seconds > 0 for ss in recv for st in ss[2:])
+
+
+@pytest.mark.parametrize("link", [None, 50.0])
+def test_shared_memory_sends_full_bytes(link: float | None) -> None:
+    """Threads of one host share memory (or a fast link is stated): encoding would lose to the
+    wire, so a delta session moves full bytes in place, keeps no base and encodes nothing, and
+    the receivers are exact at every version."""
+    src, dst = _manifests()
+    versions = _versions(4, seed=2)
+    results = _run(src, dst, _pushes(src, dst, versions), delta=True, verify=True, bucket_size=64 << 10,
+                   link_gbps=link)
+    _check_each_version(dst, versions, results, src.world_size)
+    steps = [st for r in results.values() for st, _ in r]
+    assert all(isinstance(st, StepStats) for st in steps)
+    assert all(st.bytes_sent == st.full_bytes_sent and st.bytes_received == st.full_bytes_received
+               and st.encodings == {} and st.base_bytes == 0 and st.encode_seconds == 0 for st in steps
+               if isinstance(st, StepStats))
+
+
+def test_a_link_between_break_evens_sends_raw_where_the_codec_loses() -> None:
+    """At 0.2 GB/s a message with 2% of its elements changed is worth encoding, one with all of
+    them changed is not: it goes raw without trying the codec, and every version lands exact."""
+    src, dst = _manifests()
+    versions = _versions(1 + len(FRACTIONS))
+    results = _run(src, dst, _pushes(src, dst, versions), delta=True, bucket_size=64 << 10, link_gbps=0.2)
+    _check_each_version(dst, versions, results, src.world_size)
+    sent = [[st for st, _ in results[g]] for g in range(src.world_size)]
+    by_fraction = {f: {k: sum(ss[v + 1].encodings.get(k, 0) for ss in sent) for k in ("zstd", "sparse", "raw")}
+                   for v, f in enumerate(FRACTIONS)}
+    assert by_fraction[0.02]["zstd"] + by_fraction[0.02]["sparse"] > 0 and by_fraction[0.02]["raw"] == 0, by_fraction
+    assert by_fraction[1.0]["raw"] > 0 and by_fraction[1.0]["zstd"] == by_fraction[1.0]["sparse"] == 0, by_fraction
 
 
 @pytest.mark.parametrize("how", ["fresh buffers", "forget_base"])

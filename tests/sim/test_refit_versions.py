@@ -98,7 +98,7 @@ def test_a_delta_push_with_a_bad_header_applies_nothing() -> None:
         return out
 
     results, errors = run_sessions(src, dst, act, join_timeout=60, corrupt=corrupt, delta=True,
-                                   bucket_size=1 << 10)
+                                   bucket_size=1 << 10, link_gbps=0.001)  # a slow link: deltas encoded
     assert not errors, errors
     assert hits
     S = src.world_size

@@ -133,7 +133,8 @@ def test_delta_session_over_shm() -> None:
         for _ in range(3):
             s.push(srcs[r]) if s.role == "send" else s.pull(dsts[r])
         return s.steps[-1].encodings
-    res, errors = run_sessions(src, dst, act, transport_of=transport_of, verify=True, delta=True, planned_steps=3)
+    res, errors = run_sessions(src, dst, act, transport_of=transport_of, verify=True, delta=True, planned_steps=3,
+                               link_gbps=0.001)  # a slow link stated: deltas are encoded
     assert not errors, errors
     assert check_dest_tensors(dst, dsts, full) == []
     assert any(enc.get("same") for enc in res.values()), res

@@ -624,7 +624,7 @@ GOLDEN = {
         '--format{safetensors,zarr,torch_dist}', '--format-version{1,2}', '--fp8-block', '--json', '--max-shard-size',
         '--megatron-tp',
         '--memory-limit', '--out!', '--resume', '--timeout', '--ue8m0', '--zarr-compressor{zstd,none}', '<dst>', '<src>'],
-    'refit': ['--allow-extra', '--bucket-size', '--delta', '--dst-domain-size', '--json', '--manifest!',
+    'refit': ['--allow-extra', '--bucket-size', '--delta', '--dst-domain-size', '--json', '--link-gbps', '--manifest!',
         '--rendezvous', '--save', '--src-domain-size', '--stay', '--steps', '--strategy{reshard,broadcast}',
         '--timeout', '--transport{mpi,gloo,nccl,shm,cuda-ipc}', '--verify', '<role>{send,recv}',
         '--control{auto,mpi,store}', '--fp8-block', '--ue8m0'],
@@ -660,4 +660,7 @@ def test_golden_cli_contract() -> None:
     assert d["format"].default == "safetensors"
     refit = {a.dest: a for a in sub.choices["refit"]._actions}
     assert refit["bucket_size"].default == 256 << 20 and refit["timeout"].default == 300.0
+    assert refit["link_gbps"].default is None  # --delta: measured (shared memory on one host)
+    bench_p = {a.dest: a for a in sub.choices["bench"]._actions}
+    assert bench_p["lr"].default == [1e-6, 1e-5]
     assert refit["transport"].default is None  # mpi on the MPI control plane (as before), gloo on the store plane

@@ -16,6 +16,7 @@ import pytest
 from formats.errors import UsageError
 from formats.layouts.models import arrays_from_config, arrays_from_model, parallel_from_dict, parse_m2n_system
 from streamer.cli.app import main
+from streamer.execute.delta import ENCODE_GBPS
 from streamer.tools.simulate import (
     CLUSTERS,
     Cluster,
@@ -137,8 +138,11 @@ def test_delta_formula() -> None:
         pytest.approx(r["reshard_s"])
     with pytest.raises(UsageError, match="between 0 and 1"):
         delta_cost(pairs, S=1, cluster=cluster(1), fraction=1.5, encode_bytes_per_s=1e9)
-    with pytest.raises(UsageError, match="go together"):
-        simulate(W, par(num_gpus=1), par(num_gpus=2, dp=2), cluster(1), delta_fraction=0.1)
+    with pytest.raises(UsageError, match="goes with --delta-fraction"):
+        simulate(W, par(num_gpus=1), par(num_gpus=2, dp=2), cluster(1), encode_gbps=1)
+    # without a rate: one CPU core, as bench refit --delta measured it
+    d0 = simulate(W, par(num_gpus=1), par(num_gpus=2, dp=2), cluster(1), delta_fraction=0.1)["delta"]
+    assert d0["coding_s"] == pytest.approx(2 * NB / (ENCODE_GBPS * 1e9))
 
 
 def test_broadcast_formula_and_rings() -> None:
