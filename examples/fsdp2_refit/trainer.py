@@ -14,7 +14,9 @@ collectives run before and after every push. Adopting shardstream is the three m
 ``--save-hf DIR``: also write the same bf16 weights as an HF checkpoint, ``DIR/step-STEP/``
 (``save_pretrained``: what a fresh vLLM engine loads, to compare with the one refitted).
 ``--delta``: a delta session (``RefitOptions(delta=True)``): the first push is full, the next ones
-send each message's change since the last push (docs/refit.md, "Delta refit").
+send each message's change since the last push (docs/refit.md, "Delta refit"). ``--link-gbps G``
+states the link to the engine: on one host, without it, encoding loses to shared memory and the
+session sends full bytes.
 The receiver can be any job that joins through RENDEZVOUS: the example server, or a vLLM engine
 with the ``shardstream`` weight-transfer backend (docs/vllm.md).
 """
@@ -42,7 +44,8 @@ def load_config(cfg_path: str) -> object:
 
 
 def main(cfg_path: str, rendezvous: str, steps: int, reference: str | None, transport: str = "gloo",
-         save_hf: str | None = None, timeout: float = 120, delta: bool = False) -> int:
+         save_hf: str | None = None, timeout: float = 120, delta: bool = False,
+         link_gbps: float | None = None) -> int:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
@@ -56,7 +59,7 @@ def main(cfg_path: str, rendezvous: str, steps: int, reference: str | None, tran
     assert {a.data_type for a in manifest.arrays.values()} == {"float32"}, "fp32 masters stay float32"
     data = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     with RefitSession.open(manifest, "send", rendezvous=rendezvous, transport=transport, timeout=timeout,
-                           options=RefitOptions(verify=True, delta=delta)) as session:  # shardstream 2/3
+                           options=RefitOptions(verify=True, delta=delta, link_gbps=link_gbps)) as session:  # shardstream 2/3
         for step in range(steps):
             loss = model(input_ids=data, labels=data).loss
             loss.backward()  # FSDP2's own reduce-scatters on the trainer's group
@@ -107,5 +110,7 @@ if __name__ == "__main__":
     ap.add_argument("--save-hf", metavar="DIR", help="write each step's bf16 weights as an HF checkpoint DIR/step-N")
     ap.add_argument("--timeout", type=float, default=120, help="seconds any wait may take (default 120)")
     ap.add_argument("--delta", action="store_true", help="a delta session: pushes after the first send changes only")
+    ap.add_argument("--link-gbps", type=float, metavar="G", help="--delta: the link to the receiver, GB/s")
     a = ap.parse_args()
-    sys.exit(main(a.config, a.rendezvous, a.steps, a.reference, a.transport, a.save_hf, a.timeout, a.delta))
+    sys.exit(main(a.config, a.rendezvous, a.steps, a.reference, a.transport, a.save_hf, a.timeout, a.delta,
+                  a.link_gbps))

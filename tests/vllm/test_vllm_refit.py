@@ -108,7 +108,7 @@ def _refit_case(tmp: Path, kind: str, tp: int, then: str | None, delta: bool = F
     (tmp / "job.json").write_text(json.dumps(job))
     assert TORCHRUN is not None, "torchrun not found beside this python"
     procs = {"trainer": Proc([TORCHRUN, "--standalone", "--nproc-per-node", 2, TRAINER, model / "config.json", rdv,
-                              "--save-hf", hf, "--timeout", 420] + (["--delta"] if delta else []), tmp, "trainer")}
+                              "--save-hf", hf, "--timeout", 420] + (["--delta", "--link-gbps", 0.1] if delta else []), tmp, "trainer")}
     if then is not None:
         procs["hub"] = Proc([sys.executable, HERE / "hub_sender.py", model, rdv2, 840]
                             + ([] if then == "hub" else ["--bad"]), tmp, "hub")
