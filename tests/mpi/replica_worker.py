@@ -37,6 +37,8 @@ from streamer.transport.jobs import launcher_rank
 
 #: ~3 MB of float32 weights
 ARRAYS = {"w": (512, 1024), "v": (256, 1024)}
+#: a slow link stated (GB/s): on one host a delta session would otherwise send full bytes
+SLOW_LINK = 0.01
 
 
 def manifest(rule: str, n: int) -> Any:
@@ -92,7 +94,7 @@ def recv(d: Path, args: argparse.Namespace) -> int:
     if args.after:
         wait_file(d / args.after)
     s = RefitSession.open(m, "recv", rendezvous=str(d / "rdv"), transport="gloo", timeout=args.timeout,
-                          options=RefitOptions(delta=True), replica=args.name)
+                          options=RefitOptions(delta=True, link_gbps=SLOW_LINK), replica=args.name)
     pulled = 0
     while pulled < args.pulls:
         try:
@@ -126,7 +128,7 @@ def send(d: Path, args: argparse.Namespace) -> int:
     if log is not None:
         log.write(json.dumps({"t": time.time(), "event": "start"}) + "\n")
     with RefitSession.open(m, "send", rendezvous=str(d / "rdv"), transport="gloo", timeout=args.timeout,
-                           options=RefitOptions(delta=True), replicas=True) as s:
+                           options=RefitOptions(delta=True, link_gbps=SLOW_LINK), replicas=True) as s:
         for v in (int(x) for x in args.versions.split(",")):
             if v == int(join_at):
                 wait_file(d / f"rdv@{join}")
