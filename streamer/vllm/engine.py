@@ -24,6 +24,10 @@ registered by :mod:`streamer.vllm.plugin`). The calls, from ``LLM`` or ``vllm se
 ``finish_weight_update()``
     ``finalize_layerwise_reload``: attention layers are processed, the rest restored.
 
+Block-FP8 layers (``Fp8LinearMethod`` with ``weight_block_size``) take the ``reprocess`` path; the
+engine asks the session for its block (``fp8_block``), so a bf16/fp32 trainer's push is quantized
+on the way (quantize on refit, docs/refit.md).
+
 Delta sessions (``RefitOptions(delta=True)`` on the trainer, or ``"delta": true`` in ``init_info``):
 the pull writes into a host base that the engine keeps per session (one model-format copy of the
 worker's parameters), the XOR deltas apply to it, and it is copied into the update's tensors.
@@ -103,7 +107,8 @@ class ShardstreamWeightTransferEngine(
         self.session = RefitSession.open(described.manifests["per_expert"], "recv",
                                          rendezvous=init_info.rendezvous, transport=init_info.transport,
                                          timeout=init_info.timeout,
-                                         options=RefitOptions(verify=init_info.verify, delta=init_info.delta),
+                                         options=RefitOptions(verify=init_info.verify, delta=init_info.delta,
+                                                              fp8_block=described.fp8_block),
                                          choose_manifest=choose)
 
     # ------------------------------------------------------------------ one update
@@ -145,7 +150,8 @@ class ShardstreamWeightTransferEngine(
                      "reprocessed_layers": sum(1 for _, p in layers if p == "reprocess"),
                      "inplace_layers": sum(1 for _, p in layers if p == "inplace"),
                      "delta": session.options.delta, "full_bytes_received": st.full_bytes_received,
-                     "encodings": dict(st.encodings), "base_bytes": sum(b.nbytes for b in (self.base or {}).values())}
+                     "encodings": dict(st.encodings), "base_bytes": sum(b.nbytes for b in (self.base or {}).values()),
+                     "quantized": _quantized(session), "quantize_seconds": st.quantize_seconds}
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
@@ -239,6 +245,15 @@ class ShardstreamWeightTransferEngine(
         if self._reloading:
             self._reloading = False
             finalize_layerwise_reload(self.model, self.model_config)
+
+
+def _quantized(session: Any) -> dict[str, int]:
+    """Quantize on refit: how many FP8 weights the senders and this job's receivers quantize."""
+    q = session.quant
+    if q is None:
+        return {}
+    where = [q.where(f) for f in q.targets]
+    return {w: where.count(w) for w in sorted(set(where))}
 
 
 def _experts_prepack(qm: Any, layer: Any) -> None:

@@ -31,7 +31,11 @@ Routed experts are published two ways; a trainer of either kind matches one of t
 preset lays them out) and ``fused`` (transformers 5 state dicts: ``mlp.experts.gate_up_proj``
 ``[E, 2I, H]`` and ``mlp.experts.down_proj`` ``[E, H, I]``, the parameters 3-D as vLLM holds them).
 
-Refused by name, never skipped: quantized layers (FP8 and the rest: not described yet), layers
+Block-FP8 linear layers (``Fp8LinearMethod`` with ``weight_block_size``) are described: the FP8
+``weight`` as above, its float32 ``weight_scale_inv`` as the block image of each weight region
+(the ``vllm`` preset's ``--fp8`` layout); a bf16/fp32 trainer then feeds them by quantize on refit.
+Refused by name, never skipped: other quantized layers (per-tensor FP8, UE8M0 scales, FP8 experts
+and the rest: not described yet), layers
 whose loader this module does not know, models whose ``hf_to_vllm_mapper`` renames checkpoint
 names, LoRA added vocabulary, EPLB redundant experts, padded MoE intermediate sizes.
 
@@ -98,6 +102,8 @@ class VllmManifests:
     manifests: Mapping[str, Manifest]
     tensors: Mapping[str, tuple[VllmTensor, ...]]
     rank: int
+    #: the block of the engine's block-FP8 weights (None: no FP8 layer); the session's ``fp8_block``
+    fp8_block: tuple[int, int] | None = None
 
     def naming_for(self, src: Manifest) -> str:
         return choose_naming(self.manifests, src)
@@ -141,6 +147,7 @@ class _Worker:
         self.pieces: dict[str, list[Piece]] = {k: [] for k in EXPERT_NAMINGS}
         self.tensors: dict[str, list[VllmTensor]] = {k: [] for k in EXPERT_NAMINGS}
         self.problems: list[str] = []
+        self.fp8_blocks: set[tuple[int, int]] = set()
 
     def tensor(self, layer: Any, module: str, pname: str, shape: tuple[int, ...], dt: str,
                namings: Iterable[str] = EXPERT_NAMINGS) -> str:
@@ -169,6 +176,28 @@ class _Worker:
         shape = tuple(int(n) for n in meta.shape)
         t = self.tensor(layer, module, pname, shape, dt)
         self.put(t, shape, dt, (0,) * len(shape), shape, t, (0,) * len(shape))
+
+    def scales(self, layer: Any, module: str, meta: Any, dt: str, block: tuple[int, int]) -> None:
+        """A block-FP8 layer's ``weight_scale_inv``: the block image of every ``weight`` piece (one
+        float32 per ``block`` of the weight; the last block of a dim may be partial), at the weight's
+        local offset in blocks, under the HF name ``...weight_scale_inv``. A piece that does not
+        start on the block grid, or ends off it before the array's end, is refused by name."""
+        weight = f"{module}.weight"
+        shape = tuple(int(n) for n in meta.shape)
+        t = self.tensor(layer, module, "weight_scale_inv", shape, dt)
+        for k in EXPERT_NAMINGS:
+            for p in [p for p in self.pieces[k] if p.tensor == weight]:
+                ends = [o + n for o, n in zip(p.offsets, p.sizes)]
+                if any(o % b or lo % b or (e % b and e != full) for o, lo, e, b, full
+                       in zip(p.offsets, p.local_offsets, ends, block, p.shape)):
+                    self.problems.append(f"{p.array}: the region at {list(p.offsets)} of {list(p.sizes)} in {weight} "
+                                         f"is not whole FP8 blocks of {list(block)}")
+                    return
+                self.put(p.array.removesuffix("weight") + "weight_scale_inv",
+                         tuple(-(-n // b) for n, b in zip(p.shape, block)), dt,
+                         tuple(o // b for o, b in zip(p.offsets, block)),
+                         tuple(-(-e // b) - o // b for o, e, b in zip(p.offsets, ends, block)), t,
+                         tuple(lo // b for lo, b in zip(p.local_offsets, block)), [k])
 
 
 def _packed_names(w: _Worker, module: str, n: int) -> list[str] | None:
@@ -340,16 +369,21 @@ def describe_worker(model: Any) -> _Worker:
         kind = next(((cls, fn) for cls, fn in known if isinstance(layer, cls)), None)
         if kind is not None:
             cls, fn = kind
+            block = None
             if qm is not None and not isinstance(qm, unquantized):
-                w.problems.append(f"{module}: quantized layer ({type(qm).__name__}) is not described yet")
-                continue
+                block = _fp8_block(w, module, qm, params)
+                if block is None:
+                    continue
             # subclasses with loaders of their own (fused q/k/v + gate, indexers...) are refused
             if any(getattr(type(layer), f, None) is not getattr(cls, f, None)
                    for f in ("weight_loader", "weight_loader_v2")):
                 w.problems.append(f"{module}: {type(layer).__name__} has a weight loader this module does not know")
                 continue
             for pname, (meta, dt) in params.items():
-                (fn or _whole_fn)(w, layer, module, pname, meta, dt)
+                if pname != "weight_scale_inv":
+                    (fn or _whole_fn)(w, layer, module, pname, meta, dt)
+            if block is not None:
+                w.scales(layer, module, *params["weight_scale_inv"], block)
             continue
         for pname, (meta, dt) in params.items():
             loader = getattr(own[pname], "weight_loader", default_weight_loader)
@@ -365,6 +399,31 @@ def describe_worker(model: Any) -> _Worker:
 
 def _whole_fn(w: _Worker, layer: Any, module: str, pname: str, meta: Any, dt: str) -> None:
     w.whole(layer, module, pname, meta, dt)
+
+
+def _fp8_block(w: _Worker, module: str, qm: Any, params: Mapping[str, tuple[Any, str]]) -> tuple[int, int] | None:
+    """The block of a block-FP8 linear layer (vLLM's ``Fp8LinearMethod`` with ``weight_block_size``,
+    dynamic activation scales, float32 ``weight_scale_inv``), recorded in ``w``; None, with the
+    problem recorded, for any other quantized layer (per-tensor FP8, static input scales, UE8M0
+    scales, every other method: not described yet)."""
+    from vllm.model_executor.layers.quantization.fp8 import Fp8LinearMethod
+
+    block = getattr(qm, "weight_block_size", None) if type(qm) is Fp8LinearMethod else None
+    why = ("" if block is not None else f"quantized layer ({type(qm).__name__}"
+           + (", FP8 without weight_block_size" if type(qm) is Fp8LinearMethod else "") + ") is not described yet")
+    if not why and (qm.act_q_static or getattr(qm, "is_scale_e8m0", False)):
+        why = "block-FP8 layer with static input scales or UE8M0 scales is not described yet"
+    if not why and (params.get("weight", (None, ""))[1] != "float8_e4m3fn"
+                    or params.get("weight_scale_inv", (None, ""))[1] != "float32"
+                    or set(params) - {"weight", "weight_scale_inv", "bias"}):
+        why = f"block-FP8 layer with parameters {sorted((k, d) for k, (_, d) in params.items())} is not described"
+    if why:
+        w.problems.append(f"{module}: {why}")
+        return None
+    assert block is not None
+    b = (int(block[0]), int(block[1]))
+    w.fp8_blocks.add(b)
+    return b
 
 
 # ---------------------------------------------------------------- every worker
@@ -422,6 +481,8 @@ def manifest_from_vllm(model: Any, *, name: str | None = "vllm", group: Any = No
     import torch.distributed as dist
 
     w = describe_worker(model)
+    if len(w.fp8_blocks) > 1:
+        w.problems.append(f"block-FP8 layers with different blocks {sorted(w.fp8_blocks)}: one session has one block")
     mine = (w.pieces, w.tensors, w.problems)
     if dist.is_available() and dist.is_initialized():
         if group is None:
@@ -438,4 +499,5 @@ def manifest_from_vllm(model: Any, *, name: str | None = "vllm", group: Any = No
     if problems:
         raise VllmLayoutError(problems=problems)
     manifests = manifests_from_pieces([(r, pcs, ts) for r, (pcs, ts, _) in gathered], size, name)
-    return VllmManifests(manifests, {k: tuple(v) for k, v in w.tensors.items()}, rank)
+    block = next(iter(w.fp8_blocks), None)
+    return VllmManifests(manifests, {k: tuple(v) for k, v in w.tensors.items()}, rank, block)

@@ -11,6 +11,12 @@ generates after each of N updates. ``manifests``: every worker's engine writes t
 described (both expert namings) and what its updates did to ``DIR/rank-R.json``. ``then``: after
 the N updates, leave the session and join another one at PATH2 for one more update. Greedy tokens
 and the top-K logprobs of every generated position are recorded per prompt.
+
+Block FP8 (TP 1 only: the reference kernel is installed in this process, see fp8_reference.py):
+``"fp8_block": [R, C]`` in the JOB installs the reference kernel, and every RUN's model is first
+written as a block-FP8 checkpoint ``DIR-fp8`` (DeepGEMM's quantizer), which the engine loads. A
+refit RUN then also saves every FP8 layer's weight and scale after each update to
+``MANIFESTS/step-N/fp8.pt``.
 """
 
 from __future__ import annotations
@@ -79,7 +85,12 @@ def run(job: dict[str, Any]) -> list[dict[str, Any]]:
     results = []
     for r in job["runs"]:
         t0 = time.perf_counter()
-        llm = engine(r["model"], job, "refit" in r)
+        model = r["model"]
+        if job.get("fp8_block"):
+            from fp8_reference import write_fp8_checkpoint
+
+            model = str(write_fp8_checkpoint(Path(model), Path(model + "-fp8"), tuple(job["fp8_block"])))
+        llm = engine(model, job, "refit" in r)
         entry: dict[str, Any] = {"model": r["model"], "start_seconds": time.perf_counter() - t0}
         if "refit" in r:
             rf = r["refit"]
@@ -92,6 +103,10 @@ def run(job: dict[str, Any]) -> list[dict[str, Any]]:
                 entry["steps"].append(update(llm, str(step), job))
                 if rf.get("manifests"):
                     llm.collective_rpc(dump, args=(str(Path(rf["manifests"], f"step-{step}")),))
+                    if job.get("fp8_block"):
+                        from fp8_reference import dump_fp8
+
+                        llm.collective_rpc(dump_fp8, args=(str(Path(rf["manifests"], f"step-{step}", "fp8.pt")),))
             then = rf.get("then")
             if then:
                 llm.shutdown_weight_transfer_engine()
@@ -120,6 +135,11 @@ if __name__ == "__main__":
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc with a function (dump)
     job = json.loads(Path(sys.argv[1]).read_text())
+    if job.get("fp8_block"):
+        assert job["tp"] == 1, "the FP8 reference kernel is installed in this process: TP 1 only"
+        from fp8_reference import install_kernel
+
+        install_kernel()
     if job["tp"] == 1:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: starts in seconds
     else:

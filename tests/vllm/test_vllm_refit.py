@@ -215,3 +215,64 @@ def test_delta_session_refits_vllm(tmp_path: Path) -> None:
     assert all(x["changed_fraction"] is not None for x in sent), sent
     print(f"delta: step 1 received {second['bytes_received']} of {second['full_bytes_received']} bytes, "
           f"encodings {second['encodings']}, changed {[round(x['changed_fraction'], 3) for x in sent]}")
+
+
+FP8_BLOCK = (32, 32)
+
+
+@pytest.mark.timeout(600)
+def test_fp8_target_refits_vllm(tmp_path: Path) -> None:
+    """Quantize on refit into a block-FP8 engine. The engine loads model A as a block-FP8 checkpoint
+    (32x32 blocks); a one-rank sender pushes model B's bf16 checkpoint; the engine asks the
+    session for its block, the push is quantized on the way, and vLLM's own FP8 loader format
+    receives it (``Fp8LinearMethod``: FP8 ``weight`` and float32 ``weight_scale_inv``, fused
+    q/k/v and gate/up). The bytes the kernels then read must equal DeepGEMM's quantization of B,
+    computed here in torch, and the engine must serve exactly what a fresh engine serves from B's
+    FP8 checkpoint (and not what it served from A). The CPU has no FP8 kernel of vLLM's own
+    (they need AMX): both engines run the tier's reference kernel (fp8_reference.py)."""
+    import torch
+    from fp8_reference import is_quantized, per_block_cast_to_fp8
+    from safetensors.torch import load_file
+
+    a = tiny_models.make_model("dense", tmp_path / "a", seed=0)
+    b = tiny_models.make_model("dense", tmp_path / "b", seed=1)
+    rdv, manifests = tmp_path / "rdv", tmp_path / "manifests"
+    refit = {"rendezvous": str(rdv), "timeout": 240, "steps": 1, "manifests": str(manifests)}
+    job = {"tp": 1, "prompts": PROMPTS, "max_tokens": 6, "logprobs": 5, "fp8_block": list(FP8_BLOCK),
+           "runs": [{"model": str(a), "refit": refit}, {"model": str(b)}]}
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    sender = Proc([sys.executable, HERE / "hub_sender.py", b, rdv, 400], tmp_path, "sender")
+    driver = Proc([sys.executable, HERE / "engine_driver.py", tmp_path / "job.json", tmp_path / "out.json"], tmp_path,
+                  "driver")
+    try:
+        rcs = (driver.wait(480), sender.wait(60))
+    finally:
+        for p in (driver, sender):
+            p.kill()
+    assert rcs == (0, 0), f"{rcs}\n=== driver\n{driver.tail()}\n=== sender\n{sender.tail()}"
+    refit_run, fresh = json.loads((tmp_path / "out.json").read_text())
+    got = refit_run["steps"][0]["out"]
+    assert got == fresh["out"], "the refitted FP8 engine serves other tokens or logprobs than a fresh load of B"
+    assert refit_run["before"] != fresh["out"], "A and B serve alike: the check could not see a stale engine"
+    rank0 = json.loads((manifests / "step-0" / "rank-0.json").read_text())
+    last = rank0["last"]
+    n_fp8 = 7 * tiny_models.DENSE["num_hidden_layers"]
+    assert last["quantized"] == {"sender": n_fp8}, last  # one sender rank holds whole blocks
+    assert last["reprocessed_layers"] > 0 and last["inplace_layers"] > 0, last
+    # the manifest read from the FP8 engine is the vllm preset's --fp8 layout
+    preset = preset_manifest(tmp_path / "a-fp8", 1, fp8=True)
+    assert compare_manifests(rank0["manifests"]["per_expert"], preset) == []
+    # the bytes the kernels read: DeepGEMM's quantization of B, fused as vLLM fuses them
+    ref = {k: per_block_cast_to_fp8(v, FP8_BLOCK) for k, v in load_file(str(b / "model.safetensors")).items()
+           if is_quantized(k, v)}
+    fused = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    layers = torch.load(manifests / "step-0" / "fp8.pt")
+    assert len(layers) == 4 * tiny_models.DENSE["num_hidden_layers"], sorted(layers)
+    for module, (weight, scale) in layers.items():
+        parent, leaf = module.rsplit(".", 1)
+        parts = [ref[f"{parent}.{p}.weight"] for p in fused.get(leaf, (leaf,))]
+        want_w = torch.cat([w for w, _ in parts]).view(torch.uint8)
+        want_s = torch.cat([s for _, s in parts])
+        assert torch.equal(weight, want_w), f"{module}: FP8 weight bytes differ from the reference"
+        assert torch.equal(scale, want_s), f"{module}: weight_scale_inv differs from the reference"
+    print(f"fp8: {len(layers)} FP8 layers byte-equal to the reference; last update {last}")

@@ -21,12 +21,13 @@ def _norm(name: str) -> str:
     return name
 
 
-def preset_manifest(model: Path, tp: int) -> Manifest:
+def preset_manifest(model: Path, tp: int, fp8: bool = False) -> Manifest:
+    """``shardstream layout --preset vllm`` for ``model``'s config (``fp8``: its block-FP8 layout)."""
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "m.json"
         subprocess.run([sys.executable, "-m", "streamer", "layout", "--preset", "vllm", "--model",
                         str(model / "config.json"), "--mesh", f"tp={tp}", "--dtype", "bfloat16", "--no-files",
-                        "-o", str(out)], check=True)
+                        "-o", str(out)] + (["--fp8"] if fp8 else []), check=True)
         return load_manifest(out)
 
 
