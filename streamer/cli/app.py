@@ -138,6 +138,9 @@ def _add_refit(sub: Any) -> None:
     p.add_argument("--manifest", required=True, metavar="M", help="this side's manifest (sender: with files)")
     p.add_argument("--rendezvous", metavar="FILE", help="join a separately launched job through this file")
     p.add_argument("--save", metavar="DIR", help="receivers also write what they received (safetensors + manifest)")
+    p.add_argument("--replica", metavar="NAME",
+                   help="refit recv: join as inference replica NAME of a trainer serving several (store control "
+                        "plane; docs/resilience.md#replicas)")
     p.add_argument("--transport", choices=["mpi", "gloo", "nccl", "shm", "cuda-ipc"], default=None,
                    help="mpi (default under mpiexec), gloo (CPU, default on the store plane), nccl (GPU); "
                         "one node only: shm (host shared memory), cuda-ipc (GPU memory, colocated jobs)")

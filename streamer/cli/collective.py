@@ -81,6 +81,7 @@ def run_refit(role: str | None, manifest: Manifest | None, refusal: Refusal | No
                                allow_extra=args.allow_extra, planned_steps=args.steps)
     job = RefitJob(role, manifest, rendezvous=args.rendezvous, transport=args.transport,
                    control=args.control, timeout=args.timeout, steps=args.steps, save=args.save, stay=args.stay,
+                   replica=args.replica,
                    options=options, refusal=checks.refusal, announce=announce)
     try:
         report = job.run()

@@ -92,6 +92,8 @@ class RefitJob:
     options: RefitOptions = field(default_factory=RefitOptions)
     #: sender job closes the session (store plane; ``steps`` then does not end the loop)
     stay: bool = False
+    #: receivers: join as this inference replica of a trainer serving several (store plane)
+    replica: str | None = None
     on_push_failed: Callable[[PushFailed], None] | None = None  # None: one line on stderr per job
     #: what this rank refused before the job (its manifest, an option): every rank of both jobs
     #: then ends with it (``ops.agree``)
@@ -103,6 +105,11 @@ class RefitJob:
     _lock: Lock | None = None
 
     def run(self) -> RefitReport:
+        if self.replica is not None and self.role != "recv":
+            raise UsageError("--replica is for refit recv (an inference replica); a trainer serving replicas "
+                             "pushes from Python: RefitSession.open(..., replicas=True)")
+        if self.replica is not None and self.control == "auto":
+            self.control = "store"  # replicas join and leave on the store plane only
         if self.stay and (self.role != "recv" or self.control == "mpi" or (self.control == "auto" and launched_by_mpi())):
             raise UsageError("--stay is for refit recv on the store control plane (--control store, or a job not "
                              "started by mpiexec): under MPI a peer's death ends the whole launch (docs/resilience.md)")
@@ -115,7 +122,7 @@ class RefitJob:
             session = RefitSession.open(self.manifest, self.role or "", rendezvous=self.rendezvous,
                                         transport=self.transport, control=self.control, timeout=self.timeout,
                                         options=options, refusal=checks.refusal, announce=self.announce,
-                                        prepare=self._open_save)
+                                        prepare=self._open_save, replica=self.replica)
             self.session = session
             with session:
                 return self._run(session)

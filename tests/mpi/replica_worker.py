@@ -67,7 +67,7 @@ def fill(m: Any, rank: int, local: dict[str, np.ndarray], version: int) -> None:
             local[c.tensor(fqn)][dl] = full[fqn][sl]
 
 
-def wait_file(path: Path, timeout: float = 60.0) -> None:
+def wait_file(path: Path, timeout: float = 180.0) -> None:
     deadline = time.monotonic() + timeout
     while not path.exists():
         if time.monotonic() > deadline:
@@ -154,7 +154,7 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("role", choices=["send", "recv"])
     p.add_argument("dir", type=Path)
-    p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--timeout", type=float, default=120.0)
     p.add_argument("--name", default="")
     p.add_argument("--rule", default="S(0)")
     p.add_argument("--pulls", type=int, default=1 << 30)

@@ -4,8 +4,9 @@ several inference replica jobs, real processes on the store control plane with g
 
 - the trainer (2 ranks, rows split) opens with ``replicas=True`` once replicas ``a`` (2 ranks,
   columns split) and ``b`` (1 rank: a different layout) wait, and pushes versions 1..7 as deltas;
-- ``c`` (1 rank) opens after version 2: it joins at push 3 with a full push of version 3 while
-  ``a`` and ``b`` get deltas, then gets deltas itself;
+- ``c`` (1 rank, the command line: ``shardstream refit recv --replica c --steps 4 --save``) starts
+  after version 2: it joins at push 3 with a full push of version 3 while ``a`` and ``b`` get
+  deltas, then gets deltas itself, and saves version 6 byte for byte;
 - ``b`` is SIGKILLed after version 4: push 5 reports it dropped (``StepStats.replicas``) and
   completes for the others, byte for byte;
 - ``a`` and ``c`` close after version 6: push 7 has no replica left and raises ``PushFailed``.
@@ -18,8 +19,12 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from mpi_helpers import BIN, Background
+from replica_worker import ARRAYS, manifest, wait_file, weights
+
+from formats.manifest import save_manifest
 
 WORKER = Path(__file__).with_name("replica_worker.py")
 
@@ -36,15 +41,21 @@ def _lines(path: Path) -> list[dict[str, Any]]:
 
 
 def test_replicas_join_and_leave(tmp_path: Path) -> None:
+    from safetensors.numpy import load_file
+
     d = tmp_path
+    save_manifest(manifest("S(0)", 1), d / "c.json")
     jobs = {"a": _job(d, "a", 2, "recv", d, "--name", "a", "--rule", "S(1)", "--pulls", 6),
             "b": _job(d, "b", 1, "recv", d, "--name", "b", "--die-after", 4),
-            "c": _job(d, "c", 1, "recv", d, "--name", "c", "--after", "pushed-2", "--pulls", 4),
             "trainer": _job(d, "trainer", 2, "send", d, "--versions", "1,2,3,4,5,6,7", "--expect", "a,b",
                             "--join", "c:3")}
     try:
-        codes = {name: job.wait(90) for name, job in jobs.items()}
-        assert codes == {"a": 0, "b": 137, "c": 0, "trainer": 0}, \
+        wait_file(d / "pushed-2", 180)
+        jobs["c"] = Background(["mpiexec", "-n", 1, "shardstream", "refit", "recv", "--manifest", d / "c.json",
+                                "--rendezvous", d / "rdv", "--replica", "c", "--transport", "gloo", "--steps", 4,
+                                "--save", d / "c-saved", "--timeout", 120, "--json"], d, "c")
+        codes = {name: job.wait(180) for name, job in jobs.items()}
+        assert codes == {"a": 0, "b": 137, "trainer": 0, "c": 0}, \
             {n: (codes[n], j.stderr[-2000:]) for n, j in jobs.items()}
     finally:
         for job in jobs.values():
@@ -61,7 +72,11 @@ def test_replicas_join_and_leave(tmp_path: Path) -> None:
         (7, None)], pushes
     assert "store went away" in pushes[4]["replicas"][1][2] or "failed" in pushes[4]["replicas"][1][2], pushes[4]
     assert "no replica is left" in pushes[6]["raised"] and "a closed its session" in pushes[6]["raised"], pushes[6]
-    for name, ranks, versions in (("a", 2, [1, 2, 3, 4, 5, 6]), ("b", 1, [1, 2, 3, 4]), ("c", 1, [3, 4, 5, 6])):
+    # the first push moves what trainer rank 0 holds (half the model) once to each of a and b: the
+    # lower bound per replica
+    model = sum(int(np.prod(s)) for s in ARRAYS.values()) * 4
+    assert pushes[0]["sent"] == 2 * model // 2, pushes[0]
+    for name, ranks, versions in (("a", 2, [1, 2, 3, 4, 5, 6]), ("b", 1, [1, 2, 3, 4])):
         for rank in range(ranks):
             ev = _lines(d / f"{name}-{rank}.jsonl")
             ok = [e for e in ev if e["event"] == "ok"]
@@ -69,3 +84,8 @@ def test_replicas_join_and_leave(tmp_path: Path) -> None:
             assert ok[0]["wire"] == ok[0]["full"], ev  # a replica's first push is full ...
             assert all(e["wire"] < e["full"] // 10 for e in ok[1:]), ev  # ... then deltas
             assert ev[-1]["event"] == ("killed" if name == "b" else "exit"), ev
+    report = json.loads(jobs["c"].stdout)  # c joined late: a full push, then deltas, and it holds version 6
+    assert report["steps"] == 4 and report["delta"][0]["wire_bytes"] == report["delta"][0]["full_bytes"], report
+    assert all(st["wire_bytes"] < st["full_bytes"] // 10 for st in report["delta"][1:]), report
+    saved = load_file(next((d / "c-saved").glob("*.safetensors")))
+    assert saved.keys() == weights(0).keys() and all(np.array_equal(saved[k], v) for k, v in weights(6).items())

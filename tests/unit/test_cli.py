@@ -321,6 +321,22 @@ def test_usage_errors_exit_2(tmp_path: Path, capsys: Any, argv: list[str], monke
     assert not (tmp_path / "o").exists() and not (tmp_path / "x.json").exists()
 
 
+@pytest.mark.parametrize(("argv", "message"), [
+    (["send", "--replica", "a"], "--replica is for refit recv"),
+    (["recv", "--replica", "a", "--control", "mpi"], "store control plane only"),
+    (["recv", "--replica", "a/b"], "replica name 'a/b'"),
+])
+def test_refit_replica_usage_errors(tmp_path: Path, capsys: Any, monkeypatch: Any, argv: list[str],
+                                    message: str) -> None:
+    """Refused before any wait (every rank of a job refuses alike): exit 2, one line."""
+    import streamer.cli.collective as collective
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(collective, "_announced", [])
+    rc, _, err = run(capsys, "refit", *argv, "--manifest", "a.json", "--rendezvous", "r", "--timeout", "5")
+    assert rc == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_convert_timeout_reaches_the_workers(world: World, capsys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """``--timeout`` bounds the workers' waits: it is the agreement round's and the pipeline's."""
     import streamer.convert as conv
@@ -625,7 +641,7 @@ GOLDEN = {
         '--megatron-tp',
         '--memory-limit', '--out!', '--resume', '--timeout', '--ue8m0', '--zarr-compressor{zstd,none}', '<dst>', '<src>'],
     'refit': ['--allow-extra', '--bucket-size', '--delta', '--dst-domain-size', '--json', '--link-gbps', '--manifest!',
-        '--rendezvous', '--save', '--src-domain-size', '--stay', '--steps', '--strategy{reshard,broadcast}',
+        '--rendezvous', '--replica', '--save', '--src-domain-size', '--stay', '--steps', '--strategy{reshard,broadcast}',
         '--timeout', '--transport{mpi,gloo,nccl,shm,cuda-ipc}', '--verify', '<role>{send,recv}',
         '--control{auto,mpi,store}', '--fp8-block', '--ue8m0'],
     'bench': ['--against', '--bucket-size', '--chunks', '--delta', '--dst-tp', '--json', '--lr', '--memory-limit', '--model',
