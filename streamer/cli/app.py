@@ -102,6 +102,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         r = bench_ipc(args.transport, size=args.size, repeats=args.repeats or 5, bucket_size=args.bucket_size)
         text = ipc_text(r)
+    elif args.replicas is not None and args.what == "refit":
+        from streamer.tools.bench_replicas import bench_replicas_cli
+        r, text = bench_replicas_cli(work, args)
     elif args.delta:
         from streamer.tools.bench_delta import bench_refit_delta, delta_table
 
@@ -198,12 +201,16 @@ def _add_bench(sub: Any) -> None:
                    help="bench refit: full vs delta pushes after real AdamW steps of a small Llama (--repeats steps)")
     p.add_argument("--lr", type=float, nargs="+", default=[1e-6, 1e-5], metavar="LR",
                    help="bench refit --delta: the AdamW learning rates, one run each (default 1e-6 1e-5)")
+    p.add_argument("--replicas", type=_positive_int, metavar="N",
+                   help="bench refit: one trainer serving N inference replicas; the last joins midway: its join "
+                        "and first (full) push next to a steady push (--size bytes of weights)")
     p.add_argument("--against", metavar="FILE", help="bench refit: rerun FILE's reference configuration and print each "
                                                      "ratio beside its reference (benchmarks/refit-reference.json)")
     p.add_argument("--bucket-size", type=parse_size, default=64 << 20)
     p.add_argument("--transport", choices=["shm", "cuda-ipc", "mpi", "gloo", "nccl"], default="shm",
                    help="bench ipc: the transport (cuda-ipc: both ranks on one GPU; shm: its CPU twin)")
-    p.add_argument("--size", type=parse_size, default=256 << 20, metavar="SIZE", help="bench ipc: bytes per push")
+    p.add_argument("--size", type=parse_size, default=256 << 20, metavar="SIZE",
+                   help="bench ipc: bytes per push; bench refit --replicas: bytes of weights")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench)
 

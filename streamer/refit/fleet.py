@@ -52,6 +52,12 @@ class ReplicaResult:
     error: str | None = None
     #: True when this push was its first from this trainer (full bytes, not a delta)
     joined: bool = False
+    #: this trainer rank's seconds pushing to it, and joining it (opening its session) before
+    seconds: float = 0.0
+    join_seconds: float = 0.0
+    #: bytes this trainer rank sent it (on the wire), and their full size
+    bytes_sent: int = 0
+    full_bytes_sent: int = 0
 
 
 def check_fleet_args(role: str, rendezvous: str | None, transport: Any) -> str:
@@ -82,6 +88,8 @@ class Fleet:
         self.last: int | None = None
         #: the replicas joined at open: their first push counts as their joining one
         self.fresh: set[str] = set()
+        #: seconds this rank took to join each replica (reported with its first push)
+        self.join_seconds: dict[str, float] = {}
 
     @property
     def group(self) -> Any:
@@ -126,6 +134,7 @@ class Fleet:
             if name in self.subs:  # its receivers wait for a new sender job: the old session is over
                 self.drop(name, "it opened the session again")
             error = ""
+            t0 = time.perf_counter()
             try:
                 self.subs[name] = self.opener(self.owner.manifest, "send",
                                                     rendezvous=str(replica_path(self.rendezvous, name)),
@@ -141,6 +150,7 @@ class Fleet:
                     self.drop(name, errors[name])
             else:
                 self.joined_by[name] = text
+                self.join_seconds[name] = time.perf_counter() - t0
                 fresh.add(name)
         return fresh
 
@@ -156,6 +166,7 @@ class Fleet:
         """Leave replica ``name``'s session: its receivers end the push with ``reason``."""
         sub = self.subs.pop(name)
         self.joined_by.pop(name, None)
+        self.join_seconds.pop(name, None)
         sub.group.control.post_abort(f"the trainer dropped replica {name}: {reason}", 3)
         try:
             sub.close(done=False)
@@ -175,9 +186,11 @@ class Fleet:
             raise PushFailed(_none_left(results), v)
         stats: list[Any] = []
         errors: dict[str, str] = {}
+        mine: dict[str, Any] = {}
         for name in sorted(self.subs):
             try:
-                stats.append(self.subs[name].push(tensors, version=v))
+                mine[name] = self.subs[name].push(tensors, version=v)
+                stats.append(mine[name])
             except ValidationError:
                 raise  # a refused push: every rank of the trainer and that replica raise it
             except TransportError as e:
@@ -188,7 +201,9 @@ class Fleet:
                 self.drop(name, errors[name])
                 results[name] = ReplicaResult(name, None, errors[name])
             else:
-                results[name] = ReplicaResult(name, v, None, joined=name in fresh)
+                st = mine[name]
+                results[name] = ReplicaResult(name, v, None, name in fresh, st.seconds, self.join_seconds.pop(name, 0.0),
+                                              st.bytes_sent, st.full_bytes_sent)
         if not self.subs:
             raise PushFailed(_none_left(results), v)
         self.last = v

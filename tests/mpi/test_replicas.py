@@ -89,3 +89,16 @@ def test_replicas_join_and_leave(tmp_path: Path) -> None:
     assert all(st["wire_bytes"] < st["full_bytes"] // 10 for st in report["delta"][1:]), report
     saved = load_file(next((d / "c-saved").glob("*.safetensors")))
     assert saved.keys() == weights(0).keys() and all(np.array_equal(saved[k], v) for k, v in weights(6).items())
+
+
+def test_bench_refit_replicas_tiny(tmp_path: Path) -> None:
+    """``bench refit --replicas 2``: the joiner's join and first (full) push beside a steady push."""
+    from mpi_helpers import ok
+
+    r = json.loads(ok(["shardstream", "bench", "refit", "--replicas", 2, "--senders", 1, "--receivers", 1, "--size",
+                       "1MiB", "--repeats", 2, "--work", tmp_path, "--json"], timeout=180))
+    j, s = r["joiner"], r["steady_replica"]
+    assert j["wire_bytes"] == j["full_bytes"] == r["size_bytes"] == s["full_bytes"], r
+    assert j["join_s"] > 0 and j["first_push_s"] > 0 and s["push_s"] > 0 and r["steady_before_s"] > 0, r
+    assert r["join_push_s"] >= j["join_s"] + j["first_push_s"], r  # the push includes the joiner's join
+    assert [sorted(p["replicas"]) for p in r["pushes"]] == [["r0"]] * 3 + [["r0", "r1"]] * 3, r

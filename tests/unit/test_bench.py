@@ -155,3 +155,10 @@ def test_against_prints_each_ratio_beside_its_reference(tmp_path: Path) -> None:
     bad.write_text('{"config": {"preset": "x", "colour": 1}, "reference": {}}')
     with pytest.raises(UsageError, match="unknown keys \\['colour'\\]"):
         load_reference(str(bad))
+
+
+def test_bench_replicas_needs_a_joiner(tmp_path: Path) -> None:
+    from streamer.tools.bench_replicas import bench_replicas
+
+    with pytest.raises(UsageError, match="N >= 2"):
+        bench_replicas(str(tmp_path), replicas=1)
