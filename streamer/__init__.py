@@ -9,13 +9,7 @@ Names are imported on first use, so ``import streamer`` stays cheap (no torch, n
 
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError, version
 from typing import Any
-
-try:
-    __version__ = version("shardstream")
-except PackageNotFoundError:  # a source tree that was never installed
-    __version__ = "0+unknown"
 
 __all__ = ["ConvertOptions", "Plan", "PushFailed", "RefitOptions", "RefitSession", "RefusedError", "StateDictError", "StepStats", "__version__",
            "manifest_from_state_dict", "plan_transfers"]
@@ -26,7 +20,19 @@ _LAZY = {"PushFailed": "refit.session", "RefitOptions": "refit.options", "RefitS
          "ConvertOptions": "convert.options"}
 
 
+def _version() -> str:
+    # importlib.metadata costs ~0.1 s of every rank's start; only --version and bench reports read it
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("shardstream")
+    except PackageNotFoundError:  # a source tree that was never installed
+        return "0+unknown"
+
+
 def __getattr__(name: str) -> Any:
+    if name == "__version__":
+        return _version()
     mod = _LAZY.get(name)
     if mod is None:
         raise AttributeError(f"module 'streamer' has no attribute {name!r}")

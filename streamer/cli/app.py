@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 from formats.errors import ShardstreamError, UsageError
-from streamer import __version__
 from streamer.cli.args import emit as _out
 from streamer.cli.args import parse_size, seconds
 from streamer.cli.args import positive_int as _positive_int
@@ -215,10 +214,21 @@ def _add_bench(sub: Any) -> None:
     p.set_defaults(func=cmd_bench)
 
 
+class _Version(argparse.Action):
+    """argparse's ``version`` action, but reading the installed version only when asked."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        import streamer
+
+        print(f"shardstream {streamer.__version__}")  # stdout, as argparse's own action
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = Parser(prog="shardstream", description="Move model weights between parallelism layouts.")
     ap.add_argument("--debug", action="store_true", help="show Python tracebacks")
-    ap.add_argument("--version", action="version", version=f"shardstream {__version__}")
+    ap.add_argument("--version", action=_Version, nargs=0, help="show program's version number and exit")
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     for add in (add_import, add_layout, add_validate, add_plan, add_convert, _add_refit, _add_bench, add_synth):
         add(sub)

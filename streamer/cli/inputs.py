@@ -3,22 +3,20 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    pass
+from typing import Any
 
 
 def load_input(path: str) -> Any:
     """A manifest file, a directory with manifest.json, or a checkpoint to import on the fly."""
     from formats.manifest import load_manifest
-    from streamer.convert.importer import import_checkpoint
 
     p = Path(path)
     if p.is_file() and p.suffix == ".json" and not p.name.endswith(".index.json"):
         return load_manifest(p)
     if p.is_dir() and (p / "manifest.json").exists():
         return load_manifest(p / "manifest.json")
+    from streamer.convert.importer import import_checkpoint  # the importer only when there is one to read
+
     return import_checkpoint([p])
 
 
