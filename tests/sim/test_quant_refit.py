@@ -217,7 +217,9 @@ def test_domain_forwards_quantized_and_staged_bytes() -> None:
         _check(dst, dsts, f, *ref_block_fp8(W[f], (16, 16)))
 
 
-@pytest.mark.parametrize("options", [{}, {"delta": True, "verify": True}], ids=["full", "delta-verify"])
+# delta: a slow link stated, else threads of one host share memory and send full bytes
+@pytest.mark.parametrize("options", [{}, {"delta": True, "verify": True, "link_gbps": 0.01}],
+                         ids=["full", "delta-verify"])
 def test_second_push_quantizes_the_new_weights(options: dict[str, Any]) -> None:
     """The staging buffers and the executor are reused: push 2 gives the reference of its own
     weights (the test scales them by 2), on both sides; also as a delta push (the senders' base
