@@ -697,6 +697,19 @@ Measured 2026-12-03: `shardstream bench refit --repeats 7` (qwen3-small, 4+4 ran
 | median | 1.55 | 1.52 | 1.29 s | 0.14 s |
 
 In this configuration the byte waves do not change the message order: every receiver gets four messages (one bucket per sender), in the same order under the wave key and the old message-count key (checked message by message), so the steady state is the same within the noise, and neither meets the 1.2× target here (issue 23 stays open on it). The first push is now as fast as a steady one: the bucket buffers are allocated and written once in `open()` (their page faults were most of the first push), and `alloc_local` returns resident buffers as an engine's weights are. `open()` reports its own time (`RefitSession.open_seconds`, `bench refit` prints it). `shardstream bench refit --against benchmarks/refit-reference.json` reruns this configuration against the reference figures. Right after, on the same machine, `bench refit --against benchmarks/refit-reference.json` printed: steady push 1.57× the floor (reference 1.19: WORSE), first push 1.08× the steady push (reference ≤ 2: ok), 34.2× faster than gather-broadcast (reference 28.5: ok), `open()` 1.16 s.
+
+### Refit A/B: schedule v5 against v4 (`bench refit`, interleaved)
+
+Measured 2026-12-04: `shardstream bench refit --repeats 7` (same configuration as above), main at `3a60cc7` (schedule v4) and schedule v5 run in turn, three rounds (v4, v5, v4, v5, ...), load average 7–18 from other jobs on the 2 cores. v5: a transfer of at least 256 KiB that is contiguous on one side only travels alone (a row-parallel weight's column slice is packed by its sender and lands in place at its receiver: one copy instead of a pack and an unpack; before, both sides copied), and packed messages share the bucket slots (bump-allocated, 64-byte aligned) instead of holding one each.
+
+| round | v4: steady / floor | v5: steady / floor | v4: steady push | v5: steady push | v4: faster than gather-broadcast | v5: faster than gather-broadcast | v4: first / steady | v5: first / steady |
+|---|---|---|---|---|---|---|---|---|
+| 1 | 1.95 | 1.80 | 0.097 s | 0.110 s | 14.3× | 18.6× | 1.13 | 0.95 |
+| 2 | 1.78 | 2.20 | 0.122 s | 0.109 s | 13.7× | 15.9× | 1.00 | 1.04 |
+| 3 | 2.17 | 1.87 | 0.127 s | 0.084 s | 13.3× | 14.9× | 0.96 | 2.79 |
+| median | 1.95 | 1.87 | 0.122 s | 0.109 s | 13.7× | 15.9× | 1.00 | 1.04 |
+
+Each receiver of this configuration now unpacks nothing (its 16 MB per push of `o_proj`/`down_proj` slices used to arrive packed). The floor itself varied from 0.045 to 0.068 s between runs, so the ratio moves less than the push; against the gather-broadcast baseline of the same run v5 was faster in every round. The 1.2× target is not met on this loaded machine. Right after, `bench refit --against benchmarks/refit-reference.json` printed: steady push 1.35× the floor (reference 1.19: WORSE), first push 1.12× the steady push (reference ≤ 2: ok), 17.4× faster than gather-broadcast (reference 28.5: WORSE), `open()` 0.71 s. The scale start (`bench plan --model`, one process each, CPU seconds, as wall times here doubled under load): a DeepSeek-V3 receiver (rank 256 of vLLM DP8×TP32) 2.59 s CPU for 48,398 messages (v4: 3.44 s, 33,038), a Kimi-K2 receiver 3.94 s CPU for 72,994 messages (v4: 4.51 s, 48,962).
 """
 
 

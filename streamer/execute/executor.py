@@ -199,7 +199,14 @@ class Executor:
         usable = slots is not None and len(slots) >= nslots and all(int(s.nbytes) >= bucket for s in slots)
         self._slots = ([] if ops is not None else list(slots)[:nslots] if slots is not None and usable
                        else [transport.alloc(bucket) for _ in range(nslots)])
-        self._free = list(range(nslots))
+        self._free = list(range(nslots))  # staged: one message per slot
+        # host: the slots are arenas that packed messages share (a bump offset each, reset when the
+        # last message in it completes), so that small packed messages do not hold a whole bucket
+        self._arena_off = [0] * len(self._slots)
+        self._arena_refs = [0] * len(self._slots)
+        self._arena_cur = 0
+        # zero-copy views of each message's contiguous end, kept across pushes (same tensors)
+        self._inplace_views: dict[tuple[int, bool], Any] = {}
         self._check_tensors()
 
     def _check_tensors(self) -> None:
@@ -474,13 +481,12 @@ class Executor:
         if self._stager is not None:
             return self._post_staged(m, send, run)
         is_delta = delta is not None and delta.is_delta(m.src, m.dst)
-        buf = None if is_delta else self._inplace(m, send)
+        buf = None if is_delta else self._inplace_view(m, send)
         slot = -1
         if buf is None:
-            if not self._free:
-                return False  # every bucket slot is in use: wait for one
-            slot = self._free.pop()
-            buf = self._slots[slot][:m.nbytes]
+            slot, buf = self._take(m.nbytes)
+            if slot < 0:
+                return False  # the bucket slots are full: wait for a message to complete
             run.in_use += m.nbytes
             if send:
                 run.st.cast_bytes += self._pack(m, buf)
@@ -495,6 +501,36 @@ class Executor:
                 self._keep_base(m, buf, delta)
         run.active.append(_Active(m, req, buf, not send, slot))
         return True
+
+    def _take(self, nbytes: int) -> tuple[int, Any]:
+        """Room for a packed message in a bucket slot: (slot, buffer), or (-1, None) when none has
+        room. Messages are posted in the global order, so those holding the slots are earlier and
+        complete first: waiting cannot deadlock (see the module docstring)."""
+        need = -(-nbytes // 64) * 64  # each message 64-byte aligned
+        cur = self._arena_cur
+        for i in [cur] + [j for j in range(len(self._slots)) if j != cur]:
+            if self._arena_refs[i] == 0:
+                self._arena_off[i] = 0
+            elif i != cur:
+                continue  # only the current slot is shared; another is taken once empty
+            off = self._arena_off[i]
+            if off + nbytes <= int(self._slots[i].nbytes):
+                self._arena_cur, self._arena_off[i] = i, off + need
+                self._arena_refs[i] += 1
+                return i, self._slots[i][off:off + nbytes]
+        return -1, None
+
+    def _release(self, slot: int) -> None:
+        self._arena_refs[slot] -= 1
+        if not self._arena_refs[slot]:
+            self._arena_off[slot] = 0
+
+    def _inplace_view(self, m: Message, send: bool) -> Any:
+        """``_inplace``, computed once per message and side for this executor's tensors."""
+        key = (m.uid, send)
+        if key not in self._inplace_views:
+            self._inplace_views[key] = self._inplace(m, send)
+        return self._inplace_views[key]
 
     def _post_staged(self, m: Message, send: bool, run: _Run) -> bool:
         """A message of device tensors: through a free slot, packed or unpacked on the device."""
@@ -544,7 +580,10 @@ class Executor:
             st.bytes_sent += wire
             st.full_bytes_sent += a.msg.nbytes
         if a.slot >= 0:
-            self._free.append(a.slot)
+            if self._stager is None:
+                self._release(a.slot)
+            else:
+                self._free.append(a.slot)
             run.in_use -= a.msg.nbytes
         st.messages += 1
         run.active.remove(a)

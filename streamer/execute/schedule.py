@@ -63,7 +63,9 @@ def _split_transfer(t: Transfer, bucket: int) -> list[Transfer]:
     return out
 
 
-#: contiguous transfers at least this large travel as their own message, zero-copy at both ends
+#: transfers at least this large that are contiguous on one side at least travel as their own
+#: message: zero-copy at each end where they are contiguous (a row-parallel weight's column slice,
+#: strided at the sender, lands in place at the receiver: one copy instead of a pack and an unpack)
 INPLACE_MIN_BYTES = 256 << 10
 #: the order interleaves each rank's peers by this many bytes of a pair's phase-1 stream (a byte
 #: round robin; A/B on bench refit, 3 x 9 pushes: 256 KiB 1.46-2.00x the floor, one 64 MiB bucket
@@ -72,8 +74,8 @@ WAVE_BYTES = 256 << 10
 #: the bucket layout's version: refit sessions compare it with the plan digest, so that jobs
 #: that would lay out buckets differently (2: transfers grouped by local tensor; 3: messages
 #: ordered by byte waves, forwards placed by ``forwards.forward_keys``; 4: the delta header
-#: carries the base version) are refused
-SCHEDULE_VERSION = 4
+#: carries the base version; 5: transfers contiguous on one side only travel alone) are refused
+SCHEDULE_VERSION = 5
 
 
 def _by_tensor(ts: Sequence[Transfer]) -> tuple[Transfer, ...]:
@@ -92,8 +94,8 @@ def _bucket(tagged: Sequence[tuple[Transfer, int, int]], phase: int, s: int, d: 
     size = 0
     for t, tag, nb in tagged:
         if (shape_of is not None and nb >= INPLACE_MIN_BYTES
-                and _contiguous(t.src_offsets, t.region.sizes, tuple(shape_of(t.src_rank, t.src_tensor, phase == 2)))
-                and _contiguous(t.dst_offsets, t.region.sizes, tuple(shape_of(t.dst_rank, t.dst_tensor, True)))):
+                and (_contiguous(t.src_offsets, t.region.sizes, tuple(shape_of(t.src_rank, t.src_tensor, phase == 2)))
+                     or _contiguous(t.dst_offsets, t.region.sizes, tuple(shape_of(t.dst_rank, t.dst_tensor, True))))):
             msgs.append((Message(phase, s, d, len(msgs), (t,), nb), tag, tag))
             continue
         if cur and size + nb > bucket_size:
@@ -114,9 +116,10 @@ def build_schedule(plan: Plan, bucket_size: int, shape_of: Any = None, *,
     and their contents, so ranks that each build their own part agree message for message; uids
     are then local).
 
-    ``shape_of(global_rank, local_tensor, on_dst) -> shape`` (optional) lets contiguous transfers
-    of at least ``INPLACE_MIN_BYTES`` go as their own messages, sent from and received into the
-    local tensors without packing; the rest share packed buckets.
+    ``shape_of(global_rank, local_tensor, on_dst) -> shape`` (optional) lets transfers of at
+    least ``INPLACE_MIN_BYTES`` that are contiguous on one side at least go as their own messages,
+    sent from or received into the local tensors without packing where contiguous; the rest
+    share packed buckets.
 
     The order: phase-1 messages by *wave* (where their first byte lies in the stream of phase-1
     bytes between their two ranks, in units of ``WAVE_BYTES``), then by distance ``(dst - src) % world`` (a

@@ -29,7 +29,7 @@ from formats.box import Box
 from formats.errors import PeerTimeoutError, TransportError
 from formats.layouts import Mesh, Replicate, Shard, chunk_regions
 from formats.manifest import Chunk, Manifest, Source
-from streamer.execute.schedule import INPLACE_MIN_BYTES, Message
+from streamer.execute.schedule import INPLACE_MIN_BYTES, Message, build_schedule
 from streamer.plan.check import validate_plan
 from streamer.plan.model import Plan
 from streamer.plan.planner import plan_transfers
@@ -158,6 +158,44 @@ def test_zero_copy_messages_for_large_contiguous_transfers() -> None:
     res2, _ = execute(plan, src, dst, arrays, bucket=1 << 20)
     assert len(res2.schedule) == 4
     assert max(x.peak_buffer_bytes for x in res2.stats.values()) >= 2 * INPLACE_MIN_BYTES
+
+
+def test_one_sided_messages_land_in_place() -> None:
+    """Row-parallel weights (column slices: strided at each sender, whole at each receiver) travel
+    one transfer per message: the senders pack them, the receivers take them in place (no bucket)."""
+    rows = INPLACE_MIN_BYTES // (64 * 4)  # a receiver's slice: 64 columns x rows = 256 KiB
+    arrays = {"a": ((rows, 256), "float32"), "b": ((rows, 256), "float32")}
+    src = lay_out(arrays, Mesh(("tp",), (2,)), {n: (Shard(1),) for n in arrays})
+    dst = lay_out(arrays, Mesh(("tp",), (4,)), {n: (Shard(1),) for n in arrays})
+    plan = plan_transfers(src, dst)
+    res, _ = execute(plan, src, dst, arrays, bucket=8 << 20, zero_copy=True)
+    assert len(res.schedule) == 8 and all(len(m.transfers) == 1 for m in res.schedule)
+    assert all(res.stats[g].peak_buffer_bytes == 0 for g in (2, 3, 4, 5))  # received in place
+    assert all(res.stats[g].peak_buffer_bytes == 2 * INPLACE_MIN_BYTES for g in (0, 1))  # packed
+
+
+def test_packed_messages_share_a_bucket_slot() -> None:
+    """Two slots sized for the largest message: smaller packed messages share the current slot
+    (64-byte aligned); the next slot is taken only once empty; a slot empties when its last
+    message completes."""
+    from streamer.execute.executor import Executor
+
+    arrays = {"v": ((64, 100), "float32"), "w": ((64, 100), "float32")}
+    src = lay_out(arrays, Mesh(("tp",), (1,)), {n: (Replicate(),) for n in arrays})
+    dst = lay_out(arrays, Mesh(("tp",), (1,)), {n: (Replicate(),) for n in arrays})
+    plan = plan_transfers(src, dst)
+    sched = build_schedule(plan, 25600)  # one message per array
+    ex = Executor(LoopbackHub(2).endpoints()[0], plan, sched, make_source_tensors(src, oracle_arrays(arrays))[0])
+    size = max(m.nbytes for m in ex.mine)  # 25600: each slot's bytes
+    taken = [ex._take(n) for n in (1000, 1000, 20000)]
+    assert [s for s, _ in taken] == [0, 0, 0] and [b.nbytes for _, b in taken] == [1000, 1000, 20000]
+    assert [b.ctypes.data - taken[0][1].ctypes.data for _, b in taken] == [0, 1024, 2048]
+    s4, b4 = ex._take(size)  # no room left in slot 0: slot 1
+    assert s4 == 1 and b4.nbytes == size
+    assert ex._take(10)[0] == -1  # slot 1 is full, slot 0 still holds three messages
+    for _ in range(3):
+        ex._release(0)
+    assert ex._take(size)[0] == 0  # slot 0 emptied: taken from its start
 
 
 def test_torch_destination_tensors() -> None:
