@@ -376,6 +376,11 @@ class Executor:
         """Whether this rank forwards bytes it receives (phase 2): they must land before it sends."""
         return any(m.phase == 2 and m.src == self.rank for m in self.mine)
 
+    def receives_only_deltas(self, delta: DeltaPush) -> bool:
+        """Whether every message this rank receives in ``delta``'s push is a delta and it forwards
+        nothing: only then can the push be staged and applied once it arrived whole."""
+        return not self.forwards and all(delta.is_delta(m.src, m.dst) for m in self.mine if m.dst == self.rank)
+
     def _inplace(self, m: Message, send: bool) -> Any:
         if len(m.transfers) != 1:
             return None

@@ -563,9 +563,12 @@ class RefitSession:
             if self._delta_state is None:
                 self._delta_state = DeltaState()
             ex = self._exec(local)
-            stage = self.role == "recv" and base is not None and self._t.rank not in stale and not ex.forwards
-            delta = DeltaPush(self._delta_state, version, stale, base, stage, hosts=self.hostnames,
+            delta = DeltaPush(self._delta_state, version, stale, base, hosts=self.hostnames,
                               link_gbps=self.options.link_gbps)
+            # staged (transactional) only when every message this rank receives is a delta: full
+            # bytes (a stale peer, or a link where a copy beats the codec) land in place as they come
+            delta.stage = (self.role == "recv" and base is not None and self._t.rank not in stale
+                           and ex.receives_only_deltas(delta))
         if delta is None or not delta.stage:
             self._synced = None
         try:

@@ -121,3 +121,54 @@ def _holds(dst: Any, local: dict[str, np.ndarray], rank: int, full: dict[str, np
             if local[c.tensor(fqn)][dl].tobytes() != np.ascontiguousarray(full[fqn][sl]).tobytes():
                 return False
     return True
+
+
+def _broken_second_push(**options: Any) -> tuple[dict[int, Any], dict[int, BaseException], Any, Any, Any]:
+    """A delta session whose second push breaks off: sender 1 fails on its first message to receiver
+    0. Returns the results (each receiver's ``version`` after the failed pull), the errors, the
+    layout, the receivers' tensors and version 1's values."""
+    src, dst = _pair()
+    v1 = _full(0)
+    v2 = {n: a + 1.0 for n, a in v1.items()}
+    srcs = [make_source_tensors(src, f) for f in (v1, v2)]
+    dsts = empty_dest_tensors(dst)
+    armed: set[int] = set()
+
+    def corrupt(s: int, d: int, tag: int, data: bytearray) -> None:
+        if s == 1 and s in armed and d == src.world_size:
+            raise RuntimeError("the wire broke")
+
+    def act(s: RefitSession, r: int) -> Any:
+        if s.role == "send":
+            s.push(srcs[0][r])
+            armed.add(r)
+            try:
+                s.push(srcs[1][r])
+            except Exception:  # noqa: BLE001 - the push that breaks off
+                pass
+            return None
+        s.pull(dsts[r])
+        try:
+            s.pull(dsts[r])
+        except Exception:  # noqa: BLE001 - the push that breaks off
+            pass
+        return s.version
+
+    results, errors = run_sessions(src, dst, act, join_timeout=60, corrupt=corrupt, delta=True, **options)
+    return results, errors, dst, dsts, v1
+
+
+def test_a_broken_delta_push_over_shared_memory_claims_no_version() -> None:
+    """On one host a delta session moves full bytes in place (a copy beats the codec), so a push
+    that breaks off may leave a receiver partly written: it must then claim no version."""
+    results, _, _, _, _ = _broken_second_push()
+    S = 2
+    assert results[S] is None, results
+
+
+def test_a_broken_delta_push_over_a_slow_link_keeps_the_last_version() -> None:
+    """Over a slow link the deltas are staged: the receiver keeps version 1, byte for byte."""
+    results, _, dst, dsts, v1 = _broken_second_push(link_gbps=0.001)
+    S = 2
+    assert results[S] == 1, results
+    assert _holds(dst, dsts[0], 0, v1)
