@@ -637,6 +637,8 @@ The refit floor ratio is not reliably met on this 2-core machine, where 8 ranks 
 
 Before the `auto` choice a delta push here was the encoded one (2.5–6.4× a full push; issue 23 measured 3.9×). The break-even is `delta.break_even_gbps`: `(1 − r) / (1/encode + 1/decode)` with `r` the encoded fraction; `refit --link-gbps G` states a link, and a message is encoded only below its break-even. On bf16 with 2 % of the elements changed, Zstd gave 2.6 % of the full size where LZ4 gave 5.5 % and Blosc (byte/bit shuffle) 3.6–7.5 %, more slowly.
 
+**Replicas** (`bench refit --replicas 2 --senders 2 --receivers 2 --size 256MiB`, 2026-12-04, 6 ranks on the 2 shared cores at a load average of about 11): one trainer serving two replica jobs (TP2 columns and TP2 rows), the second opening after 5 steady pushes; delta sessions as a user gets them (one host: full bytes). A steady push to one replica took 0.92 s (median of 5), to both 1.22 s. The push at which the second joined took 8.36 s: its join (the trainer's ranks connecting to its store, gloo groups, its plan and bucket buffers) 6.15 s, its first, full push 1.22 s (268 MB), and the steady replica's push in the same step 0.90 s. Joining costs about 7× a steady push here, once, and it delays that step's push to the other replica as well: the trainer joins before it pushes, and pushes to replicas run one after another.
+
 **GPU tensors over mpi/gloo** (device packing, counted on CPU with the fake device): on the Qwen3-small layouts (Megatron TP2 → vLLM TP2) 326 regions per push become 214 device ops on each side (all ranks together); on a Qwen3-MoE with 32 experts (Megatron EP4 → vLLM TP2) the receivers' 1050 regions become 186 ops. The index costs 1–8 KiB.
 
 ### Manifest sizes: v1 against the compact v2

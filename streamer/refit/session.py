@@ -674,8 +674,13 @@ class RefitSession:
             self._fleet.close(done)
         elif done and self.role == "send":
             self.group.post_done()
-        if self._replica is not None and not self._broken and self.group.plane == "store":
-            # a replica leaving: the trainer's next push to it ends at once, and drops it
+        if self._replica is not None and not (self._broken or self._closed) and self.group.plane == "store":
+            # a replica leaving a trainer that goes on: its next push to it ends at once, and drops
+            # it; once every rank of this replica is done pulling (else the notice ends their pulls)
+            try:
+                self.group.role_control.barrier(self.timeout)
+            except TransportError:
+                pass
             self.group.leave(f"replica {self._replica} closed its session")
         self._drop_transport()
         self.group.close(self.timeout)

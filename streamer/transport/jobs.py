@@ -405,7 +405,7 @@ def _store_group(store: Any, role: str, rank: int, size: int, path: Path, clock:
     return group
 
 
-def _dial(path: Path, clock: _Clock, fresh_from: float | None) -> tuple[Any, str]:
+def _dial(path: Path, clock: _Clock, fresh_from: float | None, whose: str = "the receiver job's store") -> tuple[Any, str]:
     from streamer.transport.store import open_store
 
     last = ""
@@ -423,7 +423,7 @@ def _dial(path: Path, clock: _Clock, fresh_from: float | None) -> tuple[Any, str
         except Exception as e:  # noqa: BLE001 - a stale file names a dead store: read it again
             last = str(e).splitlines()[0] if str(e) else type(e).__name__
             time.sleep(0.2)
-    raise PeerTimeoutError(f"timed out after {timeout:g} s waiting for the receiver job's store through {path}"
+    raise PeerTimeoutError(f"timed out after {timeout:g} s waiting for {whose} through {path}"
                            + (f" (last error: {last})" if last else ""))
 
 

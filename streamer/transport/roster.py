@@ -87,7 +87,7 @@ def trainer_group(rendezvous: str | Path, timeout: float) -> Group:
         store = open_store(host, int(port), server=True, timeout=timeout)
         atomic_write_bytes(path, f"tcp://{address}\n".encode())
     else:
-        store, _ = _dial(path, clock, fresh_from=t_start - FRESH_SLACK)
+        store, _ = _dial(path, clock, fresh_from=t_start - FRESH_SLACK, whose="trainer rank 0's store")
     try:
         store.add("trainer/joined", 1)
         store.set(f"trainer/in/{rank}", "1")

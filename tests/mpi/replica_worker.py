@@ -108,6 +108,8 @@ def recv(d: Path, args: argparse.Namespace) -> int:
         pulled += 1
         note(event="ok", version=st.version, held=s.version, match=holds(s.version), wire=st.bytes_received,
              full=st.full_bytes_received)
+        if st.version == args.stall_after:  # a hung engine: the trainer's timeout drops this replica
+            time.sleep(args.stall)
         if st.version == args.die_after:
             wait_file(d / f"pushed-{st.version}")
             note(event="killed")
@@ -143,6 +145,9 @@ def send(d: Path, args: argparse.Namespace) -> int:
                 log.write(json.dumps({"t": time.time(), "version": st.version, "sent": st.bytes_sent, "replicas": [
                     [r.name, r.version, r.error, r.joined] for r in st.replicas]}) + "\n")
                 (d / f"pushed-{v}").touch()
+            time.sleep(args.pace)
+            if v == args.die_after:  # between pushes: the replicas notice the silence, and wait for a new trainer
+                os.kill(os.getpid(), signal.SIGKILL)
     if log is not None:
         log.write(json.dumps({"t": time.time(), "event": "closed"}) + "\n")
     return 0
@@ -160,6 +165,9 @@ def main() -> int:
     p.add_argument("--pulls", type=int, default=1 << 30)
     p.add_argument("--die-after", type=int, default=-1)
     p.add_argument("--after", default="")
+    p.add_argument("--stall-after", type=int, default=-1)
+    p.add_argument("--stall", type=float, default=0.0)
+    p.add_argument("--pace", type=float, default=0.0)
     p.add_argument("--versions", default="1")
     p.add_argument("--expect", default="")
     p.add_argument("--join", default="")

@@ -95,7 +95,8 @@ def test_bench_refit_replicas_tiny(tmp_path: Path) -> None:
     """``bench refit --replicas 2``: the joiner's join and first (full) push beside a steady push."""
     from mpi_helpers import ok
 
-    r = json.loads(ok(["shardstream", "bench", "refit", "--replicas", 2, "--senders", 1, "--receivers", 1, "--size",
+    # 2 ranks per replica: the trainer's close ends both ranks' pulls (none sees the other's leaving)
+    r = json.loads(ok(["shardstream", "bench", "refit", "--replicas", 2, "--senders", 1, "--receivers", 2, "--size",
                        "1MiB", "--repeats", 2, "--work", tmp_path, "--json"], timeout=180))
     j, s = r["joiner"], r["steady_replica"]
     assert j["wire_bytes"] == j["full_bytes"] == r["size_bytes"] == s["full_bytes"], r
