@@ -221,8 +221,9 @@ FP8_BLOCK = (32, 32)
 
 
 @pytest.mark.timeout(900)  # TP 2 starts two multiprocess engines
-@pytest.mark.parametrize("tp", [1, 2], ids=["qwen3-fp8-tp1", "qwen3-fp8-tp2"])
-def test_fp8_target_refits_vllm(tmp_path: Path, tp: int) -> None:
+@pytest.mark.parametrize(("tp", "senders"), [(1, 1), (2, 1), (1, 3)],
+                         ids=["qwen3-fp8-tp1", "qwen3-fp8-tp2", "qwen3-fp8-tp1-receivers-quantize"])
+def test_fp8_target_refits_vllm(tmp_path: Path, tp: int, senders: int) -> None:
     """Quantize on refit into a block-FP8 engine. The engine loads model A as a block-FP8 checkpoint
     (32x32 blocks); a one-rank sender pushes model B's bf16 checkpoint; the engine asks the
     session for its block, the push is quantized on the way, and vLLM's own FP8 loader format
@@ -231,7 +232,11 @@ def test_fp8_target_refits_vllm(tmp_path: Path, tp: int) -> None:
     DeepGEMM's quantization of B, computed here in torch and sharded as vLLM shards it, and the
     engine must serve exactly what a fresh engine serves from B's FP8 checkpoint (and not what it
     served from A). The CPU has no FP8 kernel of vLLM's own (they need AMX): both engines run the
-    tier's reference kernel (fp8_reference.py)."""
+    tier's reference kernel (fp8_reference.py).
+
+    ``senders`` 3: a torchrun job pushes B with every 2-D weight sharded by rows over 3 ranks
+    (dtensor_sender.py). Its shards cut the 32-row blocks, so no sender holds a whole block and the
+    engine's workers quantize after the push (from staging buffers), not the senders."""
     a = tiny_models.make_model("dense", tmp_path / "a", seed=0)
     b = tiny_models.make_model("dense", tmp_path / "b", seed=1)
     rdv, manifests = tmp_path / "rdv", tmp_path / "manifests"
@@ -239,7 +244,12 @@ def test_fp8_target_refits_vllm(tmp_path: Path, tp: int) -> None:
     job = {"tp": tp, "prompts": PROMPTS, "max_tokens": 6, "logprobs": 5, "fp8_block": list(FP8_BLOCK),
            "runs": [{"model": str(a), "refit": refit}, {"model": str(b)}]}
     (tmp_path / "job.json").write_text(json.dumps(job))
-    sender = Proc([sys.executable, HERE / "hub_sender.py", b, rdv, 600], tmp_path, "sender")
+    if senders == 1:
+        sender = Proc([sys.executable, HERE / "hub_sender.py", b, rdv, 600], tmp_path, "sender")
+    else:
+        assert TORCHRUN is not None, "torchrun not found beside this python"
+        sender = Proc([TORCHRUN, "--standalone", "--nproc-per-node", senders, HERE / "dtensor_sender.py", b, rdv, 600],
+                      tmp_path, "sender")
     driver = Proc([sys.executable, HERE / "engine_driver.py", tmp_path / "job.json", tmp_path / "out.json"], tmp_path,
                   "driver")
     try:
@@ -256,13 +266,14 @@ def test_fp8_target_refits_vllm(tmp_path: Path, tp: int) -> None:
     n_fp8 = 7 * tiny_models.DENSE["num_hidden_layers"]
     for d in ranks:
         last = d["last"]
-        assert last["quantized"] == {"sender": n_fp8}, last  # one sender rank holds whole blocks
+        # one sender rank holds whole blocks; 3 row shards cut every block
+        assert last["quantized"] == {"sender" if senders == 1 else "receiver": n_fp8}, last
         assert last["reprocessed_layers"] > 0 and last["inplace_layers"] > 0, last
     # the manifest read from the FP8 engine is the vllm preset's --fp8 layout
     preset = preset_manifest(tmp_path / "a-fp8", tp, fp8=True)
     assert compare_manifests(ranks[0]["manifests"]["per_expert"], preset) == []
     _check_fp8_bytes(b, manifests / "step-0", tp)
-    print(f"fp8 tp{tp}: rank 0's last update {ranks[0]['last']}")
+    print(f"fp8 tp{tp}, {senders} sender(s): rank 0's last update {ranks[0]['last']}")
 
 
 def _check_fp8_bytes(model: Path, dumped: Path, tp: int) -> None:
