@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from formats.errors import PushFailed, ShardstreamError, UsageError
+from formats.errors import PushFailed, ShardstreamError, TransportError, UsageError
 from formats.manifest import Manifest
 from formats.outdir import Lock, open_output, remove_state
 from streamer.ops.agree import AgreedRefusal, LocalChecks, Refusal
@@ -56,7 +56,8 @@ class RefitReport:
 
     @property
     def median_s(self) -> float:
-        return sorted(self.seconds)[len(self.seconds) // 2]
+        # no push at all (the sender job closed first): a report of zeros, never an IndexError
+        return sorted(self.seconds)[len(self.seconds) // 2] if self.seconds else 0.0
 
     def to_dict(self) -> dict[str, Any]:
         med = self.median_s
@@ -65,14 +66,14 @@ class RefitReport:
                 "broadcast_moved_bytes": self.broadcast_moved_bytes,
                 "gb_per_s": self.moved_bytes / med / 1e9 if med else 0, "verified": self.verified,
                 "transport": self.transport, "saved": self.saved,
-                "peak_buffer_bytes": max(st.peak_buffer_bytes for st in self.steps), "delta": self.delta,
+                "peak_buffer_bytes": max((st.peak_buffer_bytes for st in self.steps), default=0), "delta": self.delta,
                 "quantized": self.quantized}
 
     def text(self) -> str:
         med = self.median_s
         rate = self.moved_bytes / med / 1e9 if med else 0
         return (f"refit {self.role} ({self.strategy}): {len(self.seconds)} step(s), median {med:.3f} s, best "
-                f"{min(self.seconds):.3f} s, {self.moved_bytes / 1e9:.3f} GB moved ({rate:.2f} GB/s); reshard moves "
+                f"{min(self.seconds, default=0.0):.3f} s, {self.moved_bytes / 1e9:.3f} GB moved ({rate:.2f} GB/s); reshard moves "
                 f"{self.reshard_moved_bytes / 1e9:.3f} GB vs gather-broadcast {self.broadcast_moved_bytes / 1e9:.3f} GB"
                 + ("; checksums verified" if self.verified else "") + (f"; saved to {self.saved}" if self.saved else "")
                 + (_delta_text(self.delta) if self.delta else "") + (_quant_text(self.quantized) if self.quantized else ""))
@@ -198,7 +199,11 @@ class RefitJob:
             mine.append(time.perf_counter() - t0)
         every = [json.loads(x) for x in session.group.role_control.allgather_bytes(json.dumps(mine).encode(),
                                                                                       self.timeout)]
-        return [max(t[i] for t in every) for i in range(min(len(t) for t in every))]
+        counts = [len(t) for t in every]
+        if len(set(counts)) > 1:  # a push is collective: ranks that disagree must not report a median
+            raise TransportError(f"the receiver ranks pulled different numbers of pushes ({counts}, by rank): "
+                                 "the sender job closed the session while some were still pulling")
+        return [max(t[i] for t in every) for i in range(counts[0])]
 
 
 def _delta_totals(session: RefitSession) -> list[dict[str, Any]]:
