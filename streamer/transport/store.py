@@ -15,7 +15,8 @@ from __future__ import annotations
 import datetime
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from formats.errors import PeerTimeoutError, UsageError
@@ -33,6 +34,18 @@ def open_store(host: str, port: int, *, server: bool, timeout: float) -> Any:
 
     return TCPStore(host, port, None, server, timeout=datetime.timedelta(seconds=timeout),
                     wait_for_workers=False)
+
+
+@contextmanager
+def _gone(what: str) -> Iterator[None]:
+    """A store call whose server's rank ended (torch raises its own errors): ``RemoteAbortError``."""
+    try:
+        yield
+    except RemoteAbortError:
+        raise
+    except Exception as e:  # noqa: BLE001 - DistNetworkError, RuntimeError, ...: the server is gone
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise RemoteAbortError(f"{what}: the rendezvous store went away ({first})", 3) from e
 
 
 class StoreControl(HostBuffers):
@@ -116,12 +129,14 @@ class StoreControl(HostBuffers):
 
     def allgather_bytes(self, data: bytes, timeout: float) -> list[bytes]:
         seq = self._next("ag")
-        self.store.set(self._key("ag", seq, self.rank), data)
         keys = [self._key("ag", seq, r) for r in range(self.size)]
+        with _gone("allgather"):
+            self.store.set(self._key("ag", seq, self.rank), data)
         self._wait(keys, timeout, "allgather", range(self.size))
-        out = [bytes(v) for v in self.store.multi_get(keys)]
-        if seq:
-            self.store.delete_key(self._key("ag", seq - 1, self.rank))
+        with _gone("allgather"):  # the server's rank may end between the wait and the read
+            out = [bytes(v) for v in self.store.multi_get(keys)]
+            if seq:
+                self.store.delete_key(self._key("ag", seq - 1, self.rank))
         return out
 
     def barrier(self, timeout: float) -> None:
@@ -132,10 +147,12 @@ class StoreControl(HostBuffers):
         seq = self._next(f"bc{root}")
         key = self._key(f"bc{root}", seq, root)
         if self.rank == root:
-            self.store.set(key, data or b"")
+            with _gone("broadcast"):
+                self.store.set(key, data or b"")
             return data or b""
         self._wait([key], timeout, f"broadcast from {self.names(root)}", [root])
-        return bytes(self.store.get(key))
+        with _gone("broadcast"):
+            return bytes(self.store.get(key))
 
     def close(self) -> None:
         pass

@@ -8,7 +8,10 @@ Both sides compute version v's weights alike (seeded changes of 2% of the elemen
 so a replica checks what it holds after each pull. Replicas log one JSON line per event to
 DIR/NAME-RANK.jsonl; the trainer's rank 0 logs each push (what each replica received) to
 DIR/send.jsonl and touches DIR/pushed-V once version V is pushed. ``--die-after V``: the replica
-SIGKILLs itself once the trainer pushed V (after its own pull of V); ``--pulls K``: it closes its
+SIGKILLs itself once the trainer pushed V (after its own pull of V), the trainer after pushing V;
+``--kill-at V:F``: the replica's last rank SIGKILLs itself once it posted that fraction of its
+receives of version V; ``--stall-after V --stall S``: it sleeps S seconds after its pull of V (a
+hung engine); ``--pace S``: the trainer sleeps S seconds after each push; ``--pulls K``: it closes its
 session after K pulls; ``--after FILE``: it opens only once FILE exists (a replica joining late).
 The trainer opens once the replicas of ``--expect`` wait, and pushes version V of ``--join c:V``
 once replica c waits.
@@ -95,8 +98,12 @@ def recv(d: Path, args: argparse.Namespace) -> int:
         wait_file(d / args.after)
     s = RefitSession.open(m, "recv", rendezvous=str(d / "rdv"), transport="gloo", timeout=args.timeout,
                           options=RefitOptions(delta=True, link_gbps=SLOW_LINK), replica=args.name)
+    if args.kill_at:  # SIGKILL this rank once it posted that fraction of its receives of version V
+        kill_v, kill_f = (float(x) for x in args.kill_at.split(":"))
     pulled = 0
     while pulled < args.pulls:
+        if args.kill_at and s.version == kill_v - 1 and rank == n - 1:
+            _die_midway(s, kill_f)
         try:
             st = s.pull(local)
         except PushFailed as e:
@@ -117,6 +124,22 @@ def recv(d: Path, args: argparse.Namespace) -> int:
     s.close()
     note(event="exit")
     return 0
+
+
+def _die_midway(s: RefitSession, fraction: float) -> None:
+    t = s.transport
+    assert t is not None
+    total = sum(1 for msg in s.schedule if msg.dst == t.rank)
+    at, posted, irecv = max(1, int(total * fraction)), 0, t.irecv
+
+    def counting(buf: Any, src: int, tag: int) -> Any:
+        nonlocal posted
+        posted += 1
+        if posted >= at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return irecv(buf, src, tag)
+
+    t.irecv = counting  # type: ignore[method-assign]
 
 
 def send(d: Path, args: argparse.Namespace) -> int:
@@ -168,6 +191,7 @@ def main() -> int:
     p.add_argument("--stall-after", type=int, default=-1)
     p.add_argument("--stall", type=float, default=0.0)
     p.add_argument("--pace", type=float, default=0.0)
+    p.add_argument("--kill-at", default="")
     p.add_argument("--versions", default="1")
     p.add_argument("--expect", default="")
     p.add_argument("--join", default="")
