@@ -571,6 +571,9 @@ class RefitSession:
                            and ex.receives_only_deltas(delta))
         if delta is None or not delta.stage:
             self._synced = None
+        watch = getattr(self.group.control, "watch", None)  # a receiver's SenderWatch (store plane)
+        if watch is not None:
+            watch.in_push = True
         try:
             if self.options.strategy == "broadcast":
                 es = self._baseline(local)
@@ -579,6 +582,9 @@ class RefitSession:
         except DeltaChecksumError:
             self._synced = None  # applied, then found wrong
             raise
+        finally:
+            if watch is not None:
+                watch.in_push = False
         self._synced, self._synced_ptrs, self._pushing = version, ptrs, None
         return es
 

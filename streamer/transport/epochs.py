@@ -99,6 +99,10 @@ class SenderWatch:
         self._seen: list[tuple[int, float]] = []
         self._next = 0.0
         self._limit = silence_limit()
+        #: set by the session while a push's bytes move: the sender job's close then does not end
+        #: the wait (its ranks finish sending before the slowest receiver finishes receiving; a
+        #: sender that died mid-push is still noticed by its silence)
+        self.in_push = False
 
     def poll(self) -> RemoteAbortError | None:
         now = time.monotonic()
@@ -106,7 +110,7 @@ class SenderWatch:
             return None
         self._next = now + BEAT / 2
         try:
-            if self.store.check([self._done]):
+            if not self.in_push and self.store.check([self._done]):
                 return PeerClosedError()
             if not self._keys or not self.store.check(self._keys):
                 return None  # still joining: the join's own timeout covers that
