@@ -91,6 +91,30 @@ def test_replicas_join_and_leave(tmp_path: Path) -> None:
     assert saved.keys() == weights(0).keys() and all(np.array_equal(saved[k], v) for k, v in weights(6).items())
 
 
+def test_a_restarted_trainer_joins_the_waiting_replicas(tmp_path: Path) -> None:
+    """A trainer dies between pushes: the replica notices (its heartbeat), waits for a new trainer
+    and is joined at its open, with a full push; the new trainer's close ends it cleanly."""
+    d = tmp_path
+    replica = _job(d, "a", 1, "recv", d, "--name", "a")
+    try:
+        first = _job(d, "trainer-1", 1, "send", d, "--versions", "1,2", "--expect", "a", "--die-after", 1)
+        assert first.wait(120) == 137, first.stderr[-2000:]
+        first.close()
+        second = _job(d, "trainer-2", 1, "send", d, "--versions", "2,3", "--expect", "a")
+        assert second.wait(120) == 0, second.stderr[-2000:]
+        second.close()
+        assert replica.wait(60) == 0, replica.stderr[-2000:]
+    finally:
+        replica.close()
+    pushes = [(p["version"], p["replicas"]) for p in _lines(d / "send.jsonl") if "event" not in p]
+    assert pushes == [(1, [["a", 1, None, True]]), (2, [["a", 2, None, True]]), (3, [["a", 3, None, False]])], pushes
+    ev = _lines(d / "a-0.jsonl")
+    assert [(e["event"], e.get("version"), e.get("held")) for e in ev] == [
+        ("ok", 1, 1), ("failed", None, 1), ("ok", 2, 2), ("ok", 3, 3), ("closed", None, 3), ("exit", None, None)], ev
+    assert "went silent" in ev[1]["reason"] and all(e["match"] for e in ev if e["event"] == "ok"), ev
+    assert ev[2]["wire"] == ev[2]["full"] and ev[3]["wire"] < ev[3]["full"] // 10, ev  # full from the new trainer
+
+
 def test_bench_refit_replicas_tiny(tmp_path: Path) -> None:
     """``bench refit --replicas 2``: the joiner's join and first (full) push beside a steady push."""
     from mpi_helpers import ok
