@@ -42,7 +42,8 @@ from streamer.cli.app import main
 
 ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+# one worker runs this module: its module-scoped fixture is built once, not once per xdist worker
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.xdist_group("dcp")]
 
 
 # ------------------------------------------------------------------ helpers
