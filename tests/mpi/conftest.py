@@ -13,13 +13,20 @@ stderr)`` and the other helpers live in ``mpi_helpers.py`` (importable from the 
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
+import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 from mpi_helpers import BIN, ENV, MPIEXEC, SHARDSTREAM, Ckpt, Saved, ok, run, tp_rules
+from mpi_helpers import ok as _ok
 
 __all__ = ["ok", "run"]
 
@@ -36,9 +43,36 @@ def _need_mpi() -> None:
         pytest.skip("mpi4py is not importable")
 
 
+@contextmanager
+def _shared(factory: pytest.TempPathFactory, name: str) -> Iterator[tuple[Path, bool]]:
+    """``(directory, built)`` for session data that the xdist workers of one run share: the first
+    worker builds it (``built`` False) while the others wait on a lock, then reuse it."""
+    base = factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # the run's temp root, above each worker's own
+    root, stamp = base / name, base / f"{name}.built"
+    with open(base / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            built = stamp.exists()
+            if not built:
+                shutil.rmtree(root, ignore_errors=True)
+                root.mkdir()
+            yield root, built
+            stamp.touch()
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 @pytest.fixture(scope="session")
 def ckpt(tmp_path_factory: pytest.TempPathFactory, _need_mpi: None) -> Ckpt:
-    root = tmp_path_factory.mktemp("mpi-ckpt")
+    with _shared(tmp_path_factory, "mpi-ckpt") as (root, built):
+        return _ckpt(root, build=not built)
+
+
+def _ckpt(root: Path, build: bool) -> Ckpt:
+    """The tier's checkpoint and layouts under ``root`` (made by the CLI when ``build``)."""
+    ok: Callable[[list[object]], object] = _ok if build else (lambda cmd: None)
     hf = root / "hf"
     ok(["shardstream", "synth", "--preset", "qwen3-tiny", "--out", hf])
     ok(["shardstream", "import", hf, "-o", hf / "manifest.json"])
@@ -62,7 +96,8 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory, _need_mpi: None) -> Ckpt:
     a["shape"] = [2 * a["shape"][0]]
     a["chunks"][0]["region"]["sizes"] = [2 * a["chunks"][0]["region"]["sizes"][0]]
     del arrays[missing_name]
-    (hf / "other.json").write_text(json.dumps(m))
+    if build:
+        (hf / "other.json").write_text(json.dumps(m))
     serve_bad = root / "serve_bad.json"
     ok(["shardstream", "layout", "--like", hf / "other.json", "--mesh", "tp=4", *tp_rules(1), "-o", serve_bad])
     return Ckpt(root, hf, hf / "manifest.json", train_m, root / "train", serve, serve_dp, hf1, serve_bad,
@@ -70,12 +105,16 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory, _need_mpi: None) -> Ckpt:
 
 
 @pytest.fixture(scope="session")
-def mpmd_saved(ckpt: Ckpt) -> Saved:
+def mpmd_saved(ckpt: Ckpt, tmp_path_factory: pytest.TempPathFactory) -> Saved:
     """The reference refit: MPMD 4 senders (TP2xPP2) + 4 receivers (TP4), --save --verify, 3 steps."""
-    out = ckpt.root / "saved-mpmd"
-    t0 = time.monotonic()
-    rc, so, se = run(["mpiexec", "-n", "4", "shardstream", "refit", "send", "--manifest", ckpt.train,
-                      "--timeout", "30", "--steps", "3", ":",
-                      "-n", "4", "shardstream", "refit", "recv", "--manifest", ckpt.serve, "--save", out,
-                      "--verify", "--timeout", "30", "--steps", "3"], timeout=90)
-    return Saved(out, rc, so, se, time.monotonic() - t0)
+    with _shared(tmp_path_factory, "mpi-saved") as (root, built):
+        out, record = root / "saved-mpmd", root / "run.json"
+        if not built:
+            t0 = time.monotonic()
+            rc, so, se = run(["mpiexec", "-n", "4", "shardstream", "refit", "send", "--manifest", ckpt.train,
+                              "--timeout", "30", "--steps", "3", ":",
+                              "-n", "4", "shardstream", "refit", "recv", "--manifest", ckpt.serve, "--save", out,
+                              "--verify", "--timeout", "30", "--steps", "3"], timeout=90)
+            record.write_text(json.dumps([rc, so, se, time.monotonic() - t0]))
+        rc, so, se, seconds = json.loads(record.read_text())
+        return Saved(out, rc, so, se, seconds)
