@@ -34,7 +34,8 @@ from streamer.ops.agree import AgreedRefusal, LocalChecks, Refusal, agree
 from streamer.transport.base import RemoteAbortError, Transport
 from streamer.transport.watchdog import Watchdog, abort
 
-__all__ = ["CONTROLS", "Group", "Watchdog", "abort", "connect", "launcher_rank", "rejoin"]
+__all__ = ["CONTROLS", "Clock", "Group", "Watchdog", "abort", "close_store", "connect", "dial", "launcher_rank", "rank_name",
+           "rejoin", "store_wait"]
 
 ROLES = ("send", "recv")
 CONTROLS = ("auto", "mpi", "store")
@@ -60,7 +61,7 @@ def launcher_rank() -> tuple[int, int]:
     return 0, 1
 
 
-def _rank_name(g: int, n_send: int) -> str:
+def rank_name(g: int, n_send: int) -> str:
     if g < n_send:
         return f"sender rank {g} (global {g})"
     return f"receiver rank {g - n_send} (global {g})"
@@ -95,7 +96,7 @@ class Group:
 
     def name(self, g: int) -> str:
         """Human name of merged rank ``g``: which job, which rank in it."""
-        return _rank_name(g, self.n_send)
+        return rank_name(g, self.n_send)
 
     def close(self, timeout: float = 30.0) -> None:
         for c in self._closers:
@@ -125,8 +126,8 @@ class Group:
                  rendezvous: str | None = None) -> Group:
         from streamer.transport.mpi import MPITransport
 
-        role_names = (lambda r: _rank_name(r, n_send)) if role == "send" else (lambda r: _rank_name(r + n_send, n_send))
-        return cls(MPITransport(comm, lambda r: _rank_name(r, n_send)), MPITransport(role_comm, role_names), role,
+        role_names = (lambda r: rank_name(r, n_send)) if role == "send" else (lambda r: rank_name(r + n_send, n_send))
+        return cls(MPITransport(comm, lambda r: rank_name(r, n_send)), MPITransport(role_comm, role_names), role,
                    n_send, n_recv, rendezvous, comm=comm)
 
 
@@ -146,19 +147,19 @@ def _read_rendezvous(path: Path, deadline: float, want_fresh_from: float | None 
 
 
 @dataclass(frozen=True)
-class _Clock:
+class Clock:
     """A deadline ``timeout`` seconds from its start: every step of one wait shares it."""
 
     timeout: float
     deadline: float
 
     @classmethod
-    def start(cls, timeout: float) -> _Clock:
+    def start(cls, timeout: float) -> Clock:
         return cls(timeout, time.monotonic() + timeout)
 
-    def restart(self) -> _Clock:
+    def restart(self) -> Clock:
         """A new wait (for the other job, once this one is ready for it): its own ``timeout``."""
-        return _Clock.start(self.timeout)
+        return Clock.start(self.timeout)
 
     def left(self, floor: float = 0.5) -> float:
         return max(floor, self.deadline - time.monotonic())
@@ -185,7 +186,7 @@ def connect(role: str | None, *, rendezvous: str | None = None, timeout: float =
     one. Two separate launches: the ranks of this launch agree first, ``announce`` is called with
     their verdict at once, and they still join (up to ``timeout``) to tell the other job.
     """
-    clock = _Clock.start(timeout)
+    clock = Clock.start(timeout)
     checks = LocalChecks(refusal)
     with checks.capture():
         _check_args(role, rendezvous, control)
@@ -217,7 +218,7 @@ def _check_args(role: str | None, rendezvous: str | None, control: str) -> None:
         raise UsageError("--control store joins two jobs through a rendezvous file: pass --rendezvous FILE")
 
 
-def _launch_verdict(refusal: Refusal | None, clock: _Clock) -> AgreedRefusal | None:
+def _launch_verdict(refusal: Refusal | None, clock: Clock) -> AgreedRefusal | None:
     """Under an MPI launcher: this launch's ranks agree before joining the other job."""
     if not launched_by_mpi():
         return None
@@ -232,7 +233,7 @@ def _launch_verdict(refusal: Refusal | None, clock: _Clock) -> AgreedRefusal | N
     return None
 
 
-def _connect_rendezvous(role: str, path: Path, clock: _Clock, control: str, refusal: Refusal | None,
+def _connect_rendezvous(role: str, path: Path, clock: Clock, control: str, refusal: Refusal | None,
                         refused: bool) -> Group:
     if role == "recv":
         plane = control if control != "auto" else ("mpi" if launched_by_mpi() else "store")
@@ -252,7 +253,7 @@ def _connect_rendezvous(role: str, path: Path, clock: _Clock, control: str, refu
             else _connect_mpi_port(role, path, clock, refusal, refused))
 
 
-def _connect_mpmd(role: str | None, clock: _Clock, refusal: Refusal | None) -> Group:
+def _connect_mpmd(role: str | None, clock: Clock, refusal: Refusal | None) -> Group:
     from mpi4py import MPI
 
     from streamer.transport.mpi import MPITransport
@@ -275,7 +276,7 @@ def _connect_mpmd(role: str | None, clock: _Clock, refusal: Refusal | None) -> G
     return Group.from_mpi(merged, role_comm, role or ROLES[0], n_send, n_recv)
 
 
-def _connect_mpi_port(role: str, path: Path, clock: _Clock, refusal: Refusal | None, refused: bool) -> Group:
+def _connect_mpi_port(role: str, path: Path, clock: Clock, refusal: Refusal | None, refused: bool) -> Group:
     from mpi4py import MPI
 
     from streamer.transport.mpi import MPITransport
@@ -329,7 +330,7 @@ def _connect_mpi_port(role: str, path: Path, clock: _Clock, refusal: Refusal | N
 FRESH_SLACK = 60.0
 
 
-def _connect_store(role: str, path: Path, clock: _Clock, refusal: Refusal | None, *, epoch: int = 0,
+def _connect_store(role: str, path: Path, clock: Clock, refusal: Refusal | None, *, epoch: int = 0,
                    store: Any = None, address: str = "") -> Group:
     """Join through a TCPStore served by receiver rank 0 (see the module docstring). ``epoch``
     (receivers, with their ``store`` and its ``address``): open the session again for a new
@@ -353,8 +354,8 @@ def _connect_store(role: str, path: Path, clock: _Clock, refusal: Refusal | None
         # receiver ranks wait for the file their rank 0 writes now, not a stale one; "now" with
         # slack: the ranks of one job start seconds apart on a loaded node (CI once saw rank 1
         # start after rank 0 had written it, and wait out its timeout), and a stale file names a
-        # dead store that _dial reads again (a finished job's rank 0 removes the file)
-        store, text = _dial(path, clock, fresh_from=t_start - FRESH_SLACK if role == "recv" else None)
+        # dead store that dial reads again (a finished job's rank 0 removes the file)
+        store, text = dial(path, clock, fresh_from=t_start - FRESH_SLACK if role == "recv" else None)
         address, epoch = parse_address(text)
     try:
         group = _store_group(store, role, rank, size, path, clock, server, epoch, address)
@@ -369,7 +370,7 @@ def _connect_store(role: str, path: Path, clock: _Clock, refusal: Refusal | None
             path.unlink(missing_ok=True)
 
 
-def _store_group(store: Any, role: str, rank: int, size: int, path: Path, clock: _Clock, server: bool,
+def _store_group(store: Any, role: str, rank: int, size: int, path: Path, clock: Clock, server: bool,
                  epoch: int = 0, address: str = "") -> Group:
     """Both jobs' sizes, once each has joined the store (under the epoch's prefix): the group
     over it. Senders beat a heartbeat from now on; receivers watch it (``transport.epochs``)."""
@@ -384,14 +385,14 @@ def _store_group(store: Any, role: str, rank: int, size: int, path: Path, clock:
     sizes = {}
     for r in ROLES:
         key = f"{p}job/{r}/size"
-        _store_wait(store, [key], clock.deadline,
+        store_wait(store, [key], clock.deadline,
                     f"the {'sender' if r == 'send' else 'receiver'} job to join through {path}")
         sizes[r] = int(store.get(key))
     n_send, n_recv = sizes["send"], sizes["recv"]
     g = rank if role == "send" else n_send + rank
     if size != sizes[role]:
         raise UsageError(f"two {role} jobs joined through {path}: one rendezvous file serves one pair of jobs")
-    group = Group(StoreControl(store, g, n_send + n_recv, f"{p}ss/all", lambda r: _rank_name(r, n_send)),
+    group = Group(StoreControl(store, g, n_send + n_recv, f"{p}ss/all", lambda r: rank_name(r, n_send)),
                   StoreControl(store, rank, size, f"{p}ss/{role}"), role, n_send, n_recv, str(path),
                   store=store, plane="store", epoch=epoch, prefix=p, address=address)
     if role == "recv":
@@ -401,11 +402,11 @@ def _store_group(store: Any, role: str, rank: int, size: int, path: Path, clock:
     else:
         beat = Heartbeat(address, f"{p}hb/{rank}", clock.timeout)
         group._closers.append(lambda t: beat.stop())
-    group._closers.append(lambda t: _close_store(store, g, n_send + n_recv, server, t, p))
+    group._closers.append(lambda t: close_store(store, g, n_send + n_recv, server, t, p))
     return group
 
 
-def _dial(path: Path, clock: _Clock, fresh_from: float | None, whose: str = "the receiver job's store") -> tuple[Any, str]:
+def dial(path: Path, clock: Clock, fresh_from: float | None, whose: str = "the receiver job's store") -> tuple[Any, str]:
     from streamer.transport.store import open_store
 
     last = ""
@@ -427,7 +428,7 @@ def _dial(path: Path, clock: _Clock, fresh_from: float | None, whose: str = "the
                            + (f" (last error: {last})" if last else ""))
 
 
-def _store_wait(store: Any, keys: list[str], deadline: float, what: str) -> None:
+def store_wait(store: Any, keys: list[str], deadline: float, what: str) -> None:
     while True:
         try:
             if store.check(keys):
@@ -440,7 +441,7 @@ def _store_wait(store: Any, keys: list[str], deadline: float, what: str) -> None
         time.sleep(0.01)
 
 
-def _close_store(store: Any, g: int, size: int, server: bool, timeout: float, prefix: str = "") -> None:
+def close_store(store: Any, g: int, size: int, server: bool, timeout: float, prefix: str = "") -> None:
     """Everyone signs off; the rank serving the store waits for all (else its exit strands them)."""
     try:
         store.add(f"{prefix}ss/closed", 1)
@@ -461,7 +462,7 @@ def rejoin(group: Group, timeout: float) -> Group:
     path = Path(group.rendezvous)
     group.close(timeout)  # our sign-off of the old epoch (no wait on the dead senders)
     try:
-        return _connect_store("recv", path, _Clock.start(timeout), None, epoch=group.epoch + 1, store=group.store,
+        return _connect_store("recv", path, Clock.start(timeout), None, epoch=group.epoch + 1, store=group.store,
                               address=group.address)
     except BaseException:
         if group.role_rank == 0:  # no sender job may join an epoch the receivers gave up on

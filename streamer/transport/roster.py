@@ -22,12 +22,12 @@ from formats.errors import UsageError
 from formats.manifest import atomic_write_bytes
 from streamer.transport.jobs import (
     FRESH_SLACK,
+    Clock,
     Group,
-    _Clock,
-    _close_store,
-    _dial,
-    _store_wait,
+    close_store,
+    dial,
     launcher_rank,
+    store_wait,
 )
 
 __all__ = ["replica_files", "replica_path", "trainer_group"]
@@ -72,14 +72,14 @@ def replica_files(rendezvous: str | Path) -> dict[str, str]:
 def trainer_group(rendezvous: str | Path, timeout: float) -> Group:
     """The trainer job's own group (every rank a sender, no receiver) over a store served by its
     rank 0, found through ``RENDEZVOUS.trainer`` (written fresh, removed once every rank joined)."""
-    from streamer.transport.jobs import _rank_name
+    from streamer.transport.jobs import rank_name
     from streamer.transport.store import StoreControl, open_store
     from streamer.transport.torch_dist import free_port, host_address
 
     p = Path(rendezvous)
     path = p.with_name(f"{p.name}.trainer")
     rank, size = launcher_rank()
-    clock = _Clock.start(timeout)
+    clock = Clock.start(timeout)
     t_start = time.time()
     if rank == 0:
         address = f"{host_address()}:{free_port()}"
@@ -87,22 +87,22 @@ def trainer_group(rendezvous: str | Path, timeout: float) -> Group:
         store = open_store(host, int(port), server=True, timeout=timeout)
         atomic_write_bytes(path, f"tcp://{address}\n".encode())
     else:
-        store, _ = _dial(path, clock, fresh_from=t_start - FRESH_SLACK, whose="trainer rank 0's store")
+        store, _ = dial(path, clock, fresh_from=t_start - FRESH_SLACK, whose="trainer rank 0's store")
     try:
         store.add("trainer/joined", 1)
         store.set(f"trainer/in/{rank}", "1")
-        _store_wait(store, [f"trainer/in/{r}" for r in range(size)], clock.deadline,
+        store_wait(store, [f"trainer/in/{r}" for r in range(size)], clock.deadline,
                     f"the trainer's {size} ranks to join through {path}")
     finally:
         if rank == 0:
             path.unlink(missing_ok=True)
 
     def names(r: int) -> str:
-        return _rank_name(r, size)
+        return rank_name(r, size)
 
     group = Group(StoreControl(store, rank, size, "trainer/all", names), StoreControl(store, rank, size, "trainer/send"),
                   "send", size, 0, str(p), store=store, plane="store", prefix="trainer/")
-    group._closers.append(lambda t: _close_store(store, rank, size, rank == 0, t, "trainer/"))
+    group._closers.append(lambda t: close_store(store, rank, size, rank == 0, t, "trainer/"))
     return group
 
 
