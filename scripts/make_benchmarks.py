@@ -680,11 +680,14 @@ Issue 14's manifest targets (≤ 1 MB and ≤ 5 s to write, `validate` ≤ 2 s a
 | Qwen3 56M, TP 2 (2 worker processes) | shardstream pull | 0.181 | **53.8 / 53.8** | **75 / 73** | yes |
 | | full tensors + `load_weights` | 0.081 | 107.5 / 107.5 | 102 / 116 | yes |
 | | vLLM reload from disk | 0.082 | 107.5 / 107.5 | 87 / 70 | yes |
-| tiny Qwen3-MoE (the tier's model), TP 1, an earlier run of the TP 1 bench | shardstream pull | 0.045 | 0.23 | 0.3 | yes |
-| | full tensors + `load_weights` | 0.061 | 0.24 | 0.7 | **no** |
-| | vLLM reload from disk | 0.40 | 0.24 | 0.2 | **no** |
+| tiny Qwen3-MoE (the tier's model: layer 1 with 4 experts), TP 1 in-process | shardstream pull | 0.016 | 0.23 | 0.16 | yes |
+| | full tensors + `load_weights` | 0.015 | 0.24 | 0.60 | **no** |
+| | vLLM reload from disk | 0.017 | 0.24 | 0.25 | **no** |
+| tiny Qwen3-MoE, TP 2 (2 worker processes) | shardstream pull | 0.041 | 0.13 / 0.12 | 0.09 / 0.14 | yes |
+| | full tensors + `load_weights` | **failed** in vLLM's layerwise reload: copying `RoutedExperts`' processed `w13` into its kernel tensor raises (`The size of tensor a (64) must match the size of tensor b (32) at non-singleton dimension 1`, `_copy_and_restore_kernel_tensors`) | 0.24 / 0.24 | – | – |
+| | vLLM reload from disk | not run: the failed reload left the engine mid-reload (layers on the meta device; generating then hangs the workers) | | | |
 
-At TP 2 the pull delivers each worker its own half (the vocabulary shards, its heads of the fused q/k/v, its half of gate/up), where the other two ways read the whole checkpoint in every worker. Its apply time at TP 2 splits into the pull (0.077 s on each worker) and vLLM's per-layer processing (0.04–0.09 s), plus three engine RPCs (start, update, finish) against one for the others. Here the pull runs over gloo on loopback from one sender process that pushes both halves through one core, while the other two ways read a page-cached checkpoint in each worker in parallel. Engine start: 18 s at TP 1 and 58 s at TP 2 (this run; vLLM's import included). On the MoE model, vLLM's own reload paths skip the CPU experts' prepack on a weight update and serve different logprobs; the shardstream engine re-runs it.
+At TP 2 the pull delivers each worker its own half (the vocabulary shards, its heads of the fused q/k/v, its half of gate/up), where the other two ways read the whole checkpoint in every worker. Its apply time at TP 2 splits into the pull (0.077 s on each worker) and vLLM's per-layer processing (0.04–0.09 s), plus three engine RPCs (start, update, finish) against one for the others. Here the pull runs over gloo on loopback from one sender process that pushes both halves through one core, while the other two ways read a page-cached checkpoint in each worker in parallel. Engine start: 18 s at TP 1 and 58 s at TP 2 (this run; vLLM's import included). On the MoE model, vLLM's own reload paths skip the CPU experts' prepack on a weight update: at TP 1 they then serve different logprobs, and at TP 2 the full-tensors path fails outright: the `w13` that vLLM's processing produces does not fit the kernel tensor it is copied into (32 against 64 along dimension 1). The shardstream engine re-runs the prepack, and serves the first load's output at both sizes.
 
 ### Refit A/B: before schedule v3 against now (`bench refit`, interleaved)
 
