@@ -192,29 +192,31 @@ def _nbytes(t: dict[str, Any]) -> int:
     return n
 
 
-@pytest.mark.timeout(600)
-def test_delta_session_refits_vllm(tmp_path: Path) -> None:
+@pytest.mark.timeout(900)  # TP 2 starts three multiprocess engines
+@pytest.mark.parametrize("tp", [1, 2], ids=["qwen3-delta-tp1", "qwen3-delta-tp2"])
+def test_delta_session_refits_vllm(tmp_path: Path, tp: int) -> None:
     """A delta session through the engine: the trainer's first push is full, its second sends each
-    message's change since the first (XOR, encoded). The engine applies it to its host base (the
+    message's change since the first (XOR, encoded). Each worker applies it to its host base (the
     tensors it fills are materialized afresh on every update, so they cannot hold the base) and
     then serves exactly what a fresh engine serves from step 1's checkpoint. A delta applied to
     anything but the first push's bytes would decode to other weights, and the exact check fails."""
-    case = _refit_case(tmp_path, "dense", 1, then=None, delta=True)
+    case = _refit_case(tmp_path, "dense", tp, then=None, delta=True)
     _check_served(case)
-    first, second = (json.loads((case["manifests"] / f"step-{s}" / "rank-0.json").read_text())["last"]
-                     for s in (0, 1))
-    assert first["delta"] and second["delta"]
-    # the first push is full: nothing encoded
-    assert first["encodings"] == {} and first["bytes_received"] == first["full_bytes_received"], first
-    # the second is a delta: encoded messages, and fewer bytes than the full push (some messages
-    # decoded against the base: "same", "sparse" or "zstd", not only "raw")
-    assert sum(second["encodings"].values()) > 0 and set(second["encodings"]) - {"raw"}, second
-    assert second["bytes_received"] < second["full_bytes_received"], second
-    assert second["base_bytes"] >= second["full_bytes_received"], second  # one model-format copy (padding too)
+    for r in range(tp):
+        first, second = (json.loads((case["manifests"] / f"step-{s}" / f"rank-{r}.json").read_text())["last"]
+                         for s in (0, 1))
+        assert first["delta"] and second["delta"]
+        # the first push is full: nothing encoded
+        assert first["encodings"] == {} and first["bytes_received"] == first["full_bytes_received"], first
+        # the second is a delta: encoded messages, and fewer bytes than the full push (some messages
+        # decoded against the base: "same", "sparse" or "zstd", not only "raw")
+        assert sum(second["encodings"].values()) > 0 and set(second["encodings"]) - {"raw"}, second
+        assert second["bytes_received"] < second["full_bytes_received"], second
+        assert second["base_bytes"] >= second["full_bytes_received"], second  # one model-format copy (padding too)
+        print(f"delta tp{tp} rank {r}: step 1 received {second['bytes_received']} of "
+              f"{second['full_bytes_received']} bytes, encodings {second['encodings']}")
     sent = [x for x in case["trainer"] if x["step"] == 1]
     assert all(x["changed_fraction"] is not None for x in sent), sent
-    print(f"delta: step 1 received {second['bytes_received']} of {second['full_bytes_received']} bytes, "
-          f"encodings {second['encodings']}, changed {[round(x['changed_fraction'], 3) for x in sent]}")
 
 
 FP8_BLOCK = (32, 32)
