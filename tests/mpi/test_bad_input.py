@@ -32,8 +32,7 @@ from pathlib import Path
 import pytest
 from mpi_helpers import BIN, ENV, Ckpt, ok, session_pids, tp_rules
 
-# one worker runs this module: its module-scoped fixture is built once, not once per xdist worker
-pytestmark = [pytest.mark.mpi, pytest.mark.xdist_group("bad_input")]
+pytestmark = pytest.mark.mpi
 
 TORCHRUN = shutil.which("torchrun", path=str(BIN))
 #: every launch gets this --timeout; a case must end in far less (HARD_KILL < TIMEOUT: a launch

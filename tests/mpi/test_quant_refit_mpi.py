@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 from mpi_helpers import ok, run, safetensors_files, same_files
 
-# one worker runs this module: its module-scoped fixture is built once, not once per xdist worker
-pytestmark = [pytest.mark.mpi, pytest.mark.xdist_group("quant_refit_mpi")]
+pytestmark = pytest.mark.mpi
 
 #: DeepSeek-V3 in miniature (MLA, shared and routed experts), dims that TP2 cuts into whole blocks
 DSV3_SMALL = {

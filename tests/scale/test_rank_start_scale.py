@@ -14,9 +14,6 @@ from pathlib import Path
 
 import pytest
 
-# one worker runs this module: its module-scoped fixture is built once, not once per xdist worker
-pytestmark = pytest.mark.xdist_group("rank_start_scale")
-
 MODELS = Path(__file__).resolve().parents[2] / "workloads" / "models"  # shipped copy of ../shared/workloads
 CONFIG = MODELS / "deepseek-v3.config.json"
 GB = 1 << 30

@@ -42,8 +42,7 @@ from streamer.cli.app import main
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# one worker runs this module: its module-scoped fixture is built once, not once per xdist worker
-pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.xdist_group("dcp")]
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
 # ------------------------------------------------------------------ helpers

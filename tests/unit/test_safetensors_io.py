@@ -32,9 +32,6 @@ from formats.safetensors_io import (
     save_tensors,
 )
 
-# one worker runs this module: its module-scoped fixture is built once, not once per xdist worker
-pytestmark = pytest.mark.xdist_group("safetensors_io")
-
 try:  # torch is an optional dependency: only the torch-interop tests need it
     import safetensors.torch
     import torch

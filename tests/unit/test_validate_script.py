@@ -16,9 +16,6 @@ from streamer.cli.app import main
 from streamer.convert.importer import import_checkpoint
 from streamer.tools.synth import write_checkpoint
 
-# one worker runs this module: its module-scoped fixture is built once, not once per xdist worker
-pytestmark = pytest.mark.xdist_group("validate_script")
-
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "validate_manifests.py"
 

@@ -42,9 +42,6 @@ from streamer.convert import ConvertOptions, cast_bytes, convert
 from streamer.convert.importer import import_checkpoint
 from streamer.tools.synth import PRESETS, QWEN3_TP_RULES, qwen3_arrays, tensor_data, write_checkpoint
 
-# one worker runs this module: its module-scoped fixture is built once, not once per xdist worker
-pytestmark = pytest.mark.xdist_group("zarr")
-
 TINY = qwen3_arrays(PRESETS["qwen3-tiny"])  # vocab 1000: TP3 splits it unevenly
 MIXED = {
     "w.bf16": ((12, 8), "bfloat16"),
