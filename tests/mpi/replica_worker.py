@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 from resilient_worker import digest, launch
+from resilient_worker import weights as resilient_weights
 
 from formats.errors import PushFailed
 from formats.layouts import apply_layout, manifest_from_arrays, parse_mesh, parse_rule
@@ -51,14 +52,7 @@ def manifest(rule: str, n: int) -> Any:
 
 
 def weights(version: int) -> dict[str, np.ndarray]:
-    full = {k: np.random.default_rng(0).standard_normal(s).astype(np.float32) for k, s in ARRAYS.items()}
-    for v in range(1, version + 1):
-        rng = np.random.default_rng(v)
-        for a in full.values():
-            flat = a.reshape(-1)
-            idx = rng.choice(flat.size, flat.size // 50, replace=False)
-            flat[idx] += rng.standard_normal(idx.size).astype(np.float32)
-    return full
+    return resilient_weights(version, ARRAYS)  # the same versions as the resilience test, smaller arrays
 
 
 def fill(m: Any, rank: int, local: dict[str, np.ndarray], version: int) -> None:

@@ -47,9 +47,9 @@ def manifest(role: str, n: int) -> Any:
                         file_pattern=None)
 
 
-def weights(version: int) -> dict[str, np.ndarray]:
-    """The full arrays of ``version``: from seed 0, each version changes 2% of the elements."""
-    full = {k: np.random.default_rng(0).standard_normal(s).astype(np.float32) for k, s in ARRAYS.items()}
+def weights(version: int, arrays: dict[str, tuple[int, int]] = ARRAYS) -> dict[str, np.ndarray]:
+    """The full ``arrays`` of ``version``: from seed 0, each version changes 2% of the elements."""
+    full = {k: np.random.default_rng(0).standard_normal(s).astype(np.float32) for k, s in arrays.items()}
     for v in range(1, version + 1):
         rng = np.random.default_rng(v)
         for a in full.values():
