@@ -7,9 +7,12 @@ torchrun):
 - A (2 ranks) pushes versions 1 (full) and 2 (delta), then SIGKILLs itself 25% into the delta
   push of version 3: every receiver raises ``PushFailed`` naming version 3 within seconds, and
   still holds version 2 byte for byte (a delta push is staged until it all arrived);
-- B (3 ranks: another rank count) opens the session again; its first push (version 3) is full,
-  and B SIGKILLs itself 80% into it: the receivers say they hold no complete version (None);
-- C (1 rank) pushes 3 (full) and 4 (delta), then closes: the receivers hold version 4 byte for
+- B, C, D (3, 2 and 3 ranks: other rank counts) open the session again; each one's first push
+  (version 3) is full, and each SIGKILLs itself 25%, 50% or 80% into it: the receivers say they
+  hold no complete version (None);
+- E and F (2 ranks each) push full then delta, and die 50% and 80% into their next delta push:
+  the receivers still hold the last version byte for byte;
+- G (1 rank) pushes 7 (full) and 8 (delta), then closes: the receivers hold version 8 byte for
   byte (checked against their own computation of it), ``pull()`` returns None, they exit 0.
 
 No receiver restarts. A second test: a trainer that pushes once and then hangs (alive, silent)
@@ -65,9 +68,14 @@ def _trainer(d: Path, name: str, n: int, versions: str, *extra: object, torchrun
 def test_receivers_survive_killed_trainers_and_a_restart(tmp_path: Path) -> None:
     recv = _job(tmp_path, "recv", 2, "recv", tmp_path, "--delta", "--timeout", 60)
     try:
-        killed_a = _trainer(tmp_path, "trainer-a", 2, "1,2,3", "--delta", "--kill-at", "3:0.25")
-        killed_b = _trainer(tmp_path, "trainer-b", 3, "3", "--delta", "--kill-at", "3:0.8")
-        _trainer(tmp_path, "trainer-c", 1, "3,4", "--delta", torchrun=True)
+        killed = [_trainer(tmp_path, "trainer-a", 2, "1,2,3", "--delta", "--kill-at", "3:0.25")]
+        # a new trainer's first push is full: killed 25%, 50% and 80% into it
+        for name, n, at in (("b", 3, "0.25"), ("c", 2, "0.5"), ("d", 3, "0.8")):
+            killed.append(_trainer(tmp_path, f"trainer-{name}", n, "3", "--delta", "--kill-at", f"3:{at}"))
+        # a delta push killed 50% and 80% into it (each trainer's first push is full)
+        killed.append(_trainer(tmp_path, "trainer-e", 2, "3,4,5", "--delta", "--kill-at", "5:0.5"))
+        killed.append(_trainer(tmp_path, "trainer-f", 2, "5,6,7", "--delta", "--kill-at", "7:0.8"))
+        _trainer(tmp_path, "trainer-g", 1, "7,8", "--delta", torchrun=True)
         assert recv.wait(60) == 0, recv.stderr[-3000:]
     finally:
         recv.close()
@@ -75,18 +83,22 @@ def test_receivers_survive_killed_trainers_and_a_restart(tmp_path: Path) -> None
         ev = [e for e in _events(tmp_path, rank) if e["event"] != "open"]
         assert [(e["event"], e.get("version"), e.get("held")) for e in ev] == [
             ("ok", 1, 1), ("ok", 2, 2),
-            ("failed", 3, 2),  # the delta push broke off: version 2 intact
-            ("failed", 3, None),  # the restarted trainer's full push broke off: no complete version
-            ("ok", 3, 3), ("ok", 4, 4), ("closed", None, 4), ("exit", None, None)], ev
+            ("failed", 3, 2),  # the delta push broke off at 25%: version 2 intact
+            # restarted trainers' full pushes broke off at 25%, 50%, 80%: no complete version
+            ("failed", 3, None), ("failed", 3, None), ("failed", 3, None),
+            ("ok", 3, 3), ("ok", 4, 4), ("failed", 5, 4),  # a delta broken at 50%: 4 intact
+            ("ok", 5, 5), ("ok", 6, 6), ("failed", 7, 6),  # a delta broken at 80%: 6 intact
+            ("ok", 7, 7), ("ok", 8, 8), ("closed", None, 8), ("exit", None, None)], ev
         ok, failed = [e for e in ev if e["event"] == "ok"], [e for e in ev if e["event"] == "failed"]
-        assert all(e["match"] for e in ok + failed[:1]), ev  # byte for byte what each version holds
-        assert ok[1]["wire"] < ok[1]["full"] // 10 and ok[3]["wire"] < ok[3]["full"] // 10  # deltas
-        assert ok[2]["wire"] == ok[2]["full"]  # a new trainer's first push is full
+        # byte for byte what each version holds, and what a broken delta push left
+        assert all(e["match"] for e in ok + [failed[0], failed[4], failed[5]]), ev
+        assert all(e["wire"] < e["full"] // 10 for e in ok[1::2]), ev  # deltas: 2, 4, 6, 8
+        assert all(e["wire"] == e["full"] for e in ok[2::2]), ev  # a new trainer's first push is full
         # a dead trainer is noticed within seconds (its connections close), not at the 60 s timeout
-        assert killed_a is not None and killed_b is not None
+        assert all(k is not None for k in killed), killed
         # (from the kill, or from the call when the receiver was still checking the last version)
-        assert failed[0]["t"] - max(killed_a, failed[0]["called"]) < 10, (killed_a, ev)
-        assert failed[1]["t"] - max(killed_b, failed[1]["called"]) < 10, (killed_b, ev)
+        for k, f in zip(killed, failed):
+            assert k is not None and f["t"] - max(k, f["called"]) < 10, (k, ev)
         assert all("failed" in e["reason"] or "silent" in e["reason"] for e in failed), failed
 
 
