@@ -514,10 +514,8 @@ class Executor:
         need = -(-nbytes // 64) * 64  # each message 64-byte aligned
         cur = self._arena_cur
         for i in [cur] + [j for j in range(len(self._slots)) if j != cur]:
-            if self._arena_refs[i] == 0:
-                self._arena_off[i] = 0
-            elif i != cur:
-                continue  # only the current slot is shared; another is taken once empty
+            if self._arena_refs[i] and i != cur:
+                continue  # only the current slot is shared; another is taken once empty (offset 0)
             off = self._arena_off[i]
             if off + nbytes <= int(self._slots[i].nbytes):
                 self._arena_cur, self._arena_off[i] = i, off + need

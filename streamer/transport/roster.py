@@ -27,6 +27,7 @@ from streamer.transport.jobs import (
     close_store,
     dial,
     launcher_rank,
+    rank_name,
     store_wait,
 )
 
@@ -35,8 +36,12 @@ __all__ = ["replica_files", "replica_path", "trainer_group"]
 _NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
 
+def _is_name(name: str) -> bool:
+    return isinstance(name, str) and bool(_NAME.fullmatch(name)) and not name.startswith(".")
+
+
 def check_name(name: str) -> str:
-    if not isinstance(name, str) or not _NAME.fullmatch(name) or name.startswith("."):
+    if not _is_name(name):
         raise UsageError(f"replica name {name!r}: use letters, digits, '_', '-' and '.' (not first)")
     return name
 
@@ -58,7 +63,7 @@ def replica_files(rendezvous: str | Path) -> dict[str, str]:
         return out
     for f in entries:
         name = f.name[len(prefix):]
-        if not f.name.startswith(prefix) or not _NAME.fullmatch(name) or name.startswith("."):
+        if not f.name.startswith(prefix) or not _is_name(name):
             continue
         try:
             text = f.read_text().strip()
@@ -72,7 +77,6 @@ def replica_files(rendezvous: str | Path) -> dict[str, str]:
 def trainer_group(rendezvous: str | Path, timeout: float) -> Group:
     """The trainer job's own group (every rank a sender, no receiver) over a store served by its
     rank 0, found through ``RENDEZVOUS.trainer`` (written fresh, removed once every rank joined)."""
-    from streamer.transport.jobs import rank_name
     from streamer.transport.store import StoreControl, open_store
     from streamer.transport.torch_dist import free_port, host_address
 
