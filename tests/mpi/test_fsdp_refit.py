@@ -66,3 +66,57 @@ def test_fsdp2_trainer_refits_bf16_tp2_server(tmp_path: Path, tied: bool, transp
     assert steps[1]["arrays_changed_since_last"] >= n_arrays - 3, steps[1]  # the second push carried new weights
     losses = [json.loads(line)["loss"] for line in trainer.stdout.splitlines() if line.startswith("{")]
     assert len(losses) == 4 and losses[2] < losses[0], trainer.stdout
+
+
+@pytest.mark.skipif(TORCHRUN is None, reason="torchrun not installed (the torch extra)")
+def test_fsdp2_trainer_killed_mid_push_then_resumed(tmp_path: Path) -> None:
+    """Issue 22 with the example itself (docs/resilience.md): the FSDP2 trainer (torchrun, delta
+    pushes over a stated slow link, so they are staged) pushes step 0 (full), then every rank
+    SIGKILLs itself midway through the delta push of step 1 (``--crash-in-push 1``). The server
+    (``--stay``, mpiexec) stays up: each rank reports ``PushFailed`` for version 1 and still holds
+    version 0, bit for bit the trainer's reference. The trainer started again resumes from its
+    checkpoint (``--checkpoint``: step 0 done) and pushes steps 1 (full: a new trainer) and 2 (a
+    delta); the server holds each bit for bit, with equal logits, and exits 0 at the trainer's close."""
+    cfg = EXAMPLE / "config.json"
+    serve, rdv, ckpt = tmp_path / "serve.json", tmp_path / "rdv", tmp_path / "ckpt"
+    ok(["shardstream", "layout", "--preset", "vllm", "--model", cfg, "--mesh", "tp=2", "--dtype", "bfloat16",
+        "--no-files", "-o", serve])
+    server = Background(["mpiexec", "-n", "2", BIN / "python", EXAMPLE / "server.py", cfg, serve, rdv, "--reference",
+                         tmp_path, "--stay"], tmp_path, "server")
+
+    def trainer(name: str, *extra: object) -> tuple[int | None, str, str]:
+        job = Background([TORCHRUN, "--standalone", "--nproc-per-node", "2", EXAMPLE / "trainer.py", cfg, rdv,
+                          "--reference", tmp_path, "--delta", "--link-gbps", "0.01", "--checkpoint", ckpt, *extra],
+                         tmp_path, name)
+        try:
+            return job.wait(240), job.stdout, job.stderr
+        finally:
+            job.close()
+
+    try:
+        deadline = time.monotonic() + 60
+        while not rdv.exists() and server.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert rdv.exists(), f"the server never wrote {rdv}:\n{server.stderr[-3000:]}"
+        rc_a, out_a, err_a = trainer("trainer-a", "--steps", 2, "--crash-in-push", 1)
+        assert rc_a not in (0, None), f"trainer a was to die in its second push: rc {rc_a}\n{err_a[-3000:]}"
+        rc_b, out_b, err_b = trainer("trainer-b", "--steps", 3)
+        assert rc_b == 0, f"the restarted trainer exited {rc_b}\n{err_b[-3000:]}\n{server.stderr[-3000:]}"
+        rc_s = server.wait(60)
+        assert rc_s == 0, f"server exited {rc_s}\n{server.stderr[-3000:]}"
+    finally:
+        server.close()
+    lines = [json.loads(line) for line in server.stdout.splitlines() if line.startswith("{")]
+    assert [(x.get("event", "ok"), x["version"]) for x in lines] == [
+        ("ok", 0), ("failed", 1), ("failed", 1), ("ok", 1), ("ok", 2)], server.stdout
+    for x in lines[1:3]:  # the broken delta push left version 0, byte for byte
+        assert x["held"] == 0 and x["holds_reference"] is True, x
+    assert {x["rank"] for x in lines[1:3]} == {0, 1}, lines
+    pushed = lines[0:1] + lines[3:]
+    for x in pushed:
+        assert x["same_weights"] == 21 and x["logits_equal"] and x["max_abs_diff"] == 0.0, x
+    # a trainer's first push is full (version 0, and 1 from the restarted one); then a delta
+    assert [x["wire_bytes"] == x["full_bytes"] for x in pushed] == [True, True, False], pushed
+    versions = [(json.loads(line)["rank"], json.loads(line)["version"]) for line in out_a.splitlines() + out_b.splitlines()
+                if line.startswith("{")]
+    assert sorted(versions) == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)], (out_a, out_b)
