@@ -143,6 +143,9 @@ def _add_refit(sub: Any) -> None:
     p.add_argument("--replica", metavar="NAME",
                    help="refit recv: join as inference replica NAME of a trainer serving several (store control "
                         "plane; docs/resilience.md#replicas)")
+    p.add_argument("--replicas", action="store_true",
+                   help="refit send: serve every inference replica that joins through --rendezvous (refit recv "
+                        "--replica NAME); store control plane, gloo (docs/resilience.md#replicas)")
     p.add_argument("--transport", choices=["mpi", "gloo", "nccl", "shm", "cuda-ipc"], default=None,
                    help="mpi (default under mpiexec), gloo (CPU, default on the store plane), nccl (GPU); "
                         "one node only: shm (host shared memory), cuda-ipc (GPU memory, colocated jobs)")

@@ -81,7 +81,7 @@ def run_refit(role: str | None, manifest: Manifest | None, refusal: Refusal | No
                                allow_extra=args.allow_extra, planned_steps=args.steps)
     job = RefitJob(role, manifest, rendezvous=args.rendezvous, transport=args.transport,
                    control=args.control, timeout=args.timeout, steps=args.steps, save=args.save, stay=args.stay,
-                   replica=args.replica,
+                   replica=args.replica, replicas=args.replicas,
                    options=options, refusal=checks.refusal, announce=announce)
     try:
         report = job.run()
@@ -162,6 +162,9 @@ def _join_refused(e: ArgvError, argv: list[str], build_parser: Any) -> int | Non
     control = _option(argv, "--control")
     args.control = control if control in ("auto", "mpi", "store") else "auto"
     args.timeout = _float(_option(argv, "--timeout"), DEFAULT_TIMEOUT)
+    # a trainer serving replicas refuses among its own ranks; a replica joins through its own file
+    args.replicas = role == "send" and "--replicas" in argv
+    args.replica = _option(argv, "--replica") if role == "recv" else None
     return run_refit(role, None, Refusal(2, (line,)), args)
 
 

@@ -4,7 +4,9 @@ Senders load their local tensors from the files their manifest names; receivers 
 theirs. Both open a ``RefitSession`` and run ``steps`` pushes (timed to the job's slowest rank:
 senders from a barrier of their job, receivers from the call, whose agreement round is one);
 the sender job's ``close()`` ends the receivers' loop early, and ``stay`` keeps receivers
-waiting after a failed push until the sender job closes (store plane). Receivers may save what
+waiting after a failed push until the sender job closes (store plane). A sender job with
+``replicas`` serves every inference replica that joins (``refit recv --replica NAME``; the
+report names what each push delivered to each). Receivers may save what
 they received (into an empty directory, locked while they write). Bad input on any rank (its
 manifest, an option, the --save directory, its files) ends every rank of both jobs with the
 reason and one exit code, in an agreement round (``ops.agree``), instead of leaving the others
@@ -53,6 +55,8 @@ class RefitReport:
     #: quantize on refit: the arrays, where each is quantized, the bytes saved
     #: (``quant_refit.refit_quant_report``) and this job's slowest rank's seconds quantizing per step
     quantized: dict[str, Any] | None = None
+    #: a trainer serving replicas: per push, what each replica received (``ReplicaResult`` fields)
+    replicas: list[list[dict[str, Any]]] | None = None
 
     @property
     def median_s(self) -> float:
@@ -67,7 +71,7 @@ class RefitReport:
                 "gb_per_s": self.moved_bytes / med / 1e9 if med else 0, "verified": self.verified,
                 "transport": self.transport, "saved": self.saved,
                 "peak_buffer_bytes": max((st.peak_buffer_bytes for st in self.steps), default=0), "delta": self.delta,
-                "quantized": self.quantized}
+                "quantized": self.quantized, **({"replicas": self.replicas} if self.replicas is not None else {})}
 
     def text(self) -> str:
         med = self.median_s
@@ -76,7 +80,8 @@ class RefitReport:
                 f"{min(self.seconds, default=0.0):.3f} s, {self.moved_bytes / 1e9:.3f} GB moved ({rate:.2f} GB/s); reshard moves "
                 f"{self.reshard_moved_bytes / 1e9:.3f} GB vs gather-broadcast {self.broadcast_moved_bytes / 1e9:.3f} GB"
                 + ("; checksums verified" if self.verified else "") + (f"; saved to {self.saved}" if self.saved else "")
-                + (_delta_text(self.delta) if self.delta else "") + (_quant_text(self.quantized) if self.quantized else ""))
+                + (_delta_text(self.delta) if self.delta else "") + (_quant_text(self.quantized) if self.quantized else "")
+                + (_replicas_text(self.replicas) if self.replicas is not None else ""))
 
 
 @dataclass
@@ -95,6 +100,8 @@ class RefitJob:
     stay: bool = False
     #: receivers: join as this inference replica of a trainer serving several (store plane)
     replica: str | None = None
+    #: senders: serve every inference replica that joins through ``rendezvous`` (store plane)
+    replicas: bool = False
     on_push_failed: Callable[[PushFailed], None] | None = None  # None: one line on stderr per job
     #: what this rank refused before the job (its manifest, an option): every rank of both jobs
     #: then ends with it (``ops.agree``)
@@ -108,7 +115,8 @@ class RefitJob:
     def run(self) -> RefitReport:
         if self.replica is not None and self.role != "recv":
             raise UsageError("--replica is for refit recv (an inference replica); a trainer serving replicas "
-                             "pushes from Python: RefitSession.open(..., replicas=True)")
+                             "runs refit send --replicas")
+        self._check_replicas()
         if self.replica is not None and self.control == "auto":
             self.control = "store"  # replicas join and leave on the store plane only
         if self.stay and (self.role != "recv" or self.control == "mpi" or (self.control == "auto" and launched_by_mpi())):
@@ -123,7 +131,7 @@ class RefitJob:
             session = RefitSession.open(self.manifest, self.role or "", rendezvous=self.rendezvous,
                                         transport=self.transport, control=self.control, timeout=self.timeout,
                                         options=options, refusal=checks.refusal, announce=self.announce,
-                                        prepare=self._open_save, replica=self.replica)
+                                        prepare=self._open_save, replica=self.replica, replicas=self.replicas)
             self.session = session
             with session:
                 return self._run(session)
@@ -131,6 +139,19 @@ class RefitJob:
             if self._lock is not None:  # (a finished save removed its state already)
                 remove_state(Path(str(self.save)), self._lock)
                 self._lock.release()
+
+    def _check_replicas(self) -> None:
+        if not self.replicas:
+            return
+        if self.role != "send":
+            raise UsageError("--replicas is for refit send (the trainer); an inference replica joins with "
+                             "refit recv --replica NAME")
+        if self.control == "mpi":
+            raise UsageError("--replicas: replicas join and leave on the store control plane only (under MPI a "
+                             "peer's death ends the launch); drop --control mpi")
+        if self.transport not in (None, "gloo"):
+            raise UsageError(f"refit send --replicas moves host tensors over gloo, not --transport {self.transport} "
+                             "(from Python: RefitSession.open(..., replicas=True))")
 
     def _open_save(self, group: Group) -> None:
         """Receiver rank 0, before anyone waits: ``--save DIR`` must be empty (or new) and not
@@ -157,13 +178,19 @@ class RefitJob:
             session.save(save, tensors)
         delta = _delta_totals(session) if session.options.delta else None
         quantized = _quant_totals(session)
-        # the whole-plan figures are whole-plan work: only the job's reporter computes them
-        stats = session.plan.stats() if rank == 0 else None
-        reshard, broadcast = (stats.moved_bytes, stats.broadcast_moved_bytes) if stats else (0, 0)
-        return RefitReport(str(self.role), session.options.strategy, getattr(session.transport, "name", "?"),
-                           seconds, list(session.steps),
+        # the whole-plan figures are whole-plan work: only the job's reporter computes them (a
+        # trainer serving replicas: summed over the replicas it serves at the end)
+        plans = [sub.plan for sub in session.replica_sessions.values()] if self.replicas else [session.plan]
+        stats = [p.stats() for p in plans] if rank == 0 else []
+        reshard, broadcast = sum(s.moved_bytes for s in stats), sum(s.broadcast_moved_bytes for s in stats)
+        replicas = [[{"name": r.name, "version": r.version, "error": r.error, "joined": r.joined} for r in st.replicas]
+                    for st in session.steps] if self.replicas else None
+        kind = getattr(session.transport, "name", "?")
+        if self.replicas:  # the replicas' transport, not the trainer's own store
+            kind = next((getattr(sub.transport, "name", "?") for sub in session.replica_sessions.values()), "gloo")
+        return RefitReport(str(self.role), session.options.strategy, kind, seconds, list(session.steps),
                            reshard if session.options.strategy == "reshard" else broadcast, reshard, broadcast,
-                           session.options.verify, str(save) if save else None, rank == 0, delta, quantized)
+                           session.options.verify, str(save) if save else None, rank == 0, delta, quantized, replicas)
 
     def _timed_step(self, session: RefitSession, tensors: dict[str, Any], problems: list[str]) -> float:
         """One push, timed from a barrier of this job to its slowest rank."""
@@ -237,6 +264,14 @@ def _delta_text(delta: list[dict[str, Any]]) -> str:
                      f"({ratio:.1%}){changed}, encode {d['encode_s']:.3f} s, decode {d['decode_s']:.3f} s")
     base = max(d["base_bytes"] for d in delta)
     return "\ndelta: " + "; ".join(parts) + (f"; senders keep {base / 1e6:.3f} MB of last-sent bytes" if base else "")
+
+
+def _replicas_text(pushes: list[list[dict[str, Any]]]) -> str:
+    """Per push, each replica: ``a`` (received it), ``c (joined)``, ``b (dropped: why)``."""
+    def one(r: dict[str, Any]) -> str:
+        return str(r["name"]) + (f" (dropped: {r['error']})" if r["error"] else " (joined)" if r["joined"] else "")
+
+    return "\nreplicas: " + "; ".join(f"push {i}: {', '.join(one(r) for r in rs)}" for i, rs in enumerate(pushes))
 
 
 def _quant_totals(session: RefitSession) -> dict[str, Any] | None:

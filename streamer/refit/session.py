@@ -250,7 +250,7 @@ class RefitSession:
         t0 = time.perf_counter()
         if replicas:
             return cls._open_fleet(manifest, check_fleet_args(role, rendezvous, transport), transport, timeout,
-                                   options, device_ops)
+                                   options, device_ops, refusal)
         if replica is not None:
             rendezvous, control = _replica_rendezvous(role, replica, rendezvous, control)
         checks = LocalChecks(refusal)
@@ -280,16 +280,26 @@ class RefitSession:
 
     @classmethod
     def _open_fleet(cls, manifest: Manifest | str | Path | None, rendezvous: str, transport: Any, timeout: float,
-                    options: RefitOptions | None, device_ops: Any) -> RefitSession:
+                    options: RefitOptions | None, device_ops: Any, refusal: Refusal | None) -> RefitSession:
         """The trainer's session over every replica that joins through ``rendezvous``: waits (up
-        to ``timeout``) for the first replicas and joins them (``streamer.refit.fleet``)."""
+        to ``timeout``) for the first replicas and joins them (``streamer.refit.fleet``). A rank
+        whose manifest did not load (or ``refusal``) ends every trainer rank with it."""
         from streamer.transport.roster import trainer_group
 
         t0 = time.perf_counter()
-        if manifest is None:
-            raise UsageError("RefitSession.open needs a manifest")
-        m = manifest if isinstance(manifest, Manifest) else load_manifest(manifest)
+        checks = LocalChecks(refusal)
+        m: Manifest | None = None
+        with checks.capture():
+            if manifest is None and refusal is None:
+                raise UsageError("RefitSession.open needs a manifest")
+            m = manifest if isinstance(manifest, Manifest) or manifest is None else load_manifest(manifest)
         group = trainer_group(rendezvous, timeout)
+        try:
+            agree_refusals(group.control, checks.refusal, timeout)
+        except AgreedRefusal:
+            group.close(timeout)
+            raise
+        assert m is not None  # else this rank refused above
         owner = cls(m, "send", group, group.control, timeout, options or RefitOptions(), device_ops)
         owner._fleet = Fleet(owner, cls.open, rendezvous, transport)
         try:
@@ -458,6 +468,11 @@ class RefitSession:
                     e.problems = [*(e.problems or [str(e)]), MPI_NOTE]
                 raise
             raise self._failed(e) from e
+
+    @property
+    def replica_sessions(self) -> dict[str, RefitSession]:
+        """A trainer serving replicas: the session of each replica it serves now, by name (else empty)."""
+        return dict(self._fleet.subs) if self._fleet is not None else {}
 
     @property
     def version(self) -> int | None:

@@ -12,7 +12,9 @@ SIGKILLs itself once the trainer pushed V (after its own pull of V), the trainer
 ``--kill-at V:F``: the replica's last rank SIGKILLs itself once it posted that fraction of its
 receives of version V; ``--stall-after V --stall S``: it sleeps S seconds after its pull of V (a
 hung engine); ``--pace S``: the trainer sleeps S seconds after each push; ``--pulls K``: it closes its
-session after K pulls; ``--after FILE``: it opens only once FILE exists (a replica joining late).
+session after K pulls; ``--after FILE``: it opens only once FILE exists (a replica joining late);
+``--then-weights V``: after its first failed pull it expects version V's weights whatever the
+version (the next trainer is ``refit send --replicas``, which pushes its files at every step).
 The trainer opens once the replicas of ``--expect`` wait, and pushes version V of ``--join c:V``
 once replica c waits.
 """
@@ -81,11 +83,13 @@ def recv(d: Path, args: argparse.Namespace) -> int:
     def note(**kw: Any) -> None:
         log.write(json.dumps({"t": time.time(), **kw}) + "\n")
 
+    failed = False
+
     def holds(v: int | None) -> bool | None:
         if v is None:
             return None
         expect = alloc_local(m, rank)
-        fill(m, rank, expect, v)
+        fill(m, rank, expect, args.then_weights if failed and args.then_weights >= 0 else v)
         return digest(expect) == digest(local)
 
     if args.after:
@@ -102,6 +106,7 @@ def recv(d: Path, args: argparse.Namespace) -> int:
             st = s.pull(local)
         except PushFailed as e:
             note(event="failed", version=e.version, reason=e.reason, held=s.version)
+            failed = True
             continue
         if st is None:
             note(event="closed", held=s.version)
@@ -186,6 +191,7 @@ def main() -> int:
     p.add_argument("--stall", type=float, default=0.0)
     p.add_argument("--pace", type=float, default=0.0)
     p.add_argument("--kill-at", default="")
+    p.add_argument("--then-weights", type=int, default=-1)
     p.add_argument("--versions", default="1")
     p.add_argument("--expect", default="")
     p.add_argument("--join", default="")

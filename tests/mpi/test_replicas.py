@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 from mpi_helpers import BIN, Background
-from replica_worker import ARRAYS, manifest, wait_file, weights
+from replica_worker import ARRAYS, SLOW_LINK, fill, manifest, wait_file, weights
 
 from formats.manifest import save_manifest
 
@@ -93,24 +93,41 @@ def test_replicas_join_and_leave(tmp_path: Path) -> None:
 
 def test_a_restarted_trainer_joins_the_waiting_replicas(tmp_path: Path) -> None:
     """A trainer dies between pushes: the replica notices (its heartbeat), waits for a new trainer
-    and is joined at its open, with a full push; the new trainer's close ends it cleanly."""
+    and is joined at its open, with a full push; the new trainer's close ends it cleanly. The new
+    trainer is the command line, ``refit send --replicas`` (2 ranks under mpiexec, the store plane),
+    pushing its files (version 2's weights) twice: versions 1 (full) and 2 (a delta), counted from
+    its own last push, and its report names what each push delivered to each replica."""
+    from streamer.refit.persist import alloc_local, finish_save, save_local
+
     d = tmp_path
-    replica = _job(d, "a", 1, "recv", d, "--name", "a")
+    m, sums = manifest("S(0)", 2), {}
+    for rank in range(2):
+        local = alloc_local(m, rank)
+        fill(m, rank, local, 2)
+        sums.update(save_local(d / "train", m, rank, local))
+    finish_save(d / "train", m, sums)
+    replica = _job(d, "a", 1, "recv", d, "--name", "a", "--then-weights", 2)
     try:
         first = _job(d, "trainer-1", 1, "send", d, "--versions", "1,2", "--expect", "a", "--die-after", 1)
         assert first.wait(120) == 137, first.stderr[-2000:]
         first.close()
-        second = _job(d, "trainer-2", 1, "send", d, "--versions", "2,3", "--expect", "a")
+        second = Background(["mpiexec", "-n", 2, "shardstream", "refit", "send", "--replicas", "--manifest", d / "train",
+                             "--rendezvous", d / "rdv", "--steps", 2, "--delta", "--link-gbps", SLOW_LINK,
+                             "--timeout", 120, "--json"], d, "trainer-2")
         assert second.wait(120) == 0, second.stderr[-2000:]
         second.close()
         assert replica.wait(60) == 0, replica.stderr[-2000:]
     finally:
         replica.close()
     pushes = [(p["version"], p["replicas"]) for p in _lines(d / "send.jsonl") if "event" not in p]
-    assert pushes == [(1, [["a", 1, None, True]]), (2, [["a", 2, None, True]]), (3, [["a", 3, None, False]])], pushes
+    assert pushes == [(1, [["a", 1, None, True]])], pushes
+    report = json.loads(second.stdout)
+    assert report["replicas"] == [[{"name": "a", "version": 1, "error": None, "joined": True}],
+                                  [{"name": "a", "version": 2, "error": None, "joined": False}]], report
+    assert report["steps"] == 2 and report["transport"] == "gloo" and report["moved_bytes"] == sum(int(np.prod(s)) for s in ARRAYS.values()) * 4, report
     ev = _lines(d / "a-0.jsonl")
     assert [(e["event"], e.get("version"), e.get("held")) for e in ev] == [
-        ("ok", 1, 1), ("failed", None, 1), ("ok", 2, 2), ("ok", 3, 3), ("closed", None, 3), ("exit", None, None)], ev
+        ("ok", 1, 1), ("failed", None, 1), ("ok", 1, 1), ("ok", 2, 2), ("closed", None, 2), ("exit", None, None)], ev
     assert "went silent" in ev[1]["reason"] and all(e["match"] for e in ev if e["event"] == "ok"), ev
     assert ev[2]["wire"] == ev[2]["full"] and ev[3]["wire"] < ev[3]["full"] // 10, ev  # full from the new trainer
 

@@ -325,6 +325,9 @@ def test_usage_errors_exit_2(tmp_path: Path, capsys: Any, argv: list[str], monke
     (["send", "--replica", "a"], "--replica is for refit recv"),
     (["recv", "--replica", "a", "--control", "mpi"], "store control plane only"),
     (["recv", "--replica", "a/b"], "replica name 'a/b'"),
+    (["recv", "--replicas"], "--replicas is for refit send"),
+    (["send", "--replicas", "--control", "mpi"], "store control plane only"),
+    (["send", "--replicas", "--transport", "nccl"], "moves host tensors over gloo"),
 ])
 def test_refit_replica_usage_errors(tmp_path: Path, capsys: Any, monkeypatch: Any, argv: list[str],
                                     message: str) -> None:
@@ -641,7 +644,7 @@ GOLDEN = {
         '--megatron-tp',
         '--memory-limit', '--out!', '--resume', '--timeout', '--ue8m0', '--zarr-compressor{zstd,none}', '<dst>', '<src>'],
     'refit': ['--allow-extra', '--bucket-size', '--delta', '--dst-domain-size', '--json', '--link-gbps', '--manifest!',
-        '--rendezvous', '--replica', '--save', '--src-domain-size', '--stay', '--steps', '--strategy{reshard,broadcast}',
+        '--rendezvous', '--replica', '--replicas', '--save', '--src-domain-size', '--stay', '--steps', '--strategy{reshard,broadcast}',
         '--timeout', '--transport{mpi,gloo,nccl,shm,cuda-ipc}', '--verify', '<role>{send,recv}',
         '--control{auto,mpi,store}', '--fp8-block', '--ue8m0'],
     'bench': ['--against', '--bucket-size', '--chunks', '--delta', '--dst-tp', '--json', '--lr', '--memory-limit', '--model',
