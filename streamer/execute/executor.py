@@ -207,6 +207,7 @@ class Executor:
         self._arena_cur = 0
         # zero-copy views of each message's contiguous end, kept across pushes (same tensors)
         self._inplace_views: dict[tuple[int, bool], Any] = {}
+        self._region_views: dict[tuple[int, bool], list[Any]] = {}  # see _regions
         self._check_tensors()
 
     def _check_tensors(self) -> None:
@@ -272,30 +273,40 @@ class Executor:
     def _dst(self, tr: Transfer) -> Any:
         return self._region(tr.dst_tensor, tr.dst_box, True)
 
+    def _regions(self, m: Message, send: bool) -> list[tuple[Any, int, int, tuple[int, ...], Any, Transfer]]:
+        """(region of this rank's tensors or None when quantized, offset in the message, bytes,
+        shape, cast, transfer) per transfer of ``m`` on this side: computed at its first push and
+        kept, as the views stay valid for this executor's tensors."""
+        key = (m.uid, send)
+        got = self._region_views.get(key)
+        if got is None:
+            got, off = [], 0
+            for tr in m.transfers:
+                view = (None if self._quantizes(tr) else self._src(tr)) if send else self._dst(tr)
+                got.append((view, off, tr.nbytes, tr.region.sizes + (tr.itemsize,),
+                            self._cast_of(tr) if send else None, tr))
+                off += tr.nbytes
+            self._region_views[key] = got
+        return got
+
     def _pack(self, m: Message, buf: np.ndarray) -> int:
         """Pack ``m``'s regions into ``buf``; return the bytes that were cast on the way."""
-        off = cast_bytes = 0
-        for tr in m.transfers:
-            n = tr.nbytes
-            dst = buf[off:off + n].reshape(tr.region.sizes + (tr.itemsize,))
-            cast = self._cast_of(tr)
-            if self._quantizes(tr):
+        cast_bytes = 0
+        for view, off, n, shape, cast, tr in self._regions(m, True):
+            dst = buf[off:off + n].reshape(shape)
+            if view is None:  # quantized while packing
                 assert self.quant is not None
                 self.quant.pack(tr, dst, self.src_views)
             elif cast is None:
-                _copy(dst, self._src(tr))
+                _copy(dst, view)
             else:  # straight into the bucket, one pass
-                cast_into(dst, self._src(tr), *cast)
+                cast_into(dst, view, *cast)
                 cast_bytes += n
-            off += n
         return cast_bytes
 
     def _unpack(self, m: Message, buf: np.ndarray, apply: Any = _copy) -> None:
-        off = 0
-        for tr in m.transfers:
-            n = tr.nbytes
-            apply(self._dst(tr), buf[off:off + n].reshape(tr.region.sizes + (tr.itemsize,)))
-            off += n
+        for view, off, n, shape, _, _ in self._regions(m, False):
+            apply(view, buf[off:off + n].reshape(shape))
 
     # -- delta messages (a delta session; see streamer/delta.py)
     def _delta_send(self, m: Message, buf: Any, delta: DeltaPush, st: ExecStats) -> DeltaSend:

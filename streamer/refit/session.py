@@ -211,6 +211,7 @@ class RefitSession:
         self._replica: str | None = None  # receivers: this replica's name
         self._fleet: Fleet | None = None  # a trainer serving replicas: its per-replica sessions
         self._synced_ptrs: tuple[Any, ...] = ()
+        self._checked: tuple[Any, ...] = ()  # the memory key of the tensors that last passed the local checks
         self._delta_state: DeltaState | None = None
         self.hostnames: tuple[str, ...] = ()  # every rank's host, from open (a delta's shared-memory pairs)
         self.quant: RefitQuant | None = None
@@ -340,6 +341,7 @@ class RefitSession:
                                             dst_domain_size=self.options.dst_domain_size, allow_extra=self.options.allow_extra)
         # what every push is checked against: computed once (a full-size manifest has many chunks)
         self._specs = self.manifest.local_tensors(self.local_rank)
+        self._checked = ()
         # the bucket buffers, faulted in now: the first push then costs what the others do
         self._slots = bucket_slots(self._t, self.schedule) if self.options.strategy == "reshard" else []
 
@@ -526,16 +528,19 @@ class RefitSession:
     def _step(self, tensors: Any) -> StepStats:
         self.start()
         local, problems = collect_local(tensors)
+        key = _memory_key(local)
         who = self.group.name(self._t.rank)
         problems = [f"{who}: {p}" for p in problems]
-        problems += check_local(local, self._specs, who)
-        problems += self._device_problems(local, who)
+        if problems or key != self._checked:  # the memory handed last time passed these checks already
+            problems += check_local(local, self._specs, who)
+            problems += self._device_problems(local, who)
+            self._checked = () if problems else key
         digests = {}
         if self.options.verify and self.role == "send" and not problems:
             digests = replica_digests(self.src, self.local_rank, local)
         if self._send_quant is not None:
             self._send_quant.new_push()
-        es = self._versioned_step(local, problems, digests)
+        es = self._versioned_step(local, problems, digests, key)
         quantize_s = self._recv_quant.finish(local) if self._recv_quant is not None else 0.0
         if self._send_quant is not None:
             quantize_s = self._send_quant.seconds
@@ -561,12 +566,12 @@ class RefitSession:
             return [f"{who}: {what} with --strategy broadcast: the baseline moves host memory (use reshard)"]
         return []
 
-    def _versioned_step(self, local: Mapping[str, Any], problems: list[str], digests: Mapping[str, int]) -> ExecStats:
+    def _versioned_step(self, local: Mapping[str, Any], problems: list[str], digests: Mapping[str, int],
+                        ptrs: tuple[Any, ...]) -> ExecStats:
         """One push: the agreement also exchanges each rank's versions, so every rank takes the
         same decisions (the version, and in delta sessions full or delta per pair of ranks); this
         rank's version is unknown until the push completes here (verified, with verify), except a
         receiver's staged delta push, which changes nothing until it all arrived."""
-        ptrs = _memory_key(local)
         if self.role == "recv" and ptrs != self._synced_ptrs:
             self._synced = None  # other buffers: nothing says they hold the last version
         got = self._agree(problems, digests, {"proposed": self._proposed, "last": self._last, "synced": self._synced})
@@ -577,7 +582,7 @@ class RefitSession:
             stale = frozenset(r for r, g in enumerate(got) if base is None or g["synced"] != base)
             if self._delta_state is None:
                 self._delta_state = DeltaState()
-            ex = self._exec(local)
+            ex = self._exec(local, ptrs)
             delta = DeltaPush(self._delta_state, version, stale, base, hosts=self.hostnames,
                               link_gbps=self.options.link_gbps)
             # staged (transactional) only when every message this rank receives is a delta: full
@@ -593,7 +598,7 @@ class RefitSession:
             if self.options.strategy == "broadcast":
                 es = self._baseline(local)
             else:
-                es = self._exec(local).run(delta)
+                es = self._exec(local, ptrs).run(delta)
         except DeltaChecksumError:
             self._synced = None  # applied, then found wrong
             raise
@@ -647,10 +652,10 @@ class RefitSession:
         return gather_broadcast(Baseline(self._t, self.src, self.dst, self.plan.casts, self.group.n_send,
                                          self.group.name, self.timeout, self.options.bucket_size), tensors)
 
-    def _exec(self, tensors: Mapping[str, Any]) -> Executor:
-        # a new executor only when the caller hands other memory: ``model.state_dict()`` makes new
-        # tensor objects every call over the same storage, and the views stay valid for those
-        key = _memory_key(tensors)
+    def _exec(self, tensors: Mapping[str, Any], key: tuple[Any, ...]) -> Executor:
+        # a new executor only when the caller hands other memory (``key``: ``_memory_key``):
+        # ``model.state_dict()`` makes new tensor objects every call over the same storage, and
+        # the views stay valid for those
         if self._executor is None or key != self._tensor_key:
             staging = self._recv_quant.staging if self._recv_quant is not None else {}
             self._executor = Executor(self._t, self.plan, self.schedule, {**tensors, **staging}, timeout=self.timeout,
@@ -722,8 +727,10 @@ def _replica_rendezvous(role: str, name: str, rendezvous: str | None, control: s
 
 
 def _memory_key(tensors: Mapping[str, Any]) -> tuple[Any, ...]:
-    """Which memory the caller handed in (names, addresses, shapes), not which tensor objects."""
-    return tuple((n, _data_ptr(v), tuple(v.shape)) for n, v in tensors.items())
+    """Which memory the caller handed in (names, kinds, addresses, shapes, dtypes, devices), not
+    which tensor objects: all that the local checks read."""
+    return tuple((n, type(v), _data_ptr(v), tuple(getattr(v, "shape", ())), getattr(v, "dtype", None),
+                  getattr(v, "device", None)) for n, v in tensors.items())
 
 
 def _data_ptr(v: Any) -> int:

@@ -22,6 +22,8 @@ __all__ = ["ABORT_TAG", "MPIRequest", "MPITransport"]
 ABORT_TAG = 0x5AB
 #: after a collective timed out: "still here", from every rank that timed out to every other rank
 ROLL_CALL_TAG = 0x5AC
+#: ``allgather_bytes`` payloads up to this many bytes need one collective (longer ones two)
+ALLGATHER_SLOT = 512
 #: how long a rank listens for the others' reports after its own collective timed out (seconds)
 ROLL_CALL_GRACE = 2.0
 
@@ -159,17 +161,28 @@ class MPITransport(HostBuffers):
         self._wait(self.comm.Ibarrier(), timeout, "barrier")
 
     def allgather_bytes(self, data: bytes, timeout: float) -> list[bytes]:
-        n = np.array([len(data)], dtype=np.int64)
-        sizes = np.zeros(self.size, dtype=np.int64)
-        self._wait(self.comm.Iallgather([n, self.MPI.INT64_T], [sizes, self.MPI.INT64_T]), timeout,
-                   "allgather (sizes)")
-        recv = np.zeros(int(sizes.sum()), dtype=np.uint8)
-        displs = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
-        send = np.frombuffer(data, dtype=np.uint8) if data else np.zeros(0, dtype=np.uint8)
+        """Every rank's ``data``. One collective of fixed slots carries each length and its first
+        ``ALLGATHER_SLOT`` bytes (a refit's per-push agreement fits: one round, not two); only
+        when some payload is longer does a second one (``Iallgatherv``) carry the rest."""
+        W, slot = self.size, ALLGATHER_SLOT
+        mine = np.zeros(slot + 8, dtype=np.uint8)
+        mine[:8] = np.array([len(data)], dtype=np.int64).view(np.uint8)
+        head = data[:slot]
+        mine[8:8 + len(head)] = np.frombuffer(head, dtype=np.uint8)
+        slots = np.zeros((W, slot + 8), dtype=np.uint8)
+        self._wait(self.comm.Iallgather([mine, self.MPI.BYTE], [slots, self.MPI.BYTE]), timeout, "allgather")
+        sizes = slots[:, :8].copy().view(np.int64).reshape(-1)
+        out = [slots[i, 8:8 + min(int(sizes[i]), slot)].tobytes() for i in range(W)]
+        rest = np.maximum(sizes - slot, 0)
+        if not rest.any():
+            return out
+        recv = np.zeros(int(rest.sum()), dtype=np.uint8)
+        displs = np.concatenate([[0], np.cumsum(rest)[:-1]]).astype(np.int64)
+        send = np.frombuffer(data[slot:], dtype=np.uint8) if len(data) > slot else np.zeros(0, dtype=np.uint8)
         self._wait(self.comm.Iallgatherv([send, self.MPI.BYTE],
-                                         [recv, (sizes.tolist(), displs.tolist()), self.MPI.BYTE]),
+                                         [recv, (rest.tolist(), displs.tolist()), self.MPI.BYTE]),
                    timeout, "allgather")
-        return [recv[displs[i]:displs[i] + sizes[i]].tobytes() for i in range(self.size)]
+        return [out[i] + recv[displs[i]:displs[i] + rest[i]].tobytes() for i in range(W)]
 
     def bcast_bytes(self, data: bytes | None, root: int, timeout: float) -> bytes:
         n = np.array([len(data) if data is not None and self.rank == root else 0], dtype=np.int64)
