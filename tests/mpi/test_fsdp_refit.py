@@ -25,8 +25,8 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "fsdp2_refit"
 
 
 @pytest.mark.skipif(TORCHRUN is None, reason="torchrun not installed (the torch extra)")
-@pytest.mark.parametrize(("tied", "transport"), [(False, "gloo"), (True, "gloo"), (False, "shm")],
-                         ids=["untied", "tied", "untied-shm"])
+# (untied over gloo, the example's defaults: test_fsdp2_trainer_killed_mid_push_then_resumed below)
+@pytest.mark.parametrize(("tied", "transport"), [(True, "gloo"), (False, "shm")], ids=["tied", "untied-shm"])
 def test_fsdp2_trainer_refits_bf16_tp2_server(tmp_path: Path, tied: bool, transport: str) -> None:
     """With ``tie_word_embeddings`` the weight moves once, as ``model.embed_tokens.weight`` (20
     arrays), with no flag on either side. ``shm``: the same real FSDP2 trainer over the colocated

@@ -1,6 +1,7 @@
 """Refit without mpiexec on one side (issue: PyTorch-native refit): a trainer job started by
-``torchrun`` joins an inference job started by ``mpiexec`` (or another torchrun) through the
-rendezvous file, over the store control plane and the gloo transport; and failing fast
+``torchrun`` joins an inference job started by another torchrun (or by ``mpiexec``: over shm in
+test_colocated.py) through the rendezvous file, over the store control plane and the gloo
+transport; and failing fast
 together: a refusal on one sender rank ends every rank of both jobs within seconds, with exit 1
 and the reason, and leaves the receivers' output untouched."""
 
@@ -23,33 +24,6 @@ pytestmark = pytest.mark.skipif(TORCHRUN is None, reason="torchrun not installed
 def _torchrun(n: int, *args: object) -> list[object]:
     # the console script is a Python file: torchrun runs it like any training script
     return [TORCHRUN, "--standalone", "--nproc-per-node", n, str(BIN / "shardstream"), *args]
-
-
-def test_torchrun_trainer_to_mpiexec_server(ckpt: Ckpt, mpmd_saved: Saved, tmp_path: Path) -> None:
-    """torchrun senders (no MPI at all) + mpiexec receivers started with --control store."""
-    rdv, out = tmp_path / "rdv", tmp_path / "saved"
-    send, recv, rc_s, rc_r, _ = launch_pair(
-        tmp_path,
-        ["mpiexec", "-n", "4", *RECV, "--manifest", ckpt.serve, "--rendezvous", rdv, "--control", "store",
-         "--save", out, "--verify", "--timeout", "60", "--steps", "2"],
-        _torchrun(4, "refit", "send", "--manifest", ckpt.train / "manifest.json", "--rendezvous", rdv, "--timeout", "60",
-                  "--steps", "2"))
-    assert rc_s == 0 and rc_r == 0, f"send {rc_s} recv {rc_r}\n{send.stderr[-3000:]}\n{recv.stderr[-3000:]}"
-    assert "checksums verified" in recv.stdout and "(reshard)" in recv.stdout, recv.stdout
-    assert same_files(out, mpmd_saved.dir) == []
-    assert not rdv.exists()
-
-
-def test_torchrun_both_sides(ckpt: Ckpt, mpmd_saved: Saved, tmp_path: Path) -> None:
-    """Two torchrun jobs: the receivers pick the store plane by themselves (no MPI launcher)."""
-    rdv, out = tmp_path / "rdv", tmp_path / "saved"
-    send, recv, rc_s, rc_r, _ = launch_pair(
-        tmp_path,
-        _torchrun(4, "refit", "recv", "--manifest", ckpt.serve, "--rendezvous", rdv, "--save", out,
-                  "--timeout", "60"),
-        _torchrun(4, "refit", "send", "--manifest", ckpt.train / "manifest.json", "--rendezvous", rdv, "--timeout", "60"))
-    assert rc_s == 0 and rc_r == 0, f"send {rc_s} recv {rc_r}\n{send.stderr[-3000:]}\n{recv.stderr[-3000:]}"
-    assert same_files(out, mpmd_saved.dir) == []
 
 
 def _float16_file(ckpt: Ckpt, tmp: Path) -> Path:
@@ -138,8 +112,9 @@ def test_diverged_replica_refused_under_verify(ckpt: Ckpt, tmp_path: Path) -> No
     assert not (out / "manifest.json").exists()
 
 
-def test_stay_receivers_pull_until_the_trainer_closes(ckpt: Ckpt, mpmd_saved: Saved, tmp_path: Path) -> None:
-    """``refit recv --stay`` pulls every push until the sender job closes the session (the jobs
+def test_torchrun_both_sides_stay_until_the_trainer_closes(ckpt: Ckpt, mpmd_saved: Saved, tmp_path: Path) -> None:
+    """Two torchrun jobs: the receivers pick the store plane by themselves (no MPI launcher).
+    ``refit recv --stay`` pulls every push until the sender job closes the session (the jobs
     agree on the larger ``--steps``; with ``--stay`` the receivers' loop ends only at the close),
     then saves and exits 0."""
     rdv, out = tmp_path / "rdv", tmp_path / "saved"
@@ -153,6 +128,7 @@ def test_stay_receivers_pull_until_the_trainer_closes(ckpt: Ckpt, mpmd_saved: Sa
     report = json.loads(recv.stdout.strip().splitlines()[-1])
     assert report["steps"] == 2, report
     assert same_files(out, mpmd_saved.dir) == []
+    assert not rdv.exists()
 
 
 def test_stay_is_refused_where_it_cannot_hold(ckpt: Ckpt, tmp_path: Path) -> None:

@@ -54,8 +54,10 @@ def test_bench_refit_tiny(tmp_path: Path, source: str) -> None:
 
     env = dict(os.environ, HYDRA_LAUNCHER="fork", OMP_NUM_THREADS="1",
                PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    # 2 + 2 ranks with a real trainer (each rank imports torch and builds its model), 4 + 4 otherwise
+    ranks = ["--senders", "2", "--receivers", "2", "--serve-mesh", "tp=2"] if source == "fsdp2" else []
     p = subprocess.run([sys.executable, "-m", "streamer", "bench", "refit", "--preset", "qwen3-tiny", "--repeats", "2",
-                        "--work", str(tmp_path), "--json", "--source", source], capture_output=True, text=True,
+                        "--work", str(tmp_path), "--json", "--source", source, *ranks], capture_output=True, text=True,
                        timeout=300, env=env, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(p.stdout)
