@@ -7,9 +7,11 @@ for its layout, and keeps its own delta bases (the senders' base copies are per 
 
 Before each push trainer rank 0 lists the replica files and its ranks join the new replicas
 together; a joiner's first push is full (its tensors hold no version the trainer knows), while
-the others keep getting deltas. Each replica's push runs in turn; a replica that fails (died,
-closed, timed out) is dropped on every trainer rank (their verdicts are exchanged over the
-trainer's own store, ``roster.trainer_group``) and the push goes on for the others.
+the others keep getting deltas. Each replica's push runs in turn and ends when every receiver
+rank of the replica says it holds the version (a receipt on its store: bytes handed to a socket
+prove nothing); a replica that fails (died, closed, timed out) is dropped on every trainer rank
+(their verdicts are exchanged over the trainer's own store, ``roster.trainer_group``) and the
+push goes on for the others.
 ``StepStats.replicas`` says what each replica received, or why it was dropped. ``push()`` raises
 ``PushFailed`` only when no replica is left; a refused push (``RefusedError``) raises as before.
 A dropped replica whose receivers survive (``--stay``) waits for a new sender job: the trainer
@@ -190,6 +192,7 @@ class Fleet:
         for name in sorted(self.subs):
             try:
                 mine[name] = self.subs[name].push(tensors, version=v)
+                self.subs[name].await_receipts(v)  # it holds v: not only were the bytes sent
                 stats.append(mine[name])
             except ValidationError:
                 raise  # a refused push: every rank of the trainer and that replica raise it

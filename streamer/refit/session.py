@@ -209,6 +209,7 @@ class RefitSession:
         self._kind: str | None = None  # the transport asked for (None: the plane's default)
         self._reopenable = False  # open() built the transport: it can build one for a new sender job
         self._replica: str | None = None  # receivers: this replica's name
+        self._receipt = ""  # a replica's receiver: the store key of its last receipt (``_post_receipt``)
         self._fleet: Fleet | None = None  # a trainer serving replicas: its per-replica sessions
         self._synced_ptrs: tuple[Any, ...] = ()
         self._checked: tuple[Any, ...] = ()  # the memory key of the tensors that last passed the local checks
@@ -458,7 +459,10 @@ class RefitSession:
         try:
             if self._broken:
                 self._reopen()
-            return self._step(tensors)
+            st = self._step(tensors)
+            if self._replica is not None:
+                self._post_receipt(st.version)
+            return st
         except PeerClosedError:
             self._closed = True
             return None
@@ -470,6 +474,29 @@ class RefitSession:
                     e.problems = [*(e.problems or [str(e)]), MPI_NOTE]
                 raise
             raise self._failed(e) from e
+
+    def _post_receipt(self, version: int) -> None:
+        """A replica's receiver rank, once a push completed here: say so on the replica's store
+        (the trainer waits for every rank's receipt: ``await_receipts``)."""
+        key = f"{self.group.prefix}got/{version}/{self.local_rank}"
+        try:
+            self.group.store.set(key, "1")
+            if self._receipt:
+                self.group.store.delete_key(self._receipt)
+        except Exception:  # noqa: BLE001 - the store's rank 0 is gone: the trainer finds it, this rank at its next pull
+            pass
+        self._receipt = key
+
+    def await_receipts(self, version: int) -> None:
+        """A trainer's session with one replica (``Fleet``; its rank 0): wait (up to the timeout)
+        until every receiver rank of the replica holds ``version``. Its bytes may have left this
+        rank before the replica died: the push to it is complete only with the receipts."""
+        control = self.group.control
+        if self.group.role_rank != 0 or not hasattr(control, "wait_keys"):
+            return
+        n, s = self.group.n_recv, self.group.n_send
+        control.wait_keys([f"{self.group.prefix}got/{version}/{r}" for r in range(n)], self.timeout,
+                          f"the receipts of version {version}", range(s, s + n))
 
     @property
     def replica_sessions(self) -> dict[str, RefitSession]:

@@ -122,6 +122,11 @@ class StoreControl(HostBuffers):
             time.sleep(nap)
             nap = min(nap * 2, 0.01)
 
+    def wait_keys(self, keys: list[str], timeout: float, what: str, ranks: Sequence[int]) -> None:
+        """Until every one of ``keys`` (one per rank of ``ranks``) is set: an abort notice, the
+        store going away or the timeout ends the wait (naming the ranks missing)."""
+        self._wait(keys, timeout, what, ranks)
+
     def _next(self, kind: str) -> int:
         seq = self._seq.get(kind, 0)
         self._seq[kind] = seq + 1

@@ -6,7 +6,8 @@ each step it pushes the module into a bf16 TP=2 inference job started by ``mpiex
 tensors come from the vLLM preset (fused qkv / gate_up, padded vocab). The manifest on the
 trainer side comes from ``manifest_from_state_dict``; the cast to bf16 happens on the way. After
 each push the server's weights equal ``full_tensor()`` cast to bf16 bit for bit, and so do the
-logits of the models built from each.
+logits of the models built from each. A second test SIGKILLs that trainer mid-push (issue 22):
+the server stays up with the last version, and the trainer resumed from its checkpoint restores it.
 """
 
 from __future__ import annotations
