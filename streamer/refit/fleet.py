@@ -7,13 +7,14 @@ for its layout, and keeps its own delta bases (the senders' base copies are per 
 
 Before each push trainer rank 0 lists the replica files and its ranks join the new replicas
 together; a joiner's first push is full (its tensors hold no version the trainer knows), while
-the others keep getting deltas. Each replica's push runs in turn and ends when every receiver
-rank of the replica says it holds the version (a receipt on its store: bytes handed to a socket
-prove nothing); a replica that fails (died, closed, timed out) is dropped on every trainer rank
+the others keep getting deltas. The pushes to the replicas run at once (a thread each, over
+host transports; one after another by name on device ones), and each ends when every receiver
+rank of its replica says it holds the version (a receipt on its store: bytes handed to a socket
+prove nothing). A replica that fails (died, closed, timed out) is dropped on every trainer rank
 (their verdicts are exchanged over the trainer's own store, ``roster.trainer_group``) and the
-push goes on for the others.
-``StepStats.replicas`` says what each replica received, or why it was dropped. ``push()`` raises
-``PushFailed`` only when no replica is left; a refused push (``RefusedError``) raises as before.
+push goes on for the others. ``StepStats.replicas`` says what each replica received, or why it
+was dropped. ``push()`` raises ``PushFailed`` only when no replica is left; a refused push
+(``RefusedError``) raises once the other replicas' pushes ended (they may hold the version).
 A dropped replica whose receivers survive (``--stay``) waits for a new sender job: the trainer
 joins it again at a later push, with a full push.
 """
@@ -32,7 +33,6 @@ from formats.errors import (
     ShardstreamError,
     TransportError,
     UsageError,
-    ValidationError,
 )
 from streamer.execute.executor import ExecStats
 from streamer.transport.roster import agree_names, replica_files, replica_path
@@ -186,18 +186,8 @@ class Fleet:
         v = version if version is not None else (self.last or 0) + 1
         if not self.subs:
             raise PushFailed(_none_left(results), v)
-        stats: list[Any] = []
-        errors: dict[str, str] = {}
-        mine: dict[str, Any] = {}
-        for name in sorted(self.subs):
-            try:
-                mine[name] = self.subs[name].push(tensors, version=v)
-                self.subs[name].await_receipts(v)  # it holds v: not only were the bytes sent
-                stats.append(mine[name])
-            except ValidationError:
-                raise  # a refused push: every rank of the trainer and that replica raise it
-            except TransportError as e:
-                errors[name] = _reason(e)
+        mine, errors = self._push_each(tensors, v)
+        stats = [mine[name] for name in sorted(mine)]
         errors = self._agree(errors)
         for name in sorted(self.subs):
             if name in errors:
@@ -212,12 +202,54 @@ class Fleet:
         self.last = v
         return _combined(stats, time.perf_counter() - t0), v, [results[n] for n in sorted(results)], stats
 
+    def _push_each(self, tensors: Any, v: int) -> tuple[dict[str, Any], dict[str, str]]:
+        """Push ``v`` to every replica: each one's step figures, and the reasons of those that
+        failed. Host transports push to all replicas at once (a thread each, the state dict
+        collected once); device ones (a thread's CUDA device is not the rank's) one after another.
+        A refused push raises once every replica's push has ended."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from streamer.refit.local import collect_local
+
+        def one(name: str) -> Any:
+            st = self.subs[name].push(shared, version=v)
+            self.subs[name].await_receipts(v)  # it holds v: not only were the bytes sent
+            return st
+
+        names = sorted(self.subs)
+        shared, problems = collect_local(tensors)
+        host = all(getattr(self.subs[n].transport, "device", None) is None for n in names)
+        if problems or not host or len(names) == 1:
+            shared = tensors  # each session collects it (and refuses what it must) on this thread
+            outcomes = [_outcome(one, name) for name in names]
+        else:
+            with ThreadPoolExecutor(max_workers=len(names), thread_name_prefix="shardstream-replica") as pool:
+                outcomes = list(pool.map(lambda name: _outcome(one, name), names))
+        mine: dict[str, Any] = {}
+        errors: dict[str, str] = {}
+        for name, (st, error) in zip(names, outcomes):
+            if isinstance(error, TransportError):
+                errors[name] = _reason(error)
+            elif error is not None:
+                raise error  # a refused push (every rank of the trainer and that replica raise it), or a bug
+            else:
+                mine[name] = st
+        return mine, errors
+
     def close(self, done: bool) -> None:
         for name in sorted(self.subs):
             try:
                 self.subs.pop(name).close(done)
             except ShardstreamError:  # a replica that went away meanwhile
                 pass
+
+
+def _outcome(push: Callable[[str], Any], name: str) -> tuple[Any, BaseException | None]:
+    """``push(name)``'s result, or what it raised (collected, so that every push ends first)."""
+    try:
+        return push(name), None
+    except Exception as e:  # noqa: BLE001 - sorted out by the caller once every push ended
+        return None, e
 
 
 def _reason(e: ShardstreamError) -> str:

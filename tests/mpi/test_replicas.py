@@ -10,6 +10,9 @@ several inference replica jobs, real processes on the store control plane with g
 - ``b`` is SIGKILLed in the middle of push 5 (once it posted half its receives): the push
   reports it dropped (``StepStats.replicas``) and completes for the others, byte for byte;
 - ``a`` and ``c`` close after version 6: push 7 has no replica left and raises ``PushFailed``.
+
+Other tests: a restarted trainer (``refit send --replicas``) joins a waiting replica; the pushes
+to two replicas run at once (a hung one does not hold up the other); ``bench refit --replicas``.
 """
 
 from __future__ import annotations
@@ -151,6 +154,29 @@ def test_a_restarted_trainer_joins_the_waiting_replicas(tmp_path: Path) -> None:
         ("ok", 1, 1), ("failed", None, 1), ("ok", 1, 1), ("ok", 2, 2), ("closed", None, 2), ("exit", None, None)], ev
     assert "went silent" in ev[1]["reason"] and all(e["match"] for e in ev if e["event"] == "ok"), ev
     assert ev[2]["wire"] == ev[2]["full"] and ev[3]["wire"] < ev[3]["full"] // 10, ev  # full from the new trainer
+
+
+def test_a_hung_replica_does_not_hold_up_the_others(tmp_path: Path) -> None:
+    """The pushes to the replicas run at once: replica a's engine hangs 4 s after version 1 (it
+    does not pull), and replica b gets version 2 at once all the same; the trainer's push of 2
+    ends once a holds it too (a push to a replica ends with its receipt)."""
+    d = tmp_path
+    jobs = {"a": _job(d, "a", 1, "recv", d, "--name", "a", "--stall-after", 1, "--stall", 4),
+            "b": _job(d, "b", 1, "recv", d, "--name", "b"),
+            "trainer": _job(d, "trainer", 1, "send", d, "--versions", "1,2", "--expect", "a,b")}
+    try:
+        codes = {name: job.wait(120) for name, job in jobs.items()}
+    finally:
+        for job in jobs.values():
+            job.close()
+    story = _story(d, jobs, codes)
+    assert codes == {"a": 0, "b": 0, "trainer": 0}, story
+    pushes = [(p["version"], [r[:3] for r in p["replicas"]]) for p in _lines(d / "send.jsonl") if "event" not in p]
+    assert pushes == [(1, [["a", 1, None], ["b", 1, None]]), (2, [["a", 2, None], ["b", 2, None]])], story
+    got = {name: {e["version"]: e for e in _lines(d / f"{name}-0.jsonl") if e["event"] == "ok"} for name in "ab"}
+    assert all(e["match"] for r in got.values() for e in r.values()), story
+    # one after another (a before b, by name), b would hold version 2 only after a's 4 s
+    assert got["b"][2]["t"] < got["a"][2]["t"] - 1.5, story
 
 
 def test_bench_refit_replicas_tiny(tmp_path: Path) -> None:
