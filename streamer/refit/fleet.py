@@ -183,7 +183,7 @@ class Fleet:
         results: dict[str, ReplicaResult] = {}
         fresh = self.admit(results) | self.fresh
         self.fresh = set()
-        v = version if version is not None else (self.last or 0) + 1
+        v = version if version is not None else self._next_version()
         if not self.subs:
             raise PushFailed(_none_left(results), v)
         mine, errors = self._push_each(tensors, v)
@@ -201,6 +201,12 @@ class Fleet:
             raise PushFailed(_none_left(results), v)
         self.last = v
         return _combined(stats, time.perf_counter() - t0), v, [results[n] for n in sorted(results)], stats
+
+    def _next_version(self) -> int:
+        """One more than the last version this trainer pushed or any replica it serves held when
+        it joined (a restarted trainer continues the numbering, as a single session does)."""
+        held = [int(v) for sub in self.subs.values() for v in sub.held_at_start if v is not None]
+        return max([self.last or 0, *held]) + 1
 
     def _push_each(self, tensors: Any, v: int) -> tuple[dict[str, Any], dict[str, str]]:
         """Push ``v`` to every replica: each one's step figures, and the reasons of those that

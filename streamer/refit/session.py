@@ -215,6 +215,7 @@ class RefitSession:
         self._checked: tuple[Any, ...] = ()  # the memory key of the tensors that last passed the local checks
         self._delta_state: DeltaState | None = None
         self.hostnames: tuple[str, ...] = ()  # every rank's host, from open (a delta's shared-memory pairs)
+        self.held_at_start: tuple[int | None, ...] = ()
         self.quant: RefitQuant | None = None
         self._send_quant: SenderQuant | None = None
         self._recv_quant: ReceiverQuant | None = None
@@ -402,10 +403,13 @@ class RefitSession:
         inputs = input_digests(self._texts[0], self._texts[1],
                                {"allow_extra": o.allow_extra, "schedule": SCHEDULE_VERSION})
         host = getattr(self.transport, "device", None) is None
+        held = self._synced if self.role == "recv" else None
         cfgs = [json.loads(c) for c in self._t.allgather_bytes(json.dumps(
-            {"options": o.wire(), "host": host, "inputs": inputs, "hostname": socket.gethostname()}).encode(),
-            self.timeout)]
+            {"options": o.wire(), "host": host, "inputs": inputs, "hostname": socket.gethostname(),
+             "held": held}).encode(), self.timeout)]
         self.hostnames = tuple(str(c["hostname"]) for c in cfgs)
+        #: the versions the receiver ranks held when this sender job joined them (None: none)
+        self.held_at_start = tuple(c["held"] for c in cfgs[self.group.n_send:])
         self.options = agree([c["options"] for c in cfgs], [c["host"] for c in cfgs])
         problems = input_problems([c["inputs"] for c in cfgs], lambda r: f"rank {r}")
         if problems:

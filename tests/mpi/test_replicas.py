@@ -119,8 +119,8 @@ def test_a_restarted_trainer_joins_the_waiting_replicas(tmp_path: Path) -> None:
     """A trainer dies between pushes: the replica notices (its heartbeat), waits for a new trainer
     and is joined at its open, with a full push; the new trainer's close ends it cleanly. The new
     trainer is the command line, ``refit send --replicas`` (2 ranks under mpiexec, the store plane),
-    pushing its files (version 2's weights) twice: versions 1 (full) and 2 (a delta), counted from
-    its own last push, and its report names what each push delivered to each replica."""
+    pushing its files (version 2's weights) twice: versions 2 (full) and 3 (a delta), numbered on
+    from the version the replica held, and its report names what each push delivered to each one."""
     from streamer.refit.persist import alloc_local, finish_save, save_local
 
     d = tmp_path
@@ -146,12 +146,12 @@ def test_a_restarted_trainer_joins_the_waiting_replicas(tmp_path: Path) -> None:
     pushes = [(p["version"], p["replicas"]) for p in _lines(d / "send.jsonl") if "event" not in p]
     assert pushes == [(1, [["a", 1, None, True]])], pushes
     report = json.loads(second.stdout)
-    assert report["replicas"] == [[{"name": "a", "version": 1, "error": None, "joined": True}],
-                                  [{"name": "a", "version": 2, "error": None, "joined": False}]], report
+    assert report["replicas"] == [[{"name": "a", "version": 2, "error": None, "joined": True}],
+                                  [{"name": "a", "version": 3, "error": None, "joined": False}]], report
     assert report["steps"] == 2 and report["transport"] == "gloo" and report["moved_bytes"] == sum(int(np.prod(s)) for s in ARRAYS.values()) * 4, report
     ev = _lines(d / "a-0.jsonl")
     assert [(e["event"], e.get("version"), e.get("held")) for e in ev] == [
-        ("ok", 1, 1), ("failed", None, 1), ("ok", 1, 1), ("ok", 2, 2), ("closed", None, 2), ("exit", None, None)], ev
+        ("ok", 1, 1), ("failed", None, 1), ("ok", 2, 2), ("ok", 3, 3), ("closed", None, 3), ("exit", None, None)], ev
     assert "went silent" in ev[1]["reason"] and all(e["match"] for e in ev if e["event"] == "ok"), ev
     assert ev[2]["wire"] == ev[2]["full"] and ev[3]["wire"] < ev[3]["full"] // 10, ev  # full from the new trainer
 
