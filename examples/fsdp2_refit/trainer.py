@@ -19,8 +19,8 @@ states the link to the engine: on one host, without it, encoding loses to shared
 session sends full bytes.
 Each push carries its training step as its version (``push(model, version=step)``).
 ``--checkpoint DIR``: save the model and optimizer (``torch.distributed.checkpoint``) after each
-step's push, and at start resume from DIR's last step: a trainer restarted after a crash continues
-its numbering, and its first push (full) restores the receivers, which stayed up
+step's push, and at start resume from DIR's last step (``--steps N`` still ends before step N):
+a trainer restarted after a crash continues its numbering, and its first push (full) restores the receivers, which stayed up
 (``server.py --stay``; docs/resilience.md). ``--crash-in-push STEP``: try that out: every rank
 SIGKILLs itself right after posting its first message of step STEP's push (the push breaks off).
 The receiver can be any job that joins through RENDEZVOUS: the example server, or a vLLM engine
