@@ -33,6 +33,7 @@ from formats.errors import (
     ShardstreamError,
     TransportError,
     UsageError,
+    ValidationError,
 )
 from streamer.execute.executor import ExecStats
 from streamer.transport.roster import agree_names, replica_files, replica_path
@@ -41,6 +42,8 @@ __all__ = ["Fleet", "ReplicaResult", "check_fleet_args"]
 
 #: seconds a listed replica's store gets to answer before its file counts as stale
 PROBE = 5.0
+#: the trainer ranks' exchange of verdicts waits this many timeouts for the others (see ``_agree``)
+VERDICT_WAIT = 2
 
 
 @dataclass(frozen=True)
@@ -157,9 +160,14 @@ class Fleet:
         return fresh
 
     def _agree(self, errors: dict[str, str]) -> dict[str, str]:
-        """Every trainer rank's failures, merged (the first rank's reason for each replica)."""
+        """Every trainer rank's failures, merged (the first rank's reason for each replica). The
+        other trainer ranks may come a whole timeout later than this one (trainer rank 0 waits
+        up to the timeout for a replica's receipts, a rank's wait on a hung replica times out
+        after another's ended): this waits for them ``VERDICT_WAIT`` timeouts (a trainer rank
+        that died ends it sooner when it served the trainer's store)."""
         merged: dict[str, str] = {}
-        for got in self.group.role_control.allgather_bytes(json.dumps(errors).encode(), self.timeout):
+        wait = VERDICT_WAIT * self.timeout + PROBE
+        for got in self.group.role_control.allgather_bytes(json.dumps(errors).encode(), wait):
             for name, reason in json.loads(got).items():
                 merged.setdefault(name, reason)
         return merged
@@ -186,20 +194,24 @@ class Fleet:
         v = version if version is not None else self._next_version()
         if not self.subs:
             raise PushFailed(_none_left(results), v)
-        mine, errors = self._push_each(tensors, v)
+        mine, errors, refusal = self._push_each(tensors, v)
         stats = [mine[name] for name in sorted(mine)]
         errors = self._agree(errors)
         for name in sorted(self.subs):
             if name in errors:
                 self.drop(name, errors[name])
                 results[name] = ReplicaResult(name, None, errors[name])
-            else:
+            elif name in mine:
                 st = mine[name]
                 results[name] = ReplicaResult(name, v, None, name in fresh, st.seconds, self.join_seconds.pop(name, 0.0),
                                               st.bytes_sent, st.full_bytes_sent)
+        if any(name in mine for name in self.subs):
+            self.last = v  # a replica holds it (even beside a refusal): the next push numbers on
+        if refusal is not None:
+            self.fresh = {n for n in fresh if n in self.subs and n not in mine}  # their first push is yet to come
+            raise refusal  # every trainer rank holds it (the refusing replica's agreement), after the drops
         if not self.subs:
             raise PushFailed(_none_left(results), v)
-        self.last = v
         return _combined(stats, time.perf_counter() - t0), v, [results[n] for n in sorted(results)], stats
 
     def _next_version(self) -> int:
@@ -208,13 +220,12 @@ class Fleet:
         held = [int(v) for sub in self.subs.values() for v in sub.held_at_start if v is not None]
         return max([self.last or 0, *held]) + 1
 
-    def _push_each(self, tensors: Any, v: int) -> tuple[dict[str, Any], dict[str, str]]:
-        """Push ``v`` to every replica: each one's step figures, and the reasons of those that
-        failed. Host transports push to all replicas at once (a thread each, the state dict
-        collected once); device ones (a thread's CUDA device is not the rank's) one after another.
-        A refused push raises once every replica's push has ended."""
-        from concurrent.futures import ThreadPoolExecutor
-
+    def _push_each(self, tensors: Any, v: int) -> tuple[dict[str, Any], dict[str, str], ValidationError | None]:
+        """Push ``v`` to every replica: each one's step figures, the reasons of those that failed,
+        and a refusal (the first by name; every trainer rank and that replica's ranks hold it).
+        Host transports push to all replicas at once (a thread each, the state dict collected
+        once); device ones (a thread's CUDA device is not the rank's) one after another. Every
+        replica's push has ended when this returns; anything else raised (a bug) raises here."""
         from streamer.refit.local import collect_local
 
         def one(name: str) -> Any:
@@ -224,30 +235,53 @@ class Fleet:
 
         names = sorted(self.subs)
         shared, problems = collect_local(tensors)
-        host = all(getattr(self.subs[n].transport, "device", None) is None for n in names)
-        if problems or not host or len(names) == 1:
+        if problems or not self._host() or len(names) == 1:
             shared = tensors  # each session collects it (and refuses what it must) on this thread
             outcomes = [_outcome(one, name) for name in names]
         else:
-            with ThreadPoolExecutor(max_workers=len(names), thread_name_prefix="shardstream-replica") as pool:
-                outcomes = list(pool.map(lambda name: _outcome(one, name), names))
+            outcomes = _at_once(lambda name: _outcome(one, name), names)
         mine: dict[str, Any] = {}
         errors: dict[str, str] = {}
+        refusal: ValidationError | None = None
         for name, (st, error) in zip(names, outcomes):
             if isinstance(error, TransportError):
                 errors[name] = _reason(error)
+            elif isinstance(error, ValidationError):  # a refused push (RefusedError)
+                refusal = refusal or error
             elif error is not None:
-                raise error  # a refused push (every rank of the trainer and that replica raise it), or a bug
+                raise error  # a bug, or bad input this rank alone found
             else:
                 mine[name] = st
-        return mine, errors
+        return mine, errors, refusal
+
+    def _host(self) -> bool:
+        """Whether every replica's transport moves host memory (threads may drive them)."""
+        return all(getattr(sub.transport, "device", None) is None for sub in self.subs.values())
 
     def close(self, done: bool) -> None:
-        for name in sorted(self.subs):
+        """Leave every replica's session; host ones at once (a hung replica's store answers only
+        at the timeout: one such wait, not one per replica)."""
+        def leave(name: str) -> None:
             try:
-                self.subs.pop(name).close(done)
+                subs[name].close(done)
             except ShardstreamError:  # a replica that went away meanwhile
                 pass
+
+        host = self._host()
+        subs, self.subs = self.subs, {}
+        if host and len(subs) > 1:
+            _at_once(leave, sorted(subs))
+        else:
+            for name in sorted(subs):
+                leave(name)
+
+
+def _at_once(act: Callable[[str], Any], names: list[str]) -> list[Any]:
+    """``act(name)`` for every name, a thread each; every thread has ended when this returns."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=len(names), thread_name_prefix="shardstream-replica") as pool:
+        return list(pool.map(act, names))
 
 
 def _outcome(push: Callable[[str], Any], name: str) -> tuple[Any, BaseException | None]:

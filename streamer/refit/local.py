@@ -72,7 +72,7 @@ def _dtype_ok(v: Any, data_type: str) -> bool:
 
 
 def check_local(tensors: Mapping[str, Any], specs: Mapping[str, TensorSpec], who: str) -> list[str]:
-    """Every local tensor of ``specs`` present, with the manifest's shape and dtype."""
+    """Every local tensor of ``specs`` present, with the manifest's shape and dtype, contiguous."""
     problems = []
     for name, spec in specs.items():
         v = tensors.get(name)
@@ -84,4 +84,14 @@ def check_local(tensors: Mapping[str, Any], specs: Mapping[str, TensorSpec], who
         if not _dtype_ok(v, spec.data_type) or shape != tuple(spec.shape):
             problems.append(f"{who}: local tensor {name!r} is {dtype_name(v)} {list(shape)} but the manifest says "
                             f"{spec.data_type} {list(spec.shape)} (refused: bytes are never reinterpreted)")
+        elif not _contiguous(v):
+            problems.append(f"{who}: local tensor {name!r} is not contiguous (its bytes are read and written in "
+                            "place, as laid out): hand contiguous memory")
     return problems
+
+
+def _contiguous(v: Any) -> bool:
+    if isinstance(v, np.ndarray):
+        return bool(v.flags.c_contiguous)
+    test = getattr(v, "is_contiguous", None)
+    return bool(test()) if callable(test) else True

@@ -758,10 +758,15 @@ def _replica_rendezvous(role: str, name: str, rendezvous: str | None, control: s
 
 
 def _memory_key(tensors: Mapping[str, Any]) -> tuple[Any, ...]:
-    """Which memory the caller handed in (names, kinds, addresses, shapes, dtypes, devices), not
-    which tensor objects: all that the local checks read."""
-    return tuple((n, type(v), _data_ptr(v), tuple(getattr(v, "shape", ())), getattr(v, "dtype", None),
+    """Which memory the caller handed in (names, kinds, addresses, shapes, strides, dtypes,
+    devices), not which tensor objects: all that the local checks and the executor's views read."""
+    return tuple((n, type(v), _data_ptr(v), tuple(getattr(v, "shape", ())), _strides(v), getattr(v, "dtype", None),
                   getattr(v, "device", None)) for n, v in tensors.items())
+
+
+def _strides(v: Any) -> tuple[int, ...]:
+    s = getattr(v, "stride", None)  # torch: a method; numpy: ``strides``
+    return tuple(s()) if callable(s) else tuple(getattr(v, "strides", ()))
 
 
 def _data_ptr(v: Any) -> int:

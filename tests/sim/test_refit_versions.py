@@ -172,3 +172,37 @@ def test_a_broken_delta_push_over_a_slow_link_keeps_the_last_version() -> None:
     S = 2
     assert results[S] == 1, results
     assert _holds(dst, dsts[0], 0, v1)
+
+
+def test_the_same_memory_laid_out_otherwise_is_refused_not_read_as_before() -> None:
+    """A sender hands the transpose of the square array it pushed before: the same address,
+    shape and dtype, other strides. The push is refused on every rank (local tensors must be
+    contiguous), not packed through the previous push's views (which would send the untransposed
+    bytes); the next push of contiguous memory goes through."""
+    arrays = {"w": ((8, 8), "float32")}
+    src = lay_out(arrays, Mesh(("tp",), (1,)), {"w": (Shard(0),)})
+    dst = lay_out(arrays, Mesh(("tp",), (2,)), {"w": (Shard(0),)})
+    full = {"w": np.arange(64, dtype=np.float32).reshape(8, 8)}
+    srcs = make_source_tensors(src, full)
+    dsts = empty_dest_tensors(dst)
+
+    def act(s: RefitSession, r: int) -> list[Any]:
+        out: list[Any] = []
+        for turn in range(3):
+            try:
+                if s.role == "send":  # the second push: the transpose of the same memory
+                    st = s.push(srcs[r] if turn != 1 else {n: a.T for n, a in srcs[r].items()})
+                else:
+                    st = s.pull(dsts[r])
+                assert st is not None
+                out.append(st.version)
+            except RefusedError as e:
+                out.append(str(e))
+        return out
+
+    results, errors = run_sessions(src, dst, act, join_timeout=60)
+    assert not errors, errors
+    for g, out in results.items():
+        assert out[0] == 1 and out[2] == 2, (g, out)
+        assert "local tensor 'w' is not contiguous" in out[1], (g, out)
+    assert check_dest_tensors(dst, dsts, full) == []
