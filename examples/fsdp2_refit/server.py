@@ -12,9 +12,11 @@ raises ``PushFailed``; every rank prints a line with the version its weights sti
 (``held``: None after a broken full push, the previous one after a broken delta push) and, with
 ``--reference``, whether they equal that version's reference bit for bit, then waits for the next
 push, from a restarted trainer. It pulls until the trainer closes the session (``--steps`` then
-does not end it).
+does not end it). ``--timeout S`` (default 120) bounds every wait, the one for the next push
+included: a trainer that takes longer (a step, or a restart that loads its checkpoint) ends the
+server with ``PeerTimeoutError``; give it more than the trainer's ``--timeout`` and its step.
 
-    mpiexec -n 2 python server.py config.json serve.json RENDEZVOUS [--steps N] [--reference DIR] [--stay]
+    mpiexec -n 2 python server.py config.json serve.json RENDEZVOUS [--steps N] [--reference DIR] [--stay] [--timeout S]
 """
 
 from __future__ import annotations
@@ -69,12 +71,12 @@ def logits(config: LlamaConfig, weights: dict[str, torch.Tensor], ids: torch.Ten
 
 
 def main(cfg_path: str, manifest: str, rendezvous: str, steps: int, reference: str | None,
-         transport: str = "gloo", stay: bool = False) -> int:
+         transport: str = "gloo", stay: bool = False, timeout: float = 120) -> int:
     config = LlamaConfig(**json.loads(Path(cfg_path).read_text()))
     m = load_manifest(manifest)
     ids = torch.randint(0, config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(2))
     with RefitSession.open(m, "recv", rendezvous=rendezvous, control="store", transport=transport,
-                           timeout=120) as session:
+                           timeout=timeout) as session:
         rank = session.local_rank
         tensors = alloc_local(m, rank)  # the engine's weight buffers, updated in place
         before = None
@@ -142,5 +144,7 @@ if __name__ == "__main__":
     ap.add_argument("--reference", metavar="DIR")
     ap.add_argument("--transport", default="gloo", help="gloo (default), or shm when both jobs share a node")
     ap.add_argument("--stay", action="store_true", help="outlive failed pushes; pull until the trainer closes")
+    ap.add_argument("--timeout", type=float, default=120,
+                    help="seconds any wait may take, the next push's included (default 120)")
     a = ap.parse_args()
-    sys.exit(main(a.config, a.manifest, a.rendezvous, a.steps, a.reference, a.transport, a.stay))
+    sys.exit(main(a.config, a.manifest, a.rendezvous, a.steps, a.reference, a.transport, a.stay, a.timeout))
