@@ -194,7 +194,7 @@ class Fleet:
         v = version if version is not None else self._next_version()
         if not self.subs:
             raise PushFailed(_none_left(results), v)
-        mine, errors, refusal = self._push_each(tensors, v)
+        mine, errors, refusals = self._push_each(tensors, v)
         stats = [mine[name] for name in sorted(mine)]
         errors = self._agree(errors)
         for name in sorted(self.subs):
@@ -207,9 +207,10 @@ class Fleet:
                                               st.bytes_sent, st.full_bytes_sent)
         if any(name in mine for name in self.subs):
             self.last = v  # a replica holds it (even beside a refusal): the next push numbers on
-        if refusal is not None:
+        refused = [refusals[n] for n in sorted(refusals) if n in self.subs]  # not one dropped meanwhile
+        if refused:
             self.fresh = {n for n in fresh if n in self.subs and n not in mine}  # their first push is yet to come
-            raise refusal  # every trainer rank holds it (the refusing replica's agreement), after the drops
+            raise refused[0]  # every trainer rank holds it (the refusing replica's agreement), after the drops
         if not self.subs:
             raise PushFailed(_none_left(results), v)
         return _combined(stats, time.perf_counter() - t0), v, [results[n] for n in sorted(results)], stats
@@ -220,9 +221,9 @@ class Fleet:
         held = [int(v) for sub in self.subs.values() for v in sub.held_at_start if v is not None]
         return max([self.last or 0, *held]) + 1
 
-    def _push_each(self, tensors: Any, v: int) -> tuple[dict[str, Any], dict[str, str], ValidationError | None]:
+    def _push_each(self, tensors: Any, v: int) -> tuple[dict[str, Any], dict[str, str], dict[str, ValidationError]]:
         """Push ``v`` to every replica: each one's step figures, the reasons of those that failed,
-        and a refusal (the first by name; every trainer rank and that replica's ranks hold it).
+        and the refusals (every trainer rank and that replica's ranks hold each).
         Host transports push to all replicas at once (a thread each, the state dict collected
         once); device ones (a thread's CUDA device is not the rank's) one after another. Every
         replica's push has ended when this returns; anything else raised (a bug) raises here."""
@@ -242,17 +243,17 @@ class Fleet:
             outcomes = _at_once(lambda name: _outcome(one, name), names)
         mine: dict[str, Any] = {}
         errors: dict[str, str] = {}
-        refusal: ValidationError | None = None
+        refusals: dict[str, ValidationError] = {}
         for name, (st, error) in zip(names, outcomes):
             if isinstance(error, TransportError):
                 errors[name] = _reason(error)
             elif isinstance(error, ValidationError):  # a refused push (RefusedError)
-                refusal = refusal or error
+                refusals[name] = error
             elif error is not None:
                 raise error  # a bug, or bad input this rank alone found
             else:
                 mine[name] = st
-        return mine, errors, refusal
+        return mine, errors, refusals
 
     def _host(self) -> bool:
         """Whether every replica's transport moves host memory (threads may drive them)."""

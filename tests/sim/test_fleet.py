@@ -132,3 +132,17 @@ def test_close_does_not_wait_for_hung_replicas_one_after_another(tmp_path: Path)
     f.close(True)
     assert time.monotonic() - t0 < 2.5
     assert f.subs == {} and all(s.closed for s in subs.values())
+
+
+def test_a_refusal_on_one_rank_where_another_lost_the_replica_is_a_drop_everywhere(tmp_path: Path) -> None:
+    """Replica a's agreement completed on trainer rank 0 (a refusal) but broke off on rank 1 (a
+    died in it): a is dropped on both ranks and neither raises; b received the version."""
+    fleets = _fleets(tmp_path, [{"a": _Replica(refuse_at=1), "b": _Replica()}, {"a": _Replica(), "b": _Replica()}],
+                     5.0)
+    fleets[1].subs["a"].push = lambda *a, **k: (_ for _ in ()).throw(TransportError("a's connection broke"))
+    results, errors = _on_every_rank(fleets, lambda f: f.push(STATE, None))
+    assert not errors, errors
+    for r in range(2):
+        _, v, got, _ = results[r]
+        assert v == 1 and [(x.name, x.version) for x in got] == [("a", None), ("b", 1)], (r, got)
+        assert sorted(fleets[r].subs) == ["b"]
