@@ -8,6 +8,7 @@ first on ``PATH``.
 from __future__ import annotations
 
 import filecmp
+import importlib.util
 import os
 import shutil
 import signal
@@ -28,6 +29,12 @@ ENV.pop("SHARDSTREAM_DEBUG", None)
 
 MPIEXEC = shutil.which("mpiexec", path=ENV["PATH"])
 SHARDSTREAM = shutil.which("shardstream", path=ENV["PATH"])
+
+
+def have(package: str) -> bool:
+    """Whether ``package`` is installed, without importing it (a collection-time check: importing
+    torch or transformers costs every pytest process seconds)."""
+    return importlib.util.find_spec(package) is not None
 
 #: Megatron-style TP rules (column-parallel S(0), row-parallel S(1)); for a 2-axis mesh whose
 #: first axis is pp or dp each rule gets ``R`` on that axis.

@@ -5,27 +5,16 @@ keys and planned bytes, a real FSDP2 trainer as the source, and ``--delta`` with
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from mpi_helpers import REPO, have
 
 pytestmark = pytest.mark.mpi
-ROOT = Path(__file__).resolve().parents[2]
-MPIEXEC = shutil.which("mpiexec") or str(Path(sys.executable).parent / "mpiexec")
 
 
-def _have(mod: str) -> bool:
-    try:
-        __import__(mod)
-        return True
-    except ImportError:
-        return False
-
-
-@pytest.mark.skipif(not Path(MPIEXEC).exists(), reason="mpiexec not installed")
 @pytest.mark.parametrize("source", ["files", "fsdp2"])
 def test_bench_refit_tiny(tmp_path: Path, source: str) -> None:
     """bench refit at tiny size: the JSON has the documented keys and the planned bytes; with
@@ -38,7 +27,7 @@ def test_bench_refit_tiny(tmp_path: Path, source: str) -> None:
     ranks = ["--senders", "2", "--receivers", "2", "--serve-mesh", "tp=2"] if source == "fsdp2" else []
     p = subprocess.run([sys.executable, "-m", "streamer", "bench", "refit", "--preset", "qwen3-tiny", "--repeats", "2",
                         "--work", str(tmp_path), "--json", "--source", source, *ranks], capture_output=True, text=True,
-                       timeout=300, env=env, cwd=ROOT)
+                       timeout=300, env=env, cwd=REPO)
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(p.stdout)
     for k in ("reshard_s", "broadcast_s", "floor_s", "speedup_vs_broadcast", "ratio_to_floor", "bytes_moved", "first_push_s",
@@ -49,7 +38,7 @@ def test_bench_refit_tiny(tmp_path: Path, source: str) -> None:
     assert r["source"] == source and (r["cast_arrays"] > 0) == (source == "fsdp2")
 
 
-@pytest.mark.skipif(not Path(MPIEXEC).exists() or not _have("transformers"), reason="mpiexec or transformers missing")
+@pytest.mark.skipif(not have("transformers"), reason="transformers missing")
 def test_bench_refit_delta_tiny(tmp_path: Path) -> None:
     """bench refit --delta: one real AdamW step at lr 1e-6 changes a few % of the bf16 weights;
     encoded, the push carries a few % of the full bytes; as a user gets it (one host: shared
@@ -62,7 +51,7 @@ def test_bench_refit_delta_tiny(tmp_path: Path) -> None:
     p = subprocess.run([sys.executable, "-m", "streamer", "bench", "refit", "--delta", "--senders", "2", "--receivers",
                         "2", "--train-mesh", "tp=2", "--serve-mesh", "tp=2", "--repeats", "1", "--lr", "1e-6",
                         "--work", str(tmp_path), "--json"], capture_output=True, text=True, timeout=300, env=env,
-                       cwd=ROOT)
+                       cwd=REPO)
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(p.stdout)
     (run,) = r["runs"]

@@ -24,13 +24,11 @@ RECV = ["shardstream", "refit", "recv"]
 PY = str(BIN / "python") if (BIN / "python").exists() else sys.executable
 
 
-def _cuda() -> bool:
-    try:
-        import torch
-
-        return bool(torch.cuda.is_available())
-    except ImportError:
-        return False
+def _skip_with_cuda() -> None:
+    """In the test, not at collection: asking torch costs every pytest process its import."""
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available: the refusal is for machines without it")
 
 
 @pytest.mark.parametrize("n", [2, 3])
@@ -89,8 +87,8 @@ def test_refused_sender_over_shm_ends_both_jobs_fast(ckpt: Ckpt, tmp_path: Path)
     assert not (out / "manifest.json").exists()
 
 
-@pytest.mark.skipif(_cuda(), reason="CUDA is available: the refusal is for machines without it")
 def test_cuda_ipc_without_cuda_is_refused_in_one_line(ckpt: Ckpt, tmp_path: Path) -> None:
+    _skip_with_cuda()
     # one rank a side: each rank imports torch to ask for CUDA, and the refusal is the same on all
     rc, so, se = run(["mpiexec", "-n", "1", *SEND, "--manifest", ckpt.hf_manifest, "--timeout", "30", "--transport",
                       "cuda-ipc", ":", "-n", "1", *RECV, "--manifest", ckpt.hf1, "--timeout", "30", "--transport",
@@ -115,8 +113,8 @@ def test_bench_ipc_shm_tiny() -> None:
         r["refit_gbps"] / r["floor_gbps"], rel=1e-6)
 
 
-@pytest.mark.skipif(_cuda(), reason="CUDA is available: the refusal is for machines without it")
 def test_bench_ipc_cuda_without_cuda_is_refused() -> None:
+    _skip_with_cuda()
     rc, so, se = run(["shardstream", "bench", "ipc", "--transport", "cuda-ipc", "--size", "1MiB"], timeout=120)
     assert rc == 1 and "no CUDA device is visible" in se and "Traceback" not in se, se[-3000:]
 
