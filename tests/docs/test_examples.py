@@ -47,6 +47,9 @@ SHOWN_LANGS = {"text", "json", "console", "toml", "yaml", "diff"}
 FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})\s*([\w+-]*)\s*$")
 MARKER = re.compile(r"^\s*<!--\s*(norun|file)\s*:\s*(.*?)\s*-->\s*$")
 EOF_TAG = "__SHARDSTREAM_DOC_EOF__"
+#: rough seconds each page's examples take on 2 cores (measured), to start the longest first
+PAGE_SECONDS = {"docs/megatron.md": 40, "README.md": 25, "docs/cli/refit.md": 25, "docs/cli/convert.md": 16,
+                "docs/cli/bench.md": 14, "docs/cli/layout.md": 9}
 
 
 @dataclass(frozen=True)
@@ -180,6 +183,8 @@ def doc_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     docs = [it.callspec.params["doc"] for it in request.session.items
             if it.originalname == "test_examples_run" and hasattr(it, "callspec")]
     jobs = int(os.environ.get("SHARDSTREAM_DOCS_JOBS", min(4, os.cpu_count() or 1)))
+    # the longest pages first, so that none starts last and runs alone
+    docs.sort(key=lambda d: -PAGE_SECONDS.get(str(d.relative_to(REPO)), 1))
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         runs = {d: pool.submit(run_doc, d, tmp_path_factory.mktemp(d.stem)) for d in docs}
         yield runs
