@@ -363,7 +363,7 @@ def run_plan_loopback(
 
 
 def run_sessions(src: Manifest, dst: Manifest, act: Callable[[Any, int], Any], *, join_timeout: float = 30.0,
-                 corrupt: Callable[[int, int, int, bytearray], None] | None = None,
+                 timeout: float = 10.0, corrupt: Callable[[int, int, int, bytearray], None] | None = None,
                  options_of: Callable[[str], dict[str, Any]] | None = None,
                  transport_of: Callable[[Any], Any] | None = None,
                  **options: Any) -> tuple[dict[int, Any], dict[int, BaseException]]:
@@ -371,7 +371,8 @@ def run_sessions(src: Manifest, dst: Manifest, act: Callable[[Any, int], Any], *
     ``RefitSession`` (senders ``0..S-1`` on ``src``, receivers on ``dst``) with ``options`` and runs
     ``act(session, local rank)``; ``options_of(role)`` adds options of one side only;
     ``transport_of(endpoint)`` moves the bytes over another transport built on the loopback
-    endpoint (the control plane). Returns each global rank's result and each one's exception."""
+    endpoint (the control plane); ``timeout``: the sessions' own (a test that breaks a push waits
+    it out). Returns each global rank's result and each one's exception."""
     from streamer.refit.options import RefitOptions
     from streamer.refit.session import RefitSession
     from streamer.transport.jobs import Group
@@ -390,7 +391,7 @@ def run_sessions(src: Manifest, dst: Manifest, act: Callable[[Any, int], Any], *
             kw = {**options, **(options_of(role) if options_of else {})}
             device_ops = kw.pop("device_ops", None)
             with RefitSession.open(src if role == "send" else dst, role, group=Group(eps[g], eps[g], role, S, D,
-                                   plane="loopback"), transport=t, timeout=10, options=RefitOptions(**kw),
+                                   plane="loopback"), transport=t, timeout=timeout, options=RefitOptions(**kw),
                                    device_ops=device_ops) as s:
                 results[g] = act(s, g if g < S else g - S)
         except BaseException as e:  # noqa: BLE001 - collected per rank

@@ -154,7 +154,8 @@ def _broken_second_push(**options: Any) -> tuple[dict[int, Any], dict[int, BaseE
             pass
         return s.version
 
-    results, errors = run_sessions(src, dst, act, join_timeout=60, corrupt=corrupt, delta=True, **options)
+    # the ranks the broken wire leaves waiting wait out the sessions' timeout: a short one
+    results, errors = run_sessions(src, dst, act, join_timeout=60, timeout=3, corrupt=corrupt, delta=True, **options)
     return results, errors, dst, dsts, v1
 
 
