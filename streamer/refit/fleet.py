@@ -236,11 +236,10 @@ class Fleet:
 
         names = sorted(self.subs)
         shared, problems = collect_local(tensors)
-        if problems or not self._host() or len(names) == 1:
+        together = not problems and self._host() and len(names) > 1
+        if not together:
             shared = tensors  # each session collects it (and refuses what it must) on this thread
-            outcomes = [_outcome(one, name) for name in names]
-        else:
-            outcomes = _at_once(lambda name: _outcome(one, name), names)
+        outcomes = _each(lambda name: _outcome(one, name), names, together)
         mine: dict[str, Any] = {}
         errors: dict[str, str] = {}
         refusals: dict[str, ValidationError] = {}
@@ -270,15 +269,14 @@ class Fleet:
 
         host = self._host()
         subs, self.subs = self.subs, {}
-        if host and len(subs) > 1:
-            _at_once(leave, sorted(subs))
-        else:
-            for name in sorted(subs):
-                leave(name)
+        _each(leave, sorted(subs), host)
 
 
-def _at_once(act: Callable[[str], Any], names: list[str]) -> list[Any]:
-    """``act(name)`` for every name, a thread each; every thread has ended when this returns."""
+def _each(act: Callable[[str], Any], names: list[str], together: bool) -> list[Any]:
+    """``act(name)`` for every name: with ``together``, a thread each (one name: on this thread),
+    else one after another; every call has ended when this returns."""
+    if not together or len(names) < 2:
+        return [act(name) for name in names]
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=len(names), thread_name_prefix="shardstream-replica") as pool:

@@ -112,13 +112,13 @@ class MPITransport(HostBuffers):
             # a collective has no single peer: ask who is still here, to name who is not
             missing = self._roll_call(timeout, what)
             if missing:
-                shown = ", ".join(self.names(r) for r in missing[:8])
-                if len(missing) > 8:
-                    shown += f" and {len(missing) - 8} more"
-                raise PeerTimeoutError(
-                    f"timed out after {timeout:g} s in {what}: {shown} did "
-                    "not arrive (died, hung, or stuck waiting for another rank)") from e
+                raise self._not_arrived(missing, timeout, what) from e
             raise
+
+    def _not_arrived(self, missing: list[int], timeout: float, what: str) -> PeerTimeoutError:
+        shown = ", ".join(self.names(r) for r in missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        return PeerTimeoutError(f"timed out after {timeout:g} s in {what}: {shown} did not arrive (died, hung, or "
+                                "stuck waiting for another rank)")
 
     def _roll_call(self, timeout: float, what: str) -> list[int]:
         """After a collective timed out: every rank that timed out tells every other rank so, then
@@ -200,9 +200,7 @@ class MPITransport(HostBuffers):
             wait_all(recvs + sends, timeout, what, names=self.names)
         except PeerTimeoutError as e:
             missing = [r.peer for r in recvs if not r.test()] or [r.peer for r in sends if not r.test()]
-            shown = ", ".join(self.names(r) for r in missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
-            raise PeerTimeoutError(f"timed out after {timeout:g} s in {what}: {shown} did not arrive (died, hung, or "
-                                   "stuck waiting for another rank)") from e
+            raise self._not_arrived(missing, timeout, what) from e
 
     def bcast_bytes(self, data: bytes | None, root: int, timeout: float) -> bytes:
         n = np.array([len(data) if data is not None and self.rank == root else 0], dtype=np.int64)
