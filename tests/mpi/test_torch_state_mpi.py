@@ -12,11 +12,9 @@ import shutil
 import socket
 
 import pytest
-from mpi_helpers import BIN, ENV, MPIEXEC, REPO, run
+from mpi_helpers import BIN, ENV, MPIEXEC, REPO, have, run
 
-pytestmark = pytest.mark.mpi
-
-pytest.importorskip("torch")
+pytestmark = [pytest.mark.mpi, pytest.mark.skipif(not have("torch"), reason="torch not installed (the torch extra)")]
 
 WORKER = REPO / "tests" / "mpi" / "torch_state_worker.py"
 PYTHON = str(BIN / "python") if (BIN / "python").exists() else "python"
