@@ -2,6 +2,6 @@ from __future__ import annotations
 
 import sys
 
-from streamer.cli.app import main
+from streamer.cli import main
 
 sys.exit(main())

@@ -514,7 +514,7 @@ def bench_refit(work: str, *, senders: int = 4, receivers: int = 4, preset: str 
     env = dict(os.environ, HYDRA_LAUNCHER=os.environ.get("HYDRA_LAUNCHER", "fork"), OMP_NUM_THREADS="1")
     res_path = w / "refit.json"
     cmd = [mpiexec, "-n", str(senders + receivers), py, "-c",
-           "import sys; from streamer.tools.bench import refit_worker; sys.exit(refit_worker(sys.argv[1:]))",
+           "import gc, sys; from streamer.tools.bench import refit_worker; rc = refit_worker(sys.argv[1:]); gc.freeze(); sys.exit(rc)",
            "--train", str(w / "train" / "manifest.json"), "--serve", str(w / "serve.json"),
            "--senders", str(senders), "--repeats", str(repeats), "--bucket-size", str(bucket_size),
            "--out", str(res_path), "--source", source, "--preset", preset]

@@ -51,7 +51,7 @@ def bench_refit_delta(work: str, *, senders: int = 2, receivers: int = 2, train_
     env = dict(os.environ, HYDRA_LAUNCHER=os.environ.get("HYDRA_LAUNCHER", "fork"), OMP_NUM_THREADS="1")
     out = w / "refit_delta.json"
     cmd = [mpiexec, "-n", str(senders + receivers), py, "-c",
-           "import sys; from streamer.tools.bench_delta import delta_worker; sys.exit(delta_worker(sys.argv[1:]))",
+           "import gc, sys; from streamer.tools.bench_delta import delta_worker; rc = delta_worker(sys.argv[1:]); gc.freeze(); sys.exit(rc)",
            "--senders", str(senders), "--train-mesh", train_mesh or f"tp={senders}",
            "--serve-mesh", serve_mesh or f"tp={receivers}", "--steps", str(steps), "--lr", *map(repr, lrs),
            "--bucket-size", str(bucket_size), "--out", str(out)]

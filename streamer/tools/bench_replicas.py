@@ -107,7 +107,7 @@ class _Job:
 
 
 def _launch(n: int, argv: list[str], log: Path) -> _Job:
-    code = "import sys; from streamer.tools.bench_replicas import replicas_worker; sys.exit(replicas_worker(sys.argv[1:]))"
+    code = "import gc, sys; from streamer.tools.bench_replicas import replicas_worker; rc = replicas_worker(sys.argv[1:]); gc.freeze(); sys.exit(rc)"
     out = log.open("ab")
     env = dict(os.environ, OMP_NUM_THREADS="1", WORLD_SIZE=str(n))
     procs = [subprocess.Popen([sys.executable, "-c", code, *argv], stdout=out, stderr=out,
