@@ -48,8 +48,9 @@ FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})\s*([\w+-]*)\s*$")
 MARKER = re.compile(r"^\s*<!--\s*(norun|file)\s*:\s*(.*?)\s*-->\s*$")
 EOF_TAG = "__SHARDSTREAM_DOC_EOF__"
 #: rough seconds each page's examples take on 2 cores (measured), to start the longest first
-PAGE_SECONDS = {"docs/megatron.md": 40, "README.md": 25, "docs/cli/refit.md": 25, "docs/cli/convert.md": 16,
-                "docs/cli/bench.md": 14, "docs/cli/layout.md": 9}
+PAGE_SECONDS = {"docs/megatron.md": 21, "README.md": 14, "docs/cli/refit.md": 10, "docs/cli/bench.md": 9,
+                "docs/refit.md": 8, "docs/cli/convert.md": 7, "docs/cli/import.md": 5, "docs/cli/layout.md": 3,
+                "docs/cli/simulate.md": 2}
 
 
 @dataclass(frozen=True)
