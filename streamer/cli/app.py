@@ -60,6 +60,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from streamer.vllm.bench import bench_cli
         _out(args, *bench_cli(args.model, args.repeats, args.dst_tp))
         return 0
+    if args.what == "refit" and args.replicas is None and not args.against:
+        args.train_mesh, args.serve_mesh = _refit_meshes(args)
     work = args.work or tempfile.mkdtemp(prefix="shardstream-bench-")
     if args.source == "megatron" and args.what != "convert":
         raise UsageError("--source megatron goes with bench convert")
@@ -131,6 +133,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _refit_meshes(args: argparse.Namespace) -> tuple[str, str]:
+    """bench refit's meshes: as given, else one fitting the rank counts (``pp=2,tp=2`` -> ``tp=4`` at
+    the default 4 + 4); a mesh of another size than its job is refused before anything starts."""
+    from formats.layouts.mesh import parse_mesh
+
+    train = args.train_mesh or ("pp=2,tp=2" if args.senders == 4 else f"tp={args.senders}")
+    serve = args.serve_mesh or f"tp={args.receivers}"
+    sized = [("--train-mesh", train, "--senders", args.senders)] if args.source != "fsdp2" else []
+    for flag, mesh, ranks, n in [*sized, ("--serve-mesh", serve, "--receivers", args.receivers)]:
+        if parse_mesh(mesh).size != n:
+            raise UsageError(f"{flag} {mesh} has {parse_mesh(mesh).size} ranks but {ranks} is {n}")
+    return train, serve
+
+
 # ------------------------------------------------------------------ parser
 
 
@@ -194,8 +210,9 @@ def _add_bench(sub: Any) -> None:
     p.add_argument("--chunks", type=_positive_int, default=100_000)
     p.add_argument("--senders", type=_positive_int, default=4)
     p.add_argument("--receivers", type=_positive_int, default=4)
-    p.add_argument("--train-mesh", default="pp=2,tp=2")
-    p.add_argument("--serve-mesh", default="tp=4")
+    p.add_argument("--train-mesh", default=None, help="bench refit: the trainer's mesh (default pp=2,tp=2 at 4 "
+                   "senders, else tp=SENDERS)")
+    p.add_argument("--serve-mesh", default=None, help="bench refit: the server's mesh (default tp=RECEIVERS)")
     p.add_argument("--source", choices=["files", "fsdp2", "megatron"], default="files",
                    help="bench refit: the trainer's rank files, or a real FSDP2 model (fp32 masters, cast to bf16); "
                         "bench convert: megatron = a Megatron torch_dist save -> HF (import --to hf + convert)")

@@ -43,13 +43,14 @@ def test_bench_refit_delta_tiny(tmp_path: Path) -> None:
     """bench refit --delta: one real AdamW step at lr 1e-6 changes a few % of the bf16 weights;
     encoded, the push carries a few % of the full bytes; as a user gets it (one host: shared
     memory, encoding loses to a copy) the delta session sends full bytes and keeps no base; the
-    break-even link speed is reported."""
+    break-even link speed is reported. 1 + 1 ranks (each imports torch and transformers and builds
+    the model; delta pushes between many ranks: test_transports.py::test_delta_refit_over_transport)."""
     import json
 
     env = dict(os.environ, HYDRA_LAUNCHER="fork", OMP_NUM_THREADS="1",
                PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
-    p = subprocess.run([sys.executable, "-m", "streamer", "bench", "refit", "--delta", "--senders", "2", "--receivers",
-                        "2", "--train-mesh", "tp=2", "--serve-mesh", "tp=2", "--repeats", "1", "--lr", "1e-6",
+    p = subprocess.run([sys.executable, "-m", "streamer", "bench", "refit", "--delta", "--senders", "1", "--receivers",
+                        "1", "--repeats", "1", "--lr", "1e-6",
                         "--work", str(tmp_path), "--json"], capture_output=True, text=True, timeout=300, env=env,
                        cwd=REPO)
     assert p.returncode == 0, p.stderr[-3000:]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from pathlib import Path
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from formats.errors import UsageError
-from streamer.cli.app import main
+from streamer.cli.app import _refit_meshes, main
 from streamer.tools import bench
 
 
@@ -162,3 +163,21 @@ def test_bench_replicas_needs_a_joiner(tmp_path: Path) -> None:
 
     with pytest.raises(UsageError, match="N >= 2"):
         bench_replicas(str(tmp_path), replicas=1)
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--senders", "2", "--receivers", "2", "--serve-mesh", "tp=4"], "--serve-mesh tp=4 has 4 ranks but --receivers is 2"),
+    (["--senders", "2", "--train-mesh", "pp=2,tp=2"], "--train-mesh pp=2,tp=2 has 4 ranks but --senders is 2"),
+    (["--delta", "--senders", "1", "--train-mesh", "tp=2"], "--train-mesh tp=2 has 2 ranks but --senders is 1"),
+])
+def test_bench_refit_mesh_of_another_size_is_refused_before_a_launch(tmp_path: Path, argv: list[str], says: str,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """Meshes default to the rank counts (2 + 2 ranks ran into the 4-rank defaults with a traceback
+    from inside the launch); one given of another size is one line and exit 2, nothing started."""
+    assert main(["bench", "refit", *argv, "--work", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == f"shardstream: {says}"
+    assert list(tmp_path.iterdir()) == []
+    ns = argparse.Namespace(train_mesh=None, serve_mesh=None, senders=2, receivers=3, source="files")
+    assert _refit_meshes(ns) == ("tp=2", "tp=3")
+    ns.senders = ns.receivers = 4
+    assert _refit_meshes(ns) == ("pp=2,tp=2", "tp=4")  # the documented default
