@@ -8,7 +8,7 @@ source scripts/_venv.sh
 # Python processes compiled formats/ and streamer/ again, and each pytest process rewrote every
 # test module again (collecting the unit tier: 7.7 CPU-s against 3.9 with the cache). Compile once.
 unset PYTHONDONTWRITEBYTECODE
-python -m compileall -q formats streamer tests examples scripts >/dev/null
+python -m compileall -q -j 0 formats streamer tests examples scripts >/dev/null
 status=0
 junit="$(mktemp -d)"
 trap 'rm -rf "$junit"' EXIT

@@ -54,7 +54,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
     import tempfile
 
     from streamer.tools import bench
-    from streamer.tools.bench_rank import bench_scale, scale_case, scale_lines
 
     if args.what == "vllm":  # in the vLLM venv: one engine, three ways to update it
         from streamer.vllm.bench import bench_cli
@@ -78,22 +77,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                                 repeats=args.repeats or 2, src_tp=args.src_tp, dst_tp=args.dst_tp or 3, dcp=not args.no_dcp)
         text = bench.convert_table(r)
     elif args.what == "plan":
-        r = bench.bench_plan(tuple(args.sweep), model=args.model)
-        lines = ["bench plan: TP8 -> TP4xDP2 (uneven, domain 8), sweep over chunks"]
-        lines += [f"  {x['chunks']:8d} chunks {x['transfers']:8d} transfers  plan {x['plan_s']:7.3f} s  validate "
-                  f"{x['validate_s']:7.3f} s  peak {x['peak_bytes'] / 2**20:7.1f} MiB" for x in r["sweep"]]
-        lines.append(f"  scaling exponent: plan {r['plan_exponent']:.2f}, validate {r['validate_exponent']:.2f} "
-                     "(1.0 = linear)")
-        if "model" in r:
-            mm = r["model"]
-            lines.append(f"  {mm['config']}: {mm['train']} -> {mm['serve']}: {mm['src_chunks']} + {mm['dst_chunks']} "
-                         f"chunks, manifests {mm['manifests_s']:.2f} s, plan {mm['plan_s']:.2f} s (target <= 2 s), "
-                         f"{mm['transfers']} transfers, peak RSS +{mm['plan_peak_rss_growth_bytes'] / 2**20:.0f} MiB")
-        case = scale_case(args.model) if args.model else None
-        if case is not None:  # the preset layouts: one rank's refit start, the whole plan from the files
-            r["scale"] = bench_scale(work, str(Path(args.model).parent), names=(case,))
-            lines += scale_lines(r["scale"])
-        text = "\n".join(lines)
+        r, text = _bench_plan(args, work)
     elif args.what == "validate":
         r = bench.bench_validate(args.chunks)
         text = (f"bench validate: {r['chunks']} chunks ({r['manifest_bytes'] / 1e6:.1f} MB JSON): parse "
@@ -103,34 +87,61 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         r = bench_ipc(args.transport, size=args.size, repeats=args.repeats or 5, bucket_size=args.bucket_size)
         text = ipc_text(r)
-    elif args.replicas is not None and args.what == "refit":
-        from streamer.tools.bench_replicas import bench_replicas_cli
-        r, text = bench_replicas_cli(work, args)
-    elif args.delta:
-        from streamer.tools.bench_delta import bench_refit_delta, delta_table
-
-        r = bench_refit_delta(work, senders=args.senders, receivers=args.receivers, train_mesh=args.train_mesh,
-                              serve_mesh=args.serve_mesh, steps=args.repeats or 3, lrs=tuple(args.lr),
-                              bucket_size=args.bucket_size)
-        text = delta_table(r)
-    elif args.against:
-        from streamer.tools.bench_against import against_table, load_reference
-
-        ref = load_reference(args.against)
-        r = bench.bench_refit(work, **ref["config"])
-        text = bench.refit_table(r) + "\n" + against_table(r, ref, args.against)
     else:
-        r = bench.bench_refit(work, senders=args.senders, receivers=args.receivers,
-                              preset=args.preset or "qwen3-small", train_mesh=args.train_mesh,
-                              serve_mesh=args.serve_mesh, repeats=args.repeats or 5, bucket_size=args.bucket_size,
-                              source=args.source)
-        text = bench.refit_table(r)
+        r, text = _bench_refit(args, work)
     r["work"] = work
     if args.plot:
         bench.plot(r, args.what, args.plot)
         text += f"\nplot written to {args.plot}"
     _out(args, r, text)
     return 0
+
+
+def _bench_plan(args: argparse.Namespace, work: str) -> tuple[dict[str, Any], str]:
+    from streamer.tools import bench
+    from streamer.tools.bench_rank import bench_scale, scale_case, scale_lines
+
+    r = bench.bench_plan(tuple(args.sweep), model=args.model)
+    lines = ["bench plan: TP8 -> TP4xDP2 (uneven, domain 8), sweep over chunks"]
+    lines += [f"  {x['chunks']:8d} chunks {x['transfers']:8d} transfers  plan {x['plan_s']:7.3f} s  validate "
+              f"{x['validate_s']:7.3f} s  peak {x['peak_bytes'] / 2**20:7.1f} MiB" for x in r["sweep"]]
+    lines.append(f"  scaling exponent: plan {r['plan_exponent']:.2f}, validate {r['validate_exponent']:.2f} "
+                 "(1.0 = linear)")
+    if "model" in r:
+        mm = r["model"]
+        lines.append(f"  {mm['config']}: {mm['train']} -> {mm['serve']}: {mm['src_chunks']} + {mm['dst_chunks']} "
+                     f"chunks, manifests {mm['manifests_s']:.2f} s, plan {mm['plan_s']:.2f} s (target <= 2 s), "
+                     f"{mm['transfers']} transfers, peak RSS +{mm['plan_peak_rss_growth_bytes'] / 2**20:.0f} MiB")
+    case = scale_case(args.model) if args.model else None
+    if case is not None:  # the preset layouts: one rank's refit start, the whole plan from the files
+        r["scale"] = bench_scale(work, str(Path(args.model).parent), names=(case,))
+        lines += scale_lines(r["scale"])
+    return r, "\n".join(lines)
+
+
+def _bench_refit(args: argparse.Namespace, work: str) -> tuple[dict[str, Any], str]:
+    from streamer.tools import bench
+
+    if args.replicas is not None:
+        from streamer.tools.bench_replicas import bench_replicas_cli
+        return bench_replicas_cli(work, args)
+    if args.delta:
+        from streamer.tools.bench_delta import bench_refit_delta, delta_table
+
+        r = bench_refit_delta(work, senders=args.senders, receivers=args.receivers, train_mesh=args.train_mesh,
+                              serve_mesh=args.serve_mesh, steps=args.repeats or 3, lrs=tuple(args.lr),
+                              bucket_size=args.bucket_size)
+        return r, delta_table(r)
+    if args.against:
+        from streamer.tools.bench_against import against_table, load_reference
+
+        ref = load_reference(args.against)
+        r = bench.bench_refit(work, **ref["config"])
+        return r, bench.refit_table(r) + "\n" + against_table(r, ref, args.against)
+    r = bench.bench_refit(work, senders=args.senders, receivers=args.receivers, preset=args.preset or "qwen3-small",
+                          train_mesh=args.train_mesh, serve_mesh=args.serve_mesh, repeats=args.repeats or 5,
+                          bucket_size=args.bucket_size, source=args.source)
+    return r, bench.refit_table(r)
 
 
 def _refit_meshes(args: argparse.Namespace) -> tuple[str, str]:
