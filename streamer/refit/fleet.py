@@ -22,6 +22,7 @@ joins it again at a later push, with a full push.
 from __future__ import annotations
 
 import json
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -118,6 +119,8 @@ class Fleet:
                     continue
                 host, port = text.removeprefix("tcp://").split("/")[0].rsplit(":", 1)
                 try:
+                    # a gone job's port refuses at once; a TCPStore client would retry it for PROBE s
+                    socket.create_connection((host, int(port)), timeout=PROBE).close()
                     open_store(host, int(port), server=False, timeout=PROBE)
                 except Exception:  # noqa: BLE001 - a stale file: its job is gone
                     self.refused[name] = text

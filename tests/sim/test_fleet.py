@@ -146,3 +146,19 @@ def test_a_refusal_on_one_rank_where_another_lost_the_replica_is_a_drop_everywhe
         _, v, got, _ = results[r]
         assert v == 1 and [(x.name, x.version) for x in got] == [("a", None), ("b", 1)], (r, got)
         assert sorted(fleets[r].subs) == ["b"]
+
+
+def test_a_stale_replica_file_is_passed_over_at_once(tmp_path: Path) -> None:
+    """A replica file left by a job that is gone (nothing listens on its port) costs the trainer's
+    listing no wait: the refused connection says so at once (a TCPStore client retried it 5 s)."""
+    import socket
+
+    with socket.socket() as s:  # a port that was free a moment ago: nobody listens on it
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (tmp_path / "rdv@old").write_text(f"tcp://127.0.0.1:{port}")
+    (fleet,) = _fleets(tmp_path, [{}], timeout=30)
+    t0 = time.monotonic()
+    assert fleet._listing(wait=False) == {}
+    assert time.monotonic() - t0 < 1.0
+    assert fleet.refused == {"old": f"tcp://127.0.0.1:{port}"}  # not tried again through the same file
