@@ -8,17 +8,11 @@ Tests set their own ``max_examples`` where they need fewer than the profile's.
 
 from __future__ import annotations
 
-import atexit
-import gc
 import os
 import sys
 from pathlib import Path
 
 from hypothesis import HealthCheck, settings
-
-# pytest processes (and their xdist workers) hold torch and transformers: no last collection over
-# that heap at exit (0.3-0.5 CPU-s each)
-atexit.register(gc.freeze)
 
 _HERE = str(Path(__file__).resolve().parent)
 if _HERE not in sys.path:
