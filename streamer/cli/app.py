@@ -153,8 +153,9 @@ def _refit_meshes(args: argparse.Namespace) -> tuple[str, str]:
     serve = args.serve_mesh or f"tp={args.receivers}"
     sized = [("--train-mesh", train, "--senders", args.senders)] if args.source != "fsdp2" else []
     for flag, mesh, ranks, n in [*sized, ("--serve-mesh", serve, "--receivers", args.receivers)]:
-        if parse_mesh(mesh).size != n:
-            raise UsageError(f"{flag} {mesh} has {parse_mesh(mesh).size} ranks but {ranks} is {n}")
+        size = parse_mesh(mesh).size
+        if size != n:
+            raise UsageError(f"{flag} {mesh} has {size} ranks but {ranks} is {n}")
     return train, serve
 
 
