@@ -50,6 +50,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from streamer.vllm.audit import Snapshot, snapshot, stale
 from streamer.vllm.manifest import VllmManifests, VllmTensor, manifest_from_vllm
 
 __all__ = ["ShardstreamInitInfo", "ShardstreamUpdateInfo", "ShardstreamWeightTransferEngine"]
@@ -91,6 +92,8 @@ class ShardstreamWeightTransferEngine(
         self.base: dict[str, Any] | None = None
         #: seconds and bytes of the last update (pull, then per-layer processing)
         self.last: dict[str, Any] = {}
+        #: the derived state of every layer the update processes, before it (audit.snapshot)
+        self._before: Snapshot | None = None
 
     # ------------------------------------------------------------------ joining
     def init_transfer_engine(self, init_info: ShardstreamInitInfo) -> None:
@@ -116,6 +119,7 @@ class ShardstreamWeightTransferEngine(
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         self._need_session()
+        self._before = snapshot(self.model, self._audited())
         initialize_layerwise_reload(self.model)
         self._reloading = True
 
@@ -141,6 +145,7 @@ class ShardstreamWeightTransferEngine(
                     t.copy_(self.base[n])  # type: ignore[index]  # _with_base made it
             t2 = time.perf_counter()
             self._process(layers)
+            self._process_aliases()
             t3 = time.perf_counter()
         except BaseException:
             self._abort()
@@ -148,6 +153,7 @@ class ShardstreamWeightTransferEngine(
         self.last = {"materialize_seconds": t1 - t0, "pull_seconds": t2 - t1, "process_seconds": t3 - t2,
                      "bytes_received": st.bytes_received, "naming": self.naming,
                      "reprocessed_layers": sum(1 for _, p in layers if p == "reprocess"),
+                     "tied_layers": len(self._aliases()),
                      "inplace_layers": sum(1 for _, p in layers if p == "inplace"),
                      "delta": session.options.delta, "full_bytes_received": st.full_bytes_received,
                      "encodings": dict(st.encodings), "base_bytes": sum(b.nbytes for b in (self.base or {}).values()),
@@ -159,6 +165,13 @@ class ShardstreamWeightTransferEngine(
         if self._reloading:
             self._reloading = False
             finalize_layerwise_reload(self.model, self.model_config)
+        if self._before is not None:
+            before, self._before = self._before, None
+            left = stale(self.model, before)
+            self.last["audit"] = {"layers": len(before), "stale": left}
+            if left:
+                raise RuntimeError(f"shardstream: {len(left)} tensors serve the previous weights after this update "
+                                   f"(the engine does not claim this version): " + "; ".join(left))
 
     def shutdown(self) -> None:
         self.base = None
@@ -175,6 +188,41 @@ class ShardstreamWeightTransferEngine(
     def _locals(self) -> tuple[VllmTensor, ...]:
         assert self.described is not None
         return self.described.tensors[self.naming]
+
+    def _aliases(self) -> dict[str, str]:
+        assert self.described is not None
+        return dict(self.described.aliases or {})
+
+    def _audited(self) -> list[str]:
+        """Every layer an update writes or rebuilds: the described ones and the tied ones."""
+        return list(dict.fromkeys([t.module for t in self._locals()] + list(self._aliases())))
+
+    def _process_aliases(self) -> None:
+        """Tied layers (``lm_head`` serving ``embed_tokens.weight``): once their owner's kernel
+        tensors hold the pushed bytes, run the layer's own processing on them again, as a fresh
+        load does (vLLM processes every module after loading, the tied head after the embedding).
+        On the CPU build that rebuilds the head's packed copy, which the logits are computed from;
+        without it the engine served the new body with the first load's output head."""
+        from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+        from vllm.model_executor.model_loader.reload.layerwise import (
+            LAYERWISE_INFO,
+            _copy_and_restore_kernel_tensors,
+            _place_kernel_tensors,
+        )
+
+        for module in self._aliases():
+            layer = self.model.get_submodule(module)
+            info = LAYERWISE_INFO.get(layer)
+            if info is None or info.kernel_tensors is None:
+                raise RuntimeError(f"shardstream: tied layer {module} was not set up for reload (start_weight_update)")
+            _place_kernel_tensors(layer, info)  # the owner's tensors, which now hold the pushed bytes
+            qm = getattr(layer, "quant_method", None)
+            if isinstance(qm, QuantizeMethodBase):
+                if hasattr(layer, "_already_called_process_weights_after_loading"):
+                    delattr(layer, "_already_called_process_weights_after_loading")
+                qm.process_weights_after_loading(layer)
+            _copy_and_restore_kernel_tensors(layer, info)
+            info.reset()
 
     def _with_base(self, tensors: dict[str, Any]) -> dict[str, Any]:
         """Delta sessions: the pull writes into this worker's host base, not into the tensors the
@@ -242,6 +290,7 @@ class ShardstreamWeightTransferEngine(
         loaders), so a failed update leaves a model that still serves."""
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
+        self._before = None
         if self._reloading:
             self._reloading = False
             finalize_layerwise_reload(self.model, self.model_config)

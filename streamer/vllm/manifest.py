@@ -104,6 +104,9 @@ class VllmManifests:
     rank: int
     #: the block of the engine's block-FP8 weights (None: no FP8 layer); the session's ``fp8_block``
     fp8_block: tuple[int, int] | None = None
+    #: this worker's tied layers: module -> the module whose parameters it serves (``lm_head`` ->
+    #: ``model.embed_tokens``); reprocessed after their owner on every update
+    aliases: Mapping[str, str] | None = None
 
     def naming_for(self, src: Manifest) -> str:
         return choose_naming(self.manifests, src)
@@ -148,6 +151,8 @@ class _Worker:
         self.tensors: dict[str, list[VllmTensor]] = {k: [] for k in EXPERT_NAMINGS}
         self.problems: list[str] = []
         self.fp8_blocks: set[tuple[int, int]] = set()
+        #: layers that serve another layer's parameters (tied weights): module -> the owner
+        self.aliases: dict[str, str] = {}
 
     def tensor(self, layer: Any, module: str, pname: str, shape: tuple[int, ...], dt: str,
                namings: Iterable[str] = EXPERT_NAMINGS) -> str:
@@ -210,8 +215,16 @@ def _packed_names(w: _Worker, module: str, n: int) -> list[str] | None:
     return list(names)
 
 
+def _fused_in_checkpoint(w: _Worker, module: str) -> bool:
+    """The checkpoint itself holds this layer fused under the layer's own name (Phi-3's
+    ``qkv_proj`` and ``gate_up_proj``): the model's ``packed_modules_mapping`` maps it to itself."""
+    leaf = module.rpartition(".")[2]
+    return list(w.packed.get(leaf) or ()) == [leaf]
+
+
 def _qkv(w: _Worker, layer: Any, module: str, pname: str, meta: Any, dt: str) -> None:
-    names = _packed_names(w, module, 3)
+    fused = _fused_in_checkpoint(w, module)
+    names = [module.rpartition(".")[2]] * 3 if fused else _packed_names(w, module, 3)
     if names is None:
         return
     rep = int(layer.num_kv_head_replicas)
@@ -219,25 +232,31 @@ def _qkv(w: _Worker, layer: Any, module: str, pname: str, meta: Any, dt: str) ->
     vhd = int(getattr(layer, "v_head_size", hd) or hd)
     totals = {"q": int(layer.total_num_heads) * hd, "k": int(layer.total_num_kv_heads) * hd,
               "v": int(layer.total_num_kv_heads) * vhd}
+    # a checkpoint-fused array is [q; k; v] whole: each part starts after the ones before it
+    base = {"q": 0, "k": totals["q"], "v": totals["q"] + totals["k"]} if fused else {"q": 0, "k": 0, "v": 0}
+    total = sum(totals.values())
     blocks = []
     for sid, hf in zip("qkv", names):
         off, n = int(layer._get_shard_offset_mapping(sid)), int(layer._get_shard_size_mapping(sid))
         shard = layer.tp_rank if sid == "q" else layer.tp_rank // rep
-        blocks.append((hf, totals[sid], int(shard) * n, off, n))
+        blocks.append((hf, total if fused else totals[sid], base[sid] + int(shard) * n, off, n))
     w.rows(layer, module, pname, meta, dt, blocks)
 
 
 def _merged(w: _Worker, layer: Any, module: str, pname: str, meta: Any, dt: str) -> None:
     sizes = [int(s) for s in layer.output_sizes]
-    names = _packed_names(w, module, len(sizes))
+    fused = _fused_in_checkpoint(w, module)
+    names = [module.rpartition(".")[2]] * len(sizes) if fused else _packed_names(w, module, len(sizes))
     if names is None:
         return
     tp, r = int(layer.tp_size), int(layer.tp_rank)
-    blocks, l0 = [], 0
+    blocks, l0, g0 = [], 0, 0
     for hf, total in zip(names, sizes):
         n = total // tp
-        blocks.append((hf, total, r * n, l0, n))
+        # a checkpoint-fused array ([gate; up] whole) holds every part, one after the other
+        blocks.append((hf, sum(sizes) if fused else total, g0 + r * n, l0, n))
         l0 += n
+        g0 += total if fused else 0
     w.rows(layer, module, pname, meta, dt, blocks)
 
 
@@ -344,12 +363,25 @@ def describe_worker(model: Any) -> _Worker:
                                      (RowParallelLinear, _row), (ReplicatedLinear, None),
                                      (ColumnParallelLinear, _column), (VocabParallelEmbedding, _vocab)]
     unquantized = (UnquantizedLinearMethod, UnquantizedEmbeddingMethod)
-    seen: set[int] = set()
+    owner: dict[int, str] = {}  # id of a parameter -> the module that describes it
     for module, layer in model.named_modules():
-        own = {k: p for k, p in layer._parameters.items() if p is not None and id(p) not in seen}
+        _buffers(w, module, layer)
+        own = {k: p for k, p in layer._parameters.items() if p is not None and id(p) not in owner}
+        tied = {k: owner[id(p)] for k, p in layer._parameters.items() if p is not None and id(p) in owner}
+        if tied:
+            # a layer serving another layer's parameters (tied embeddings: lm_head.weight is
+            # embed_tokens.weight): nothing to receive, but whatever its quant method built from
+            # them at load (the CPU build's packed copy for the logits) must be rebuilt after each
+            # update, or it serves the old weights
+            if own or len(set(tied.values())) != 1:
+                w.problems.append(f"{module}: shares {sorted(tied)} with {sorted(set(tied.values()))} and also holds "
+                                  f"{sorted(own)}: a partly tied layer is not described")
+            else:
+                w.aliases[module] = next(iter(tied.values()))
+            continue
         if not own:
             continue
-        seen.update(id(p) for p in own.values())
+        owner.update((id(p), module) for p in own.values())
         params = {}
         for pname, p in own.items():
             meta = _model_format(layer, pname, p)
@@ -395,6 +427,25 @@ def describe_worker(model: Any) -> _Worker:
                 continue
             w.whole(layer, module, pname, meta, dt)
     return w
+
+
+#: persistent buffers of attention layers: KV-cache quantization scales, constants (1.0) unless the
+#: KV cache is FP8, where a checkpoint may carry them
+_KV_SCALES = frozenset({"_k_scale", "_v_scale", "_q_scale", "_prob_scale"})
+
+
+def _buffers(w: _Worker, module: str, layer: Any) -> None:
+    """Every buffer a layer serves from must be one no weight determines: non-persistent buffers
+    are computed from the config (rotary caches, Gemma's embedding normalizer); attention layers'
+    KV scales are constants unless the KV cache is FP8. Any other buffer is refused by name: a
+    checkpoint could carry it, and no push would write it."""
+    for name, b in layer._buffers.items():
+        if b is None or name in layer._non_persistent_buffers_set:
+            continue
+        if name in _KV_SCALES and "fp8" not in str(getattr(layer, "kv_cache_dtype", "auto")):
+            continue
+        w.problems.append(f"{module}.{name}: a persistent buffer ({type(layer).__name__}) that a checkpoint may carry "
+                          f"and no pushed array writes")
 
 
 def _whole_fn(w: _Worker, layer: Any, module: str, pname: str, meta: Any, dt: str) -> None:
@@ -500,4 +551,4 @@ def manifest_from_vllm(model: Any, *, name: str | None = "vllm", group: Any = No
         raise VllmLayoutError(problems=problems)
     manifests = manifests_from_pieces([(r, pcs, ts) for r, (pcs, ts, _) in gathered], size, name)
     block = next(iter(w.fp8_blocks), None)
-    return VllmManifests(manifests, {k: tuple(v) for k, v in w.tensors.items()}, rank, block)
+    return VllmManifests(manifests, {k: tuple(v) for k, v in w.tensors.items()}, rank, block, dict(w.aliases))

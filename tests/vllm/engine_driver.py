@@ -12,6 +12,11 @@ described (both expert namings) and what its updates did to ``DIR/rank-R.json``.
 the N updates, leave the session and join another one at PATH2 for one more update. Greedy tokens
 and the top-K logprobs of every generated position are recorded per prompt.
 
+``"refused": true`` in a RUN's ``refit``: the engine's ``init_weight_transfer_engine`` must refuse
+the model (its error is recorded as ``refused``; nothing is pushed). ``"init_info": {...}`` adds to
+the backend's init_info (``verify``...). A JOB of ``{"jobs": [JOB, ...]}`` runs each job in turn in
+this process (the coverage matrix: vLLM is imported once) and writes the list of their results.
+
 Block FP8: ``"fp8_block": [R, C]`` in the JOB installs the reference kernel of fp8_reference.py in
 every vLLM process (a test-only plugin, ``fp8_kernel_plugin``), and every RUN's model is first
 written as a block-FP8 checkpoint ``DIR-fp8`` (DeepGEMM's quantizer), which the engine loads. A
@@ -95,7 +100,19 @@ def run(job: dict[str, Any]) -> list[dict[str, Any]]:
         if "refit" in r:
             rf = r["refit"]
             t1 = time.perf_counter()
-            llm.init_weight_transfer_engine({"init_info": {"rendezvous": rf["rendezvous"], "timeout": rf["timeout"]}})
+            init_info = {"rendezvous": rf["rendezvous"], "timeout": rf["timeout"], **rf.get("init_info", {})}
+            if rf.get("refused"):
+                # an architecture the backend does not support: refused by name before any push
+                try:
+                    llm.init_weight_transfer_engine({"init_info": init_info})
+                    entry["refused"] = None
+                except Exception as e:  # noqa: BLE001 - recorded for the test to read
+                    entry["refused"] = f"{type(e).__name__}: {e}"
+                results.append(entry)
+                del llm
+                gc.collect()
+                continue
+            llm.init_weight_transfer_engine({"init_info": init_info})
             entry["init_seconds"] = time.perf_counter() - t1
             entry["before"] = generate(llm, job)
             entry["steps"] = []
@@ -158,7 +175,8 @@ if __name__ == "__main__":
     else:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(job["tp"])))
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-    out = run(job)
+    # the coverage matrix: several jobs (one per architecture) in one process, so vLLM is imported once
+    out = [run(j) for j in job["jobs"]] if "jobs" in job else run(job)
     tmp = Path(sys.argv[2] + ".tmp")
     tmp.write_text(json.dumps(out))
     os.replace(tmp, sys.argv[2])

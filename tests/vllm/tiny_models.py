@@ -1,9 +1,10 @@
-"""Tiny Qwen3 and Qwen3-MoE checkpoints made from a config (seeded random weights, nothing
+"""Tiny checkpoints of real architectures made from a config (seeded random weights, nothing
 downloaded), written with ``save_pretrained`` in bf16: what a fresh vLLM engine loads.
 
 head_dim is 32 (vLLM's CPU attention needs at least 32). The MoE model keeps layer 0 dense
 (``mlp_only_layers``), so one model has fused q/k/v, a dense ``gate_up_proj`` and routed experts;
-one kv head makes TP 2 replicate it.
+one kv head makes TP 2 replicate it. ``ARCHS`` is the coverage matrix's list (docs/vllm.md): each
+entry is a ``model_type`` and the config fields that make it the architecture it stands for.
 """
 
 from __future__ import annotations
@@ -19,15 +20,43 @@ MOE: dict[str, Any] = dict(hidden_size=64, intermediate_size=128, moe_intermedia
                            max_position_embeddings=128, num_experts=4, num_experts_per_tok=2, mlp_only_layers=[0],
                            decoder_sparse_step=1, norm_topk_prob=True, tie_word_embeddings=False)
 
+_LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+
+#: the coverage matrix: name -> (model_type, config fields); every model is DENSE-sized
+ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama3": ("llama", {**DENSE, "rope_parameters": _LLAMA3_ROPE}),
+    "llama3-tied": ("llama", {**DENSE, "rope_parameters": _LLAMA3_ROPE, "tie_word_embeddings": True}),
+    # q/k/v biases; vLLM's Qwen2 takes head_dim = hidden_size / heads (as every Qwen2.5 has it)
+    "qwen2.5": ("qwen2", {**DENSE, "hidden_size": 128}),
+    "qwen3": ("qwen3", {**DENSE}),
+    "qwen3-tied": ("qwen3", {**DENSE, "tie_word_embeddings": True}),
+    "qwen3-moe": ("qwen3_moe", {**MOE}),
+    "mistral": ("mistral", {**DENSE, "sliding_window": None}),
+    "gemma2": ("gemma2", {**DENSE, "tie_word_embeddings": True, "query_pre_attn_scalar": 32,
+                          "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "sliding_window": 64}),
+    "gemma3": ("gemma3_text", {**DENSE, "tie_word_embeddings": True, "query_pre_attn_scalar": 32,
+                               "sliding_window": 64, "layer_types": ["sliding_attention", "full_attention"]}),
+    "phi3": ("phi3", {**DENSE, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),  # checkpoint-fused
+    "olmo2": ("olmo2", {**DENSE, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+    "gpt-oss": ("gpt_oss", {**{k: v for k, v in DENSE.items() if k != "intermediate_size"}, "intermediate_size": 64,
+                            "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 64,
+                            "layer_types": ["sliding_attention", "full_attention"]}),
+}
+
 
 def config(kind: str) -> Any:
-    from transformers import Qwen3Config, Qwen3MoeConfig
+    """``kind``: "dense" (Qwen3), "moe" (Qwen3-MoE) or a name of ``ARCHS``."""
+    from transformers import AutoConfig, Qwen3Config, Qwen3MoeConfig
 
+    if kind in ARCHS:
+        model_type, fields = ARCHS[kind]
+        return AutoConfig.for_model(model_type, **fields)
     return Qwen3MoeConfig(**MOE) if kind == "moe" else Qwen3Config(**DENSE)
 
 
 def make_model(kind: str, out: Path, seed: int = 0) -> Path:
-    """Write the ``kind`` ("dense" or "moe") model's bf16 checkpoint to ``out``; returns ``out``."""
+    """Write the ``kind`` model's bf16 checkpoint to ``out``; returns ``out``."""
     import torch
     from transformers import AutoModelForCausalLM
 

@@ -1,0 +1,55 @@
+"""The coverage matrix's trainer: one process that trains and pushes each architecture in turn.
+
+    python matrix_trainer.py JOB.json
+
+JOB: ``{"timeout": S, "cases": [{"name": ..., "initial": DIR, "rendezvous": PATH, "save_hf": DIR,
+"steps": N}, ...]}``. Per case: the model that transformers loads from ``initial`` (the bf16
+checkpoint the engine starts from) gets fp32 masters and AdamW; each step trains on seeded random
+tokens (so every tensor moves: biases, norms, tied embeddings), writes the bf16 weights as an HF
+checkpoint ``save_hf/step-N`` (what a fresh engine loads) and pushes the model (cast to bf16 on the
+way) with its step as the version. One line of JSON per push on stdout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def run_case(case: dict[str, Any], timeout: float) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from streamer import RefitOptions, RefitSession, manifest_from_state_dict
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(case["initial"], dtype=torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    vocab = model.config.vocab_size
+    data = torch.randint(0, vocab, (2, 24), generator=torch.Generator().manual_seed(1))
+    manifest = manifest_from_state_dict(model.state_dict(), name=f"matrix-{case['name']}")
+    with RefitSession.open(manifest, "send", rendezvous=case["rendezvous"], timeout=timeout,
+                           options=RefitOptions(verify=True)) as session:
+        for step in range(case["steps"]):
+            loss = model(input_ids=data, labels=data).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            out = Path(case["save_hf"]) / f"step-{step}"
+            tmp = out.with_name(f".{out.name}")
+            copy = AutoModelForCausalLM.from_config(model.config).to(torch.bfloat16)
+            copy.load_state_dict({k: v.to(torch.bfloat16) for k, v in model.state_dict().items()})
+            copy.save_pretrained(tmp)  # HF names; tied weights once; the fp32 masters untouched
+            os.replace(tmp, out)
+            st = session.push(model, version=step)
+            line = json.dumps({"case": case["name"], "step": step, "loss": float(loss), "bytes_sent": st.bytes_sent})
+            os.write(1, (line + "\n").encode())
+
+
+if __name__ == "__main__":
+    job = json.loads(Path(sys.argv[1]).read_text())
+    for case in job["cases"]:
+        run_case(case, float(job["timeout"]))
