@@ -353,12 +353,6 @@ def describe_worker(model: Any) -> _Worker:
     from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
     w = _Worker(getattr(model, "packed_modules_mapping", None) or {})
-    mapper = getattr(model, "hf_to_vllm_mapper", None)
-    if mapper is not None and any(getattr(mapper, f, None) for f in (
-            "orig_to_new_renaming", "orig_to_new_regex", "orig_to_new_substr", "orig_to_new_prefix",
-            "orig_to_new_suffix")):
-        w.problems.append(f"{type(model).__name__}: its hf_to_vllm_mapper renames checkpoint names; "
-                          f"reading them back is not supported yet")
     known: list[tuple[type, Any]] = [(QKVParallelLinear, _qkv), (MergedColumnParallelLinear, _merged),
                                      (RowParallelLinear, _row), (ReplicatedLinear, None),
                                      (ColumnParallelLinear, _column), (VocabParallelEmbedding, _vocab)]
@@ -426,7 +420,27 @@ def describe_worker(model: Any) -> _Worker:
                                   f"(not described)")
                 continue
             w.whole(layer, module, pname, meta, dt)
+    _check_mapper(w, model)
     return w
+
+
+def _check_mapper(w: _Worker, model: Any) -> None:
+    """A model whose ``hf_to_vllm_mapper`` renames checkpoint names (the Transformers modeling
+    backend standardises prefixes; GPT-OSS renames ``self_attn`` to ``attn``): every array this
+    worker publishes must load, through that mapper, into the parameter it describes (or keep its
+    name). Names the mapper moves elsewhere are refused by name: publishing them would ask the
+    trainer for arrays it does not have."""
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    if mapper is None or not any(getattr(mapper, f, None) for f in (
+            "orig_to_new_renaming", "orig_to_new_regex", "orig_to_new_substr", "orig_to_new_prefix",
+            "orig_to_new_suffix")):
+        return
+    for p in dict.fromkeys(p for k in EXPERT_NAMINGS for p in w.pieces[k]):
+        loads_as = mapper.map_name(p.array)
+        if loads_as not in (p.array, p.tensor):
+            w.problems.append(f"{p.array}: {type(model).__name__}'s hf_to_vllm_mapper loads it as {loads_as!r}, "
+                              f"not {p.tensor!r} (renamed checkpoints are not described yet)")
+            return
 
 
 #: persistent buffers of attention layers: KV-cache quantization scales, constants (1.0) unless the
