@@ -21,8 +21,13 @@ registered by :mod:`streamer.vllm.plugin`). The calls, from ``LLM`` or ``vllm se
     receive there; then vLLM's own ``process_weights_after_loading`` runs per layer and the result is
     copied into the kernel tensors (as vLLM's ``sharded_rdt`` engine does). The device is
     synchronized afterwards on accelerators only (``torch.accelerator.synchronize()`` raises on CPU).
+    Tied layers (a ``lm_head`` serving ``embed_tokens.weight``) are then processed again on their
+    owner's new bytes, as a fresh load processes them: their derived copies (the CPU build's packed
+    head) are rebuilt.
 ``finish_weight_update()``
-    ``finalize_layerwise_reload``: attention layers are processed, the rest restored.
+    ``finalize_layerwise_reload``: attention layers are processed, the rest restored. Then the
+    audit (:mod:`streamer.vllm.audit`): a layer that still holds state built from the previous
+    weights is named and the call raises, so vLLM does not take the new ``weight_version``.
 
 Block-FP8 layers (``Fp8LinearMethod`` with ``weight_block_size``) take the ``reprocess`` path; the
 engine asks the session for its block (``fp8_block``), so a bf16/fp32 trainer's push is quantized

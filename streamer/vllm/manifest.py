@@ -20,6 +20,11 @@ How each layer is described (vLLM 0.32; a subclass not listed is refused by name
 ``ReplicatedLinear``            whole (the MoE router ``GateLinear`` too)
 ``VocabParallelEmbedding``      vocab rows ``[org_vocab_start, org_vocab_end)`` at local row 0;
 / ``ParallelLMHead``            the padding rows are declared but belong to no array
+checkpoint-fused layers         Phi-3's ``qkv_proj`` / ``gate_up_proj`` (``packed_modules_mapping``
+                                maps the layer to itself): the same blocks, as regions of the one
+                                fused HF array
+tied layers                     a tied ``lm_head`` serving ``embed_tokens.weight``: no regions of
+                                its own; recorded in ``aliases`` (rebuilt after the owner)
 ``RoutedExperts`` (FusedMoE)    ``w13`` = [gate; up] and ``w2`` per local expert (its expert map
                                 under EP), TP-split along the intermediate size
 no quant method, plain loader   whole, under its own name (norms)
@@ -36,8 +41,9 @@ Block-FP8 linear layers (``Fp8LinearMethod`` with ``weight_block_size``) are des
 (the ``vllm`` preset's ``--fp8`` layout); a bf16/fp32 trainer then feeds them by quantize on refit.
 Refused by name, never skipped: other quantized layers (per-tensor FP8, UE8M0 scales, FP8 experts
 and the rest: not described yet), layers
-whose loader this module does not know, models whose ``hf_to_vllm_mapper`` renames checkpoint
-names, LoRA added vocabulary, EPLB redundant experts, padded MoE intermediate sizes.
+whose loader this module does not know, array names the model's ``hf_to_vllm_mapper`` loads
+elsewhere, partly tied layers, persistent buffers no push writes, experts with biases, LoRA added
+vocabulary, EPLB redundant experts, padded MoE intermediate sizes.
 
 Each local tensor also says how the engine reaches the kernels (``VllmTensor.path``):
 ``inplace`` (the layer keeps the weight as loaded: no quant method, or an unquantized linear or
@@ -361,19 +367,7 @@ def describe_worker(model: Any) -> _Worker:
     for module, layer in model.named_modules():
         _buffers(w, module, layer)
         own = {k: p for k, p in layer._parameters.items() if p is not None and id(p) not in owner}
-        tied = {k: owner[id(p)] for k, p in layer._parameters.items() if p is not None and id(p) in owner}
-        if tied:
-            # a layer serving another layer's parameters (tied embeddings: lm_head.weight is
-            # embed_tokens.weight): nothing to receive, but whatever its quant method built from
-            # them at load (the CPU build's packed copy for the logits) must be rebuilt after each
-            # update, or it serves the old weights
-            if own or len(set(tied.values())) != 1:
-                w.problems.append(f"{module}: shares {sorted(tied)} with {sorted(set(tied.values()))} and also holds "
-                                  f"{sorted(own)}: a partly tied layer is not described")
-            else:
-                w.aliases[module] = next(iter(tied.values()))
-            continue
-        if not own:
+        if _tied(w, module, layer, owner, own) or not own:
             continue
         owner.update((id(p), module) for p in own.values())
         params = {}
@@ -422,6 +416,22 @@ def describe_worker(model: Any) -> _Worker:
             w.whole(layer, module, pname, meta, dt)
     _check_mapper(w, model)
     return w
+
+
+def _tied(w: _Worker, module: str, layer: Any, owner: Mapping[int, str], own: Mapping[str, Any]) -> bool:
+    """A layer serving another layer's parameters (tied embeddings: ``lm_head.weight`` is
+    ``embed_tokens.weight``) is recorded as an alias of it (True): nothing to receive, but whatever
+    its quant method built from them at load (the CPU build's packed copy for the logits) must be
+    rebuilt after each update, or it serves the old weights. A partly tied layer is refused."""
+    tied = {k: owner[id(p)] for k, p in layer._parameters.items() if p is not None and id(p) in owner}
+    if not tied:
+        return False
+    if own or len(set(tied.values())) != 1:
+        w.problems.append(f"{module}: shares {sorted(tied)} with {sorted(set(tied.values()))} and also holds "
+                          f"{sorted(own)}: a partly tied layer is not described")
+    else:
+        w.aliases[module] = next(iter(tied.values()))
+    return True
 
 
 def _check_mapper(w: _Worker, model: Any) -> None:

@@ -12,7 +12,8 @@ described (both expert namings) and what its updates did to ``DIR/rank-R.json``.
 the N updates, leave the session and join another one at PATH2 for one more update. Greedy tokens
 and the top-K logprobs of every generated position are recorded per prompt.
 
-``"refused": true`` in a RUN's ``refit``: the engine's ``init_weight_transfer_engine`` must refuse
+``"sabotage": "tied"`` in a RUN's ``refit``: every update skips rebuilding tied layers
+(``sabotaged_update``; TP 1 only) and records the error the audit raises. ``"refused": true`` in a RUN's ``refit``: the engine's ``init_weight_transfer_engine`` must refuse
 the model (its error is recorded as ``refused``; nothing is pushed). ``"init_info": {...}`` adds to
 the backend's init_info (``verify``...). A JOB of ``{"jobs": [JOB, ...]}`` runs each job in turn in
 this process (the coverage matrix: vLLM is imported once) and writes the list of their results.
@@ -72,6 +73,23 @@ def update(llm: Any, version: str, job: dict[str, Any]) -> dict[str, Any]:
     return {"update_seconds": time.perf_counter() - t, "version": llm.get_weight_version(), "out": generate(llm, job)}
 
 
+def sabotaged_update(llm: Any, version: str, job: dict[str, Any]) -> dict[str, Any]:
+    """An update whose engine skips rebuilding its tied layers (the defect the engine had): the
+    audit must refuse it at finish, naming the stale head, and the engine must not take the
+    version. In-process engines only (TP 1): the patch reaches the worker in this process."""
+    from streamer.vllm.engine import ShardstreamWeightTransferEngine as E
+
+    keep = E._process_aliases
+    E._process_aliases = lambda self: None  # type: ignore[method-assign]
+    try:
+        update(llm, version, job)
+        return {"error": None}
+    except Exception as e:  # noqa: BLE001 - recorded for the test to read
+        return {"error": f"{type(e).__name__}: {e}", "version": llm.get_weight_version()}
+    finally:
+        E._process_aliases = keep  # type: ignore[method-assign]
+
+
 def engine(model: str, job: dict[str, Any], refit: bool) -> Any:
     from vllm import LLM
 
@@ -117,6 +135,9 @@ def run(job: dict[str, Any]) -> list[dict[str, Any]]:
             entry["before"] = generate(llm, job)
             entry["steps"] = []
             for step in range(rf["steps"]):
+                if rf.get("sabotage") == "tied":
+                    entry["steps"].append(sabotaged_update(llm, str(step), job))
+                    continue
                 entry["steps"].append(update(llm, str(step), job))
                 if rf.get("manifests"):
                     llm.collective_rpc(dump, args=(str(Path(rf["manifests"], f"step-{step}")),))

