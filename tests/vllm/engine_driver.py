@@ -17,6 +17,8 @@ and the top-K logprobs of every generated position are recorded per prompt.
 the model (its error is recorded as ``refused``; nothing is pushed). ``"init_info": {...}`` adds to
 the backend's init_info (``verify``...). A JOB of ``{"jobs": [JOB, ...]}`` runs each job in turn in
 this process (the coverage matrix: vLLM is imported once) and writes the list of their results.
+``"engine_in_process": true``: the engine core runs in this process at any TP size (the workers
+stay processes of their own).
 
 Block FP8: ``"fp8_block": [R, C]`` in the JOB installs the reference kernel of fp8_reference.py in
 every vLLM process (a test-only plugin, ``fp8_kernel_plugin``), and every RUN's model is first
@@ -191,9 +193,11 @@ if __name__ == "__main__":
     job = json.loads(Path(sys.argv[1]).read_text())
     if job.get("fp8_block"):
         fp8_kernel_plugin()
-    if job["tp"] == 1:
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: starts in seconds
-    else:
+    if job["tp"] == 1 or job.get("engine_in_process"):
+        # the engine core in this process: starts in seconds (at TP > 1 the workers are still
+        # processes of their own, where the weight-transfer engine runs; 8-14 s against 28-54 s)
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if job["tp"] > 1:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(job["tp"])))
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     # the coverage matrix: several jobs (one per architecture) in one process, so vLLM is imported once

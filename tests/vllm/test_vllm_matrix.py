@@ -10,7 +10,8 @@ engines on one checkpoint agree bit for bit, which the test checks too). An arch
 backend does not support must be refused by name at ``init_weight_transfer_engine``.
 
 The cells share their processes: one engine driver per TP runs every architecture's engines in
-turn (vLLM imported once), and one trainer process trains them in turn.
+turn (vLLM imported once, the engine core in the driver's process; at TP 2 the workers, where the
+backend runs, are processes of their own), and one trainer process trains them in turn.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def run_matrix(tmp: Path, tp: int, archs: list[str], sabotaged: str | None = Non
             cases.append({"name": name, "initial": str(initial), "rendezvous": str(d / "rdv"),
                           "save_hf": str(d / "hf"), "steps": 2})
         jobs.append({"tp": tp, "prompts": PROMPTS, "max_tokens": 6, "logprobs": 5, "runs": runs})
-    (tmp / "job.json").write_text(json.dumps({"tp": tp, "jobs": jobs}))
+    (tmp / "job.json").write_text(json.dumps({"tp": tp, "engine_in_process": True, "jobs": jobs}))
     (tmp / "train.json").write_text(json.dumps({"timeout": 600, "cases": cases}))
     procs = {"trainer": Proc([sys.executable, HERE / "matrix_trainer.py", tmp / "train.json"], tmp, "trainer"),
              "driver": Proc([sys.executable, HERE / "engine_driver.py", tmp / "job.json", tmp / "out.json"], tmp,
