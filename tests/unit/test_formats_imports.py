@@ -61,7 +61,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_no_import_cycle_in_formats() -> None:
     g = import_graph()
-    assert "formats.zarr_io" in g and "formats.store" in g
+    assert "formats.zarr.io" in g and "formats.store" in g
     assert find_cycle(g) is None, " -> ".join(find_cycle(g) or [])
 
 

@@ -34,18 +34,18 @@ PURE_MODULES = (
     "streamer.plan.template",
     "streamer.plan.topology",
     "formats",
-    "formats.box",
-    "formats.compact",
-    "formats.compact_fit",
-    "formats.compact_patterns",
-    "formats.manifest",
-    "formats.overlap",
-    "formats.paths",
-    "formats.problems",
-    "formats.validate",
-    "formats.validate_data",
+    "formats.manifest.box",
+    "formats.manifest.compact",
+    "formats.manifest.compact_fit",
+    "formats.manifest.compact_patterns",
+    "formats.manifest.wire",
+    "formats.validate.overlap",
+    "formats.validate.paths",
+    "formats.validate.problems",
+    "formats.validate.manifest",
+    "formats.validate.data",
     "formats.layouts",
-    "formats.dtypes",
+    "formats.manifest.dtypes",
     "formats.errors",
 )
 
@@ -55,7 +55,7 @@ IMPORTS = ("from streamer.plan.check import validate_plan\n"
 
 SMALL_PLAN = """
 from formats.layouts import Mesh, Replicate, Shard, build_manifest
-from formats.manifest import dumps_manifest, loads_manifest
+from formats.manifest.wire import dumps_manifest, loads_manifest
 arrays = {"w": ((7, 5), "bfloat16"), "s": ((), "int64")}
 src_pl = {"w": (Replicate(), Shard(0)), "s": (Replicate(), Replicate())}
 src = build_manifest(arrays, Mesh(("dp", "tp"), (2, 2)), src_pl, file_pattern=None)
