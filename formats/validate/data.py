@@ -145,7 +145,7 @@ class _DataChecker:
         if self.read_header is None and self.reader_error is None:
             try:
                 self.read_header = _header_reader()
-            except Exception as e:  # noqa: BLE001 - a broken safetensors_io must not crash validation
+            except Exception as e:  # noqa: BLE001 - a broken formats.safetensors must not crash validation
                 self.reader_error = f"{type(e).__name__}: {e}"
         return self.read_header
 
