@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from .box import Box
 from .errors import ShardstreamError
-from .manifest import (
+from .manifest.box import Box
+from .manifest.wire import (
            ArraySpec,
            Chunk,
            Manifest,

@@ -17,11 +17,11 @@ from typing import Any
 
 import numpy as np
 
-from .box import Box
-from .dtypes import DType, by_name
 from .errors import FormatError, ManifestError, RegionOutOfBoundsError, ShardNotFoundError
-from .files import read_bounded
-from .manifest import Chunk, Manifest
+from .files.bounded import read_bounded
+from .manifest.box import Box
+from .manifest.dtypes import DType, by_name
+from .manifest.wire import Chunk, Manifest
 
 __all__ = ["ResolvedTensor", "SourceStore", "resolve_path", "read_bounded"]
 
@@ -56,7 +56,7 @@ class SourceStore:
         self.m = manifest
         self._headers: dict[str, Any] = {}
         self._fds: dict[str, int] = {}
-        from .safetensors_read import ReadStats
+        from .safetensors.read import ReadStats
 
         self.stats = ReadStats()
         #: the largest span one coalesced read may buffer (convert sets it from --memory-limit)
@@ -75,7 +75,7 @@ class SourceStore:
     def header(self, path: str) -> Any:
         h = self._headers.get(path)
         if h is None:
-            from .safetensors_header import read_header
+            from .safetensors.header import read_header
 
             h = read_header(path)
             self._headers[path] = h
@@ -127,7 +127,7 @@ class SourceStore:
         return ResolvedTensor(path, name, st.dtype, tuple(st.shape), st.start)
 
     def _resolve_zarr(self, path: str, name: str, fqn: str, has_byte_range: bool) -> ResolvedTensor:
-        from .zarr_io import ZarrReader
+        from .zarr.io import ZarrReader
 
         if has_byte_range:
             raise FormatError(f"{path}: source.byte_range of {fqn} names a directory (a zarr group is read "
@@ -150,14 +150,14 @@ class SourceStore:
                                          f"{list(rt.shape)}")
         za = self._zarr_arrays.get((rt.path, rt.name)) if self._zarr_arrays else None
         if za is not None:
-            from .zarr_io import read_box
+            from .zarr.io import read_box
 
             n = box.volume * rt.dtype.itemsize
             out = read_box(za, box, out)
             self.stats.reads += 1
             self.stats.bytes_read += n
             return out
-        from .safetensors_read import read_region
+        from .safetensors.read import read_region
 
         n = box.volume * rt.dtype.itemsize
         if out is None:

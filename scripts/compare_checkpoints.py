@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 import sys
 
-from formats.safetensors_io import SafetensorsReader
+from formats.safetensors.io import SafetensorsReader
 
 
 def main(a: str, b: str) -> int:

@@ -30,7 +30,7 @@ from formats.layouts.models import (
     parallel_from_dict,
     parse_m2n_system,
 )
-from formats.manifest import dumps_manifest
+from formats.manifest.wire import dumps_manifest
 from streamer.plan.planner import plan_transfers
 from streamer.tools.simulate import CLUSTERS, broadcast_cost, reshard_cost, simulate, with_overrides
 

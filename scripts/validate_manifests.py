@@ -1,8 +1,8 @@
 """Validate shardstream manifests in CI: ``python scripts/validate_manifests.py [--data] [--json] PATTERN...``
 
 Each PATTERN is a path or a glob (``**`` recurses); a directory stands for ``DIR/manifest.json``.
-Every manifest is parsed (``formats.manifest.load_manifest``) and checked
-(``formats.validate.validate_manifest``; with ``--data`` also ``validate_data``: files, headers,
+Every manifest is parsed (``formats.manifest.wire.load_manifest``) and checked
+(``formats.validate.manifest.validate_manifest``; with ``--data`` also ``validate_data``: files, headers,
 byte ranges, checksums). One summary line each on stdout::
 
     ok PATH: N arrays, M chunks
@@ -33,8 +33,8 @@ except ImportError:  # run from a checkout without the package installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from formats.errors import ShardstreamError
 
-from formats.manifest import load_manifest
-from formats.validate import validate_data, validate_manifest
+from formats.manifest.wire import load_manifest
+from formats.validate.manifest import validate_data, validate_manifest
 
 
 def expand(pattern: str) -> list[str]:

@@ -21,8 +21,6 @@ import numpy as np
 from hypothesis import settings
 from hypothesis import strategies as st
 
-from formats.box import Box
-from formats.dtypes import DTYPES, np_storage
 from formats.layouts import (
     Mesh,
     Placement,
@@ -30,7 +28,9 @@ from formats.layouts import (
     Shard,
     build_manifest,
 )
-from formats.manifest import Manifest
+from formats.manifest.box import Box
+from formats.manifest.dtypes import DTYPES, np_storage
+from formats.manifest.wire import Manifest
 from streamer.execute.executor import ExecStats, Executor
 from streamer.execute.schedule import build_schedule
 from streamer.plan.model import Plan

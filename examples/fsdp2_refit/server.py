@@ -32,8 +32,8 @@ import numpy as np
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from formats.dtypes import np_storage
-from formats.manifest import Manifest, load_manifest
+from formats.manifest.dtypes import np_storage
+from formats.manifest.wire import Manifest, load_manifest
 from streamer import PushFailed, RefitSession
 from streamer.refit.persist import alloc_local
 

@@ -31,10 +31,10 @@ from math import prod
 from pathlib import Path
 from typing import Any
 
-from ..box import Box
-from ..dtypes import by_name
 from ..errors import FormatError
-from ..manifest import ArraySpec, Chunk, Manifest, Source
+from ..manifest.box import Box
+from ..manifest.dtypes import by_name
+from ..manifest.wire import ArraySpec, Chunk, Manifest, Source
 from .mesh import Mesh
 
 __all__ = ["megatron_to_hf"]
@@ -74,7 +74,7 @@ def _stored_name(stored: Mapping[str, ArraySpec], name: str) -> str | None:
 def megatron_to_hf(stored: Manifest, cfg: Mapping[str, Any] | str | os.PathLike[str], *,
                    where: str = "<megatron>") -> Manifest:
     """The HF-named manifest whose chunks address the bytes of ``stored`` (a manifest from
-    :func:`formats.megatron_dist.read_megatron_dist`). ``cfg``: the model's HF ``config.json``.
+    :func:`formats.megatron.dist.read_megatron_dist`). ``cfg``: the model's HF ``config.json``.
 
     Each HF array keeps the stored data_type (Megatron keeps norms in float32 next to bfloat16
     weights; ``convert`` casts to the destination's). Raises ``FormatError`` listing every

@@ -24,8 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from math import prod
 
-from ..box import Box
 from ..errors import ShardstreamError
+from ..manifest.box import Box
 
 __all__ = [
     "DEFAULT_MESH",

@@ -38,9 +38,9 @@ from math import ceil, prod
 from pathlib import Path
 from typing import Any
 
-from ..dtypes import by_safetensors
 from ..errors import FormatError
-from ..spec import ArraySpec, Manifest
+from ..manifest.dtypes import by_safetensors
+from ..manifest.spec import ArraySpec, Manifest
 from .mesh import LayoutError, Mesh
 from .rules import EP_AXIS, PP_AXIS, build_manifest, expert_index, layer_index, parse_rule, resolve_placements
 

@@ -40,10 +40,10 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Any
 
-from ..box import Box
-from ..dtypes import by_name
-from ..limits import RANK_FILE_PATTERN
-from ..spec import ArraySpec, Chunk, Manifest, Source
+from ..manifest.box import Box
+from ..manifest.dtypes import by_name
+from ..manifest.limits import RANK_FILE_PATTERN
+from ..manifest.spec import ArraySpec, Chunk, Manifest, Source
 from .mesh import (
     LayoutError,
     Mesh,

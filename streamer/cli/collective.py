@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 from formats.errors import PlanError, ShardstreamError, TransportError, UsageError
-from formats.manifest import Manifest
+from formats.manifest.wire import Manifest
 from streamer.ops.agree import AgreedRefusal, LocalChecks, Refusal, agree
 
 __all__ = ["ArgvError", "Parser", "announce", "argv_refused", "mpi_comm", "on_workers", "run_refit"]

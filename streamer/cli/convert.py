@@ -15,7 +15,7 @@ from streamer.cli.inputs import load_input, where
 from streamer.cli.quant import add_quant_flags, fmt_quantized
 
 if TYPE_CHECKING:
-    from formats.manifest import Manifest
+    from formats.manifest.wire import Manifest
 
 
 def cmd_convert(args: argparse.Namespace) -> int:

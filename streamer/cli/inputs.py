@@ -8,7 +8,7 @@ from typing import Any
 
 def load_input(path: str) -> Any:
     """A manifest file, a directory with manifest.json, or a checkpoint to import on the fly."""
-    from formats.manifest import load_manifest
+    from formats.manifest.wire import load_manifest
 
     p = Path(path)
     if p.is_file() and p.suffix == ".json" and not p.name.endswith(".index.json"):

@@ -9,18 +9,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from formats.errors import ShardstreamError, UsageError
-from formats.limits import RANK_FILE_PATTERN
+from formats.manifest.limits import RANK_FILE_PATTERN
 from streamer.cli.args import emit as _out
 from streamer.cli.args import parse_size
 from streamer.cli.args import positive_int as _positive_int
 from streamer.cli.inputs import load_input
 
 if TYPE_CHECKING:
-    from formats.manifest import Manifest
+    from formats.manifest.wire import Manifest
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    from formats.manifest import save_manifest
+    from formats.manifest.wire import save_manifest
     from streamer.convert.importer import import_checkpoint
 
     out = Path(args.output)
@@ -53,8 +53,13 @@ def _write_layout(m: Manifest, args: argparse.Namespace) -> Manifest:
     """Validate and write a generated manifest in ``--format-version``. The compact form is
     parsed back and validated as written (per layout, without expanding an array); the returned
     manifest is that parsed one."""
-    from formats.manifest import COMPACT_FORMAT_VERSION, atomic_write_bytes, dumps_manifest, loads_manifest
-    from formats.validate import validate_manifest
+    from formats.manifest.wire import (
+        COMPACT_FORMAT_VERSION,
+        atomic_write_bytes,
+        dumps_manifest,
+        loads_manifest,
+    )
+    from formats.validate.manifest import validate_manifest
 
     text = dumps_manifest(m, format_version=args.format_version)
     if args.format_version == COMPACT_FORMAT_VERSION:
@@ -130,8 +135,8 @@ def cmd_layout(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from formats.manifest import load_manifest
-    from formats.validate import validate_data, validate_manifest
+    from formats.manifest.wire import load_manifest
+    from formats.validate.manifest import validate_data, validate_manifest
 
     results = []
     bad = 0
@@ -164,7 +169,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 def cmd_inspect(args: argparse.Namespace) -> int:
     p = Path(args.path)
     if p.is_file() and p.suffix == ".safetensors":
-        from formats.safetensors_io import read_header
+        from formats.safetensors.io import read_header
 
         h = read_header(p)
         lines = [f"{p}: {len(h.tensors)} tensors, {h.file_size} bytes, data at offset {h.data_start}"]

@@ -54,7 +54,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def _cmd_plan(args: argparse.Namespace) -> int:
     import time
 
-    from formats.validate import validate_manifest
+    from formats.validate.manifest import validate_manifest
     from streamer.execute.quant import refit_quant, refit_quant_report
     from streamer.plan.planner import plan_transfers
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 # names load on first use: a submodule (the importer that every command taking a checkpoint may
 # need) must not pull the whole converter into every refit rank's start
 if TYPE_CHECKING:
-    from formats.rankfiles import DEFAULT_PATTERN, plan_files
+    from formats.safetensors.rankfiles import DEFAULT_PATTERN, plan_files
     from streamer.convert.options import ConvertOptions, ConvertReport, FileJob
     from streamer.convert.pipeline import convert
     from streamer.convert.safetensors_sink import PACK_BYTES
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 __all__ = ["ConvertOptions", "ConvertReport", "FileJob", "convert", "plan_files", "DEFAULT_PATTERN",
            "cast_bytes", "cast_manifest", "FLOATS", "PACK_BYTES", "STATE_DIR"]
 
-_LAZY = {"DEFAULT_PATTERN": "formats.rankfiles", "plan_files": "formats.rankfiles",
+_LAZY = {"DEFAULT_PATTERN": "formats.safetensors.rankfiles", "plan_files": "formats.safetensors.rankfiles",
          "ConvertOptions": "streamer.convert.options", "ConvertReport": "streamer.convert.options",
          "FileJob": "streamer.convert.options", "convert": "streamer.convert.pipeline",
          "PACK_BYTES": "streamer.convert.safetensors_sink", "STATE_DIR": "streamer.convert.state",

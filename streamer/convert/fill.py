@@ -9,8 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from formats.box import Box, uniform_runs
-from formats.manifest import Manifest
+from formats.manifest.box import Box, uniform_runs
+from formats.manifest.wire import Manifest
 from formats.store import ResolvedTensor, SourceStore
 from streamer.plan.model import Transfer
 

@@ -14,12 +14,12 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from formats.box import Box
 from formats.errors import FormatError, ManifestError, ShardNotFoundError, UsageError
-from formats.manifest import ArraySpec, Chunk, Manifest, Source, load_manifest
+from formats.manifest.box import Box
+from formats.manifest.wire import ArraySpec, Chunk, Manifest, Source, load_manifest
 
 if TYPE_CHECKING:
-    from formats.megatron_dist import MegatronSkipped
+    from formats.megatron.dist import MegatronSkipped
 
 __all__ = ["import_checkpoint", "import_megatron", "is_megatron_checkpoint", "rebase_manifest"]
 
@@ -33,7 +33,7 @@ def _rel(path: Path, base: Path) -> str:
 
 
 def _from_files(files: list[Path], base: Path, name: str | None) -> Manifest:
-    from formats.safetensors_io import read_header
+    from formats.safetensors.io import read_header
 
     arrays: dict[str, ArraySpec] = {}
     problems: list[str] = []
@@ -59,7 +59,7 @@ def _from_zarr(group: Path, base: Path, name: str | None) -> Manifest:
     """A zarr v3 group: one array per zarr array (sub-groups walked; the fqn is the array path
     with '/' read as '.'), each one chunk covering the whole array, read by zarr slicing
     (``source.file`` = the group, ``source.tensor`` = the array path)."""
-    from formats.zarr_io import list_arrays
+    from formats.zarr.io import list_arrays
 
     rel = _rel(group, base)
     arrays: dict[str, ArraySpec] = {}
@@ -118,7 +118,7 @@ def import_checkpoint(paths: list[str | os.PathLike[str]], *, manifest_dir: str 
             return m
         if (d / "manifest.json").exists():
             return rebase_manifest(load_manifest(d / "manifest.json"), base.resolve())
-        from formats.zarr_io import ZARR_JSON, is_zarr_group
+        from formats.zarr.io import ZARR_JSON, is_zarr_group
 
         if (d / ZARR_JSON).exists():
             if not is_zarr_group(d):
@@ -132,7 +132,7 @@ def import_checkpoint(paths: list[str | os.PathLike[str]], *, manifest_dir: str 
             import sys
             from dataclasses import replace
 
-            from formats.dcp_io import read_dcp
+            from formats.dcp.io import read_dcp
 
             m, skipped = read_dcp(d)
             if skipped:
@@ -156,8 +156,8 @@ def import_checkpoint(paths: list[str | os.PathLike[str]], *, manifest_dir: str 
 def is_megatron_checkpoint(d: Path) -> bool:
     """A Megatron-LM save (root with its tracker file, torch_dist or legacy iteration directory)
     that is not already described by a ``manifest.json``."""
-    from formats.megatron_dist import is_megatron_save_dir
-    from formats.megatron_legacy import is_megatron_legacy
+    from formats.megatron.dist import is_megatron_save_dir
+    from formats.megatron.legacy import is_megatron_legacy
 
     return d.is_dir() and not (d / "manifest.json").exists() and (is_megatron_save_dir(d) or is_megatron_legacy(d))
 
@@ -171,14 +171,14 @@ def import_megatron(path: str | os.PathLike[str], *, manifest_dir: str | os.Path
     import sys
     from dataclasses import replace
 
-    from formats.megatron_dist import read_megatron_dist
+    from formats.megatron.dist import read_megatron_dist
 
     d = Path(path)
-    from formats.megatron_legacy import is_megatron_legacy
+    from formats.megatron.legacy import is_megatron_legacy
 
     if is_megatron_legacy(d):
-        from formats.megatron_dist import MegatronSkipped
-        from formats.megatron_legacy import read_megatron_legacy
+        from formats.megatron.dist import MegatronSkipped
+        from formats.megatron.legacy import read_megatron_legacy
 
         if model is None:
             raise UsageError(f"{d}: a Megatron legacy checkpoint (mp_rank_XX/model_optim_rng.pt) holds per-rank "

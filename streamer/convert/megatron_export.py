@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from formats.errors import FormatError, UsageError
-from formats.manifest import Manifest, atomic_write_bytes
+from formats.manifest.wire import Manifest, atomic_write_bytes
 
 __all__ = ["check_destination", "pack_torch_dist", "stacked_key"]
 
@@ -106,7 +106,7 @@ def _stacked_items(path: Path, vocab_rows: int | None
                    ) -> tuple[list[tuple[str, tuple[int, ...], Any]], dict[str, tuple[tuple[int, ...], str]]]:
     """Each stored tensor as (stacked Megatron key, its layer/expert index, header entry), and
     each key's stacked global shape and dtype."""
-    from formats.safetensors_io import read_header
+    from formats.safetensors.io import read_header
 
     h = read_header(path)
     names = list(h.tensors)
@@ -155,7 +155,7 @@ def _write_tensors(src: Any, f: Any, rel: str, items: list[tuple[str, tuple[int,
         TensorStorageMetadata,
     )
 
-    from formats.dtypes import by_name
+    from formats.manifest.dtypes import by_name
 
     nbytes = 0
     for key, lead, t in items:

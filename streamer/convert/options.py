@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from formats.checksum import DEFAULT_ALGO
-from formats.rankfiles import FileJob
+from formats.integrity.checksum import DEFAULT_ALGO
+from formats.safetensors.rankfiles import FileJob
 
 __all__ = ["ConvertOptions", "ConvertReport", "FileJob", "REPORT_COUNTS"]
 

@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from formats.errors import FormatError, PlanError, ShardstreamError, UsageError, ValidationError
-from formats.manifest import Manifest, load_manifest, save_manifest
+from formats.manifest.wire import Manifest, load_manifest, save_manifest
 from formats.store import SourceStore
-from formats.validate import validate_manifest
+from formats.validate.manifest import validate_manifest
 from streamer.convert.fill import Filler
 from streamer.convert.options import REPORT_COUNTS, ConvertOptions, ConvertReport
 from streamer.convert.progress import Progress

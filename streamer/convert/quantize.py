@@ -20,9 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from formats.box import Box
-from formats.dtypes import by_name
-from formats.manifest import Chunk, Manifest
+from formats.manifest.box import Box
+from formats.manifest.dtypes import by_name
+from formats.manifest.wire import Chunk, Manifest
 from formats.quant import quantize, to_float32
 from streamer.convert.fill import U8, Buffer, Filler
 from streamer.ops.quant import QuantTarget, block_image, blocks_of, steps

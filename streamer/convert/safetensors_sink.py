@@ -13,13 +13,13 @@ from typing import Any
 
 import numpy as np
 
-from formats.box import Box, contiguous_slabs
-from formats.checksum import Hasher, new_hasher
-from formats.dtypes import DType, by_name
 from formats.errors import ShardstreamError
-from formats.manifest import ArraySpec, Chunk, Manifest, Source, TensorSpec
-from formats.rankfiles import INDEX_NAME, plan_files, write_index
-from formats.safetensors_io import SafetensorsWriter, layout_file, read_header
+from formats.integrity.checksum import Hasher, new_hasher
+from formats.manifest.box import Box, contiguous_slabs
+from formats.manifest.dtypes import DType, by_name
+from formats.manifest.wire import ArraySpec, Chunk, Manifest, Source, TensorSpec
+from formats.safetensors.io import SafetensorsWriter, layout_file, read_header
+from formats.safetensors.rankfiles import INDEX_NAME, plan_files, write_index
 from formats.store import SourceStore
 from streamer.convert.fill import U8, Buffer, Filler
 from streamer.convert.options import ConvertOptions, FileJob

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from formats.manifest import Manifest
+from formats.manifest.wire import Manifest
 from streamer.convert.fill import Filler
 from streamer.convert.progress import Progress
 from streamer.plan.model import Plan

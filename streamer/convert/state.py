@@ -9,8 +9,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from formats.manifest import atomic_write_bytes
-from formats.outdir import STATE_DIR, Lock, open_output, remove_state
+from formats.files.outdir import STATE_DIR, Lock, open_output, remove_state
+from formats.manifest.wire import atomic_write_bytes
 
 __all__ = ["MANIFEST", "STATE_DIR", "Lock", "Records", "mark_incomplete", "open_output", "remove_state"]
 

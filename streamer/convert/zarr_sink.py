@@ -13,12 +13,12 @@ from typing import Any
 
 import numpy as np
 
-from formats import zarr_io
-from formats.box import Box
-from formats.checksum import new_hasher
-from formats.dtypes import by_name
 from formats.errors import ShardstreamError, UsageError, ValidationError
-from formats.manifest import ArraySpec, Chunk, Manifest, Source
+from formats.integrity.checksum import new_hasher
+from formats.manifest.box import Box
+from formats.manifest.dtypes import by_name
+from formats.manifest.wire import ArraySpec, Chunk, Manifest, Source
+from formats.zarr import io as zarr_io
 from streamer.convert.fill import U8, Buffer, Filler
 from streamer.convert.options import ConvertOptions
 from streamer.convert.progress import Progress

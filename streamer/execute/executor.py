@@ -29,9 +29,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from formats.box import Box
-from formats.dtypes import DTYPES
 from formats.errors import PeerTimeoutError, TransportError, UsageError
+from formats.manifest.box import Box
+from formats.manifest.dtypes import DTYPES
 from streamer.execute.delta import (
     ENCODINGS,
     RAW,

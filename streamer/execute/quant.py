@@ -28,10 +28,10 @@ from typing import Any
 
 import numpy as np
 
-from formats.box import Box
-from formats.dtypes import by_name, np_storage
 from formats.errors import PlanError
-from formats.manifest import ArraySpec, Chunk, Manifest, Source
+from formats.manifest.box import Box
+from formats.manifest.dtypes import by_name, np_storage
+from formats.manifest.wire import ArraySpec, Chunk, Manifest, Source
 from formats.quant import quantize, to_float32
 from streamer.ops.buffers import byte_view, host_bytes
 from streamer.ops.quant import (

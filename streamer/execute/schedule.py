@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from formats.box import Box, contiguous_slabs, uniform_runs
+from formats.manifest.box import Box, contiguous_slabs, uniform_runs
 from streamer.plan.forwards import forward_keys
 from streamer.plan.model import Plan, Transfer
 

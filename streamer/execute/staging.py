@@ -29,8 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from formats.box import Box, uniform_runs
 from formats.errors import ValidationError
+from formats.manifest.box import Box, uniform_runs
 from streamer.ops.device_ops import CudaOps, DeviceOps
 
 __all__ = ["Part", "Program", "Stager", "build_program", "device_ops_for", "staging_problems"]

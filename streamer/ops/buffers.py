@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from formats.box import Box
+from formats.manifest.box import Box
 
 __all__ = ["byte_view", "host_bytes", "region_view", "torch_byte_view"]
 

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from formats.errors import UsageError
-from formats.manifest import ArraySpec, Manifest, TensorSpec
+from formats.manifest.wire import ArraySpec, Manifest, TensorSpec
 
 __all__ = ["FLOATS", "cast_bytes", "cast_into", "cast_manifest"]
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from formats.dtypes import by_name
+from formats.manifest.dtypes import by_name
 
 __all__ = ["cast_view"]
 

@@ -10,10 +10,10 @@ from typing import Any
 
 import numpy as np
 
-from formats.box import Box
-from formats.dtypes import by_name
 from formats.errors import PlanError
-from formats.manifest import ArraySpec, Manifest
+from formats.manifest.box import Box
+from formats.manifest.dtypes import by_name
+from formats.manifest.wire import ArraySpec, Manifest
 from formats.quant import MX_BLOCK, QuantScheme
 from streamer.ops.cast import FLOATS, with_dtypes
 

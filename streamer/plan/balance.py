@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from formats.manifest import Manifest
+from formats.manifest.wire import Manifest
 from streamer.plan.classes import ClassKeys
 from streamer.plan.fp8 import Fp8Pair, derive_scales
 from streamer.plan.layout import Layouts

@@ -11,8 +11,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from formats.box import Box
-from formats.manifest import Manifest
+from formats.manifest.box import Box
+from formats.manifest.wire import Manifest
 from streamer.plan.model import Plan
 
 __all__ = ["validate_plan"]

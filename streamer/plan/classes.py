@@ -8,7 +8,7 @@ from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any
 
-from formats.manifest import Manifest
+from formats.manifest.wire import Manifest
 from streamer.plan.fp8 import Fp8Pair
 from streamer.plan.layout import ArrayLayout, Layouts
 from streamer.plan.topology import Runs, Topology

@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from formats.box import Box
+from formats.manifest.box import Box
 from streamer.plan.model import Plan
 
 __all__ = ["forward_keys", "forward_sources"]

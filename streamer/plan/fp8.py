@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from formats.manifest import Manifest
+from formats.manifest.wire import Manifest
 from streamer.plan.layout import ArrayLayout, Layouts
 from streamer.plan.model import Block
 

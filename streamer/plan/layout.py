@@ -13,9 +13,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from formats.box import Box
-from formats.compact_patterns import fill_pattern
-from formats.manifest import ArraySpec, Chunk
+from formats.manifest.box import Box
+from formats.manifest.compact_patterns import fill_pattern
+from formats.manifest.wire import ArraySpec, Chunk
 
 __all__ = ["ArrayLayout", "LayoutMemo", "Layouts"]
 

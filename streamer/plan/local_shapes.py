@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
-from formats.compact_patterns import fill_pattern
-from formats.manifest import ArraySpec, Manifest
+from formats.manifest.compact_patterns import fill_pattern
+from formats.manifest.wire import ArraySpec, Manifest
 from streamer.plan.model import Plan
 
 __all__ = ["LocalShapes", "plan_shapes"]

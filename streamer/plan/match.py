@@ -4,7 +4,7 @@ casts made on the way. Pure planning code.
 
 from __future__ import annotations
 
-from formats.manifest import Manifest
+from formats.manifest.wire import Manifest
 
 __all__ = ["CASTABLE", "array_casts", "match_arrays"]
 

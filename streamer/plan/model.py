@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from formats.box import Box
+from formats.manifest.box import Box
 from streamer.plan.layout import ArrayLayout
 from streamer.plan.topology import rank_domains
 

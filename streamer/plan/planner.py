@@ -39,7 +39,7 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 
 from formats.errors import PlanError
-from formats.manifest import Manifest
+from formats.manifest.wire import Manifest
 from streamer.plan.balance import PlannedClass, rebalance
 from streamer.plan.check import validate_plan
 from streamer.plan.classes import ClassKeys, classify

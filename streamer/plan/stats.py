@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from formats.manifest import Manifest
+from formats.manifest.wire import Manifest
 from streamer.plan.layout import Layouts
 from streamer.plan.model import Block
 from streamer.plan.template import Template

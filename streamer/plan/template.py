@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from formats.box import Box, slab, split_box, split_dim
+from formats.manifest.box import Box, slab, split_box, split_dim
 from streamer.plan.layout import ArrayLayout
 from streamer.plan.model import Block
 from streamer.plan.topology import Runs, Topology

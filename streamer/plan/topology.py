@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from formats.manifest import Manifest
+from formats.manifest.wire import Manifest
 
 __all__ = ["Runs", "Topology", "rank_domains"]
 

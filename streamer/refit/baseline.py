@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from formats.manifest import Manifest
+from formats.manifest.wire import Manifest
 from streamer.execute.executor import ExecStats
 from streamer.ops.buffers import _copy
 from streamer.ops.cast_view import cast_view

@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from formats.errors import PushFailed, ShardstreamError, TransportError, UsageError
-from formats.manifest import Manifest
-from formats.outdir import Lock, open_output, remove_state
+from formats.files.outdir import Lock, open_output, remove_state
+from formats.manifest.wire import Manifest
 from streamer.ops.agree import AgreedRefusal, LocalChecks, Refusal
 from streamer.refit.options import RefitOptions
 from streamer.refit.session import RefitSession, StepStats

@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from formats.dtypes import DTYPES, by_name, np_storage
-from formats.manifest import TensorSpec
+from formats.manifest.dtypes import DTYPES, by_name, np_storage
+from formats.manifest.wire import TensorSpec
 
 __all__ = ["collect_local", "check_local", "dtype_name"]
 

@@ -10,11 +10,11 @@ from typing import Any
 
 import numpy as np
 
-from formats.box import Box, contiguous_slabs
-from formats.checksum import DEFAULT_ALGO, new_hasher
-from formats.dtypes import by_name, np_storage
-from formats.manifest import COMPACT_FORMAT_VERSION, ArraySpec, Chunk, Manifest, Source, save_manifest
-from formats.rankfiles import plan_files
+from formats.integrity.checksum import DEFAULT_ALGO, new_hasher
+from formats.manifest.box import Box, contiguous_slabs
+from formats.manifest.dtypes import by_name, np_storage
+from formats.manifest.wire import COMPACT_FORMAT_VERSION, ArraySpec, Chunk, Manifest, Source, save_manifest
+from formats.safetensors.rankfiles import plan_files
 from formats.store import SourceStore
 
 __all__ = ["alloc_local", "load_local", "save_local", "finish_save"]
@@ -74,7 +74,7 @@ def _chunk_checksum(view: np.ndarray, box: Box) -> str:
 
 def save_local(out_dir: str | os.PathLike[str], m: Manifest, rank: int, tensors: dict[str, Any]) -> dict[str, str]:
     """Write ``rank``'s files under ``out_dir`` (temp + fsync + rename); return chunk checksums."""
-    from formats.safetensors_io import SafetensorsWriter
+    from formats.safetensors.io import SafetensorsWriter
     from streamer.execute.executor import byte_view
 
     out = Path(out_dir)

@@ -17,7 +17,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from formats.manifest import Manifest
+from formats.manifest.wire import Manifest
 from streamer import __version__
 from streamer.execute.schedule import Message, build_schedule
 from streamer.plan.local_shapes import plan_shapes

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from formats.manifest import Manifest
+from formats.manifest.wire import Manifest
 
 __all__ = ["replica_digests", "replica_problems"]
 

@@ -56,7 +56,7 @@ from formats.errors import (
     UsageError,
     ValidationError,
 )
-from formats.manifest import (
+from formats.manifest.wire import (
     COMPACT_FORMAT_VERSION,
     Manifest,
     dumps_manifest,

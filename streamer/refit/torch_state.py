@@ -2,7 +2,7 @@
 
 ``manifest_from_state_dict(state_dict)`` is called on every rank of an SPMD torch job (a
 TorchTitan or verl FSDP2 trainer launched by ``torchrun``, with its own process group). It
-returns the :class:`~formats.manifest.Manifest` that describes what every rank holds, so that
+returns the :class:`~formats.manifest.wire.Manifest` that describes what every rank holds, so that
 ``push(state_dict)`` can send each rank's local tensors as they are.
 
 How a DTensor becomes chunks
@@ -82,10 +82,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from formats.box import Box
-from formats.dtypes import DTYPES, from_torch
 from formats.errors import FormatError, ValidationError
-from formats.manifest import ArraySpec, Chunk, Manifest, Source
+from formats.manifest.box import Box
+from formats.manifest.dtypes import DTYPES, from_torch
+from formats.manifest.wire import ArraySpec, Chunk, Manifest, Source
 
 __all__ = ["StateDictError", "manifest_from_state_dict"]
 

@@ -28,10 +28,10 @@ from statistics import median
 from typing import TYPE_CHECKING, Any
 
 from formats.errors import TransportError
-from formats.limits import RANK_FILE_PATTERN
+from formats.manifest.limits import RANK_FILE_PATTERN
 
 if TYPE_CHECKING:
-    from formats.manifest import Manifest
+    from formats.manifest.wire import Manifest
     from streamer.plan.model import PlanStats
 
 __all__ = ["bench_convert", "bench_refit", "convert_table", "refit_worker"]
@@ -283,8 +283,8 @@ def convert_table(r: dict[str, Any]) -> str:
 
 def bench_validate(n_chunks: int = 100_000) -> dict[str, Any]:
     """Time parse + validate of a manifest with ``n_chunks`` chunks (a 1-D grid per array)."""
-    from formats.manifest import loads_manifest
-    from formats.validate import validate_manifest
+    from formats.manifest.wire import loads_manifest
+    from formats.validate.manifest import validate_manifest
 
     per = 100
     arrays: dict[str, dict[str, Any]] = {}
@@ -422,7 +422,7 @@ def refit_worker(argv: list[str]) -> int:
     allocation, connection set-up) is timed apart; ``--repeats`` steady-state rounds follow."""
     from mpi4py import MPI
 
-    from formats.manifest import load_manifest
+    from formats.manifest.wire import load_manifest
     from streamer.refit.options import RefitOptions
     from streamer.refit.persist import alloc_local, load_local
     from streamer.refit.session import RefitSession
@@ -538,7 +538,7 @@ def bench_plan(sizes: tuple[int, ...] = (1_200, 4_800, 19_200, 102_400), *, mode
     import tracemalloc
 
     from formats.layouts import apply_layout, manifest_from_arrays, parse_mesh, parse_rule
-    from formats.validate import validate_manifest
+    from formats.validate.manifest import validate_manifest
     from streamer.plan.planner import plan_transfers
 
     # the full-size plan first: its peak RSS is not masked by the sweep's traced pass

@@ -246,7 +246,7 @@ def _worker(argv: list[str]) -> int:
         return MISSING
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    from formats.manifest import load_manifest
+    from formats.manifest.wire import load_manifest
 
     man = load_manifest(a.manifest).to_dict()  # the v1 form (every chunk listed), whichever was written
     if int(man["world_size"]) != world:
@@ -328,7 +328,7 @@ def compare_outputs(got_dir: str | os.PathLike[str], want_dir: str | os.PathLike
     """Check that every ``rank-*.safetensors`` of got_dir holds exactly the tensors of want_dir's
     (names, dtypes, shapes, bytes). Returns counts; raises ``ValidationError`` listing what differs."""
     from formats.errors import ValidationError
-    from formats.safetensors_io import read_header
+    from formats.safetensors.io import read_header
 
     got, want = Path(got_dir), Path(want_dir)
     gf = sorted(p.name for p in got.glob("rank-*.safetensors"))

@@ -113,7 +113,7 @@ def bench_convert_megatron(work: str, *, preset: str = "qwen3-2g", memory_limit:
 
 
 def _differences(got: Path, want: Path) -> list[str]:
-    from formats.safetensors_io import read_header
+    from formats.safetensors.io import read_header
 
     hg, hw = read_header(got), read_header(want)
     if set(hg.tensors) != set(hw.tensors):

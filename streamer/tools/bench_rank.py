@@ -70,7 +70,7 @@ def rank_start(src_path: str, dst_path: str, rank: int, domain: int | None = Non
 
 def _rank_start(src_text: bytes, dst_text: bytes, src_path: str, dst_path: str, rank: int, domain: int | None,
                 bucket_size: int) -> dict[str, Any]:
-    from formats.manifest import loads_manifest
+    from formats.manifest.wire import loads_manifest
     from streamer.refit.rankstart import input_digests, plan_own
 
     rss0, t0, c0 = _rss(), time.perf_counter(), time.process_time()
@@ -118,8 +118,8 @@ def whole_plan(src_path: str, dst_path: str, domain: int) -> dict[str, Any]:
 
 
 def _whole_plan(src_path: str, dst_path: str, domain: int) -> dict[str, Any]:
-    from formats.manifest import load_manifest
-    from formats.validate import validate_manifest
+    from formats.manifest.wire import load_manifest
+    from formats.validate.manifest import validate_manifest
     from streamer.plan.planner import plan_transfers
 
     t0, c0 = time.perf_counter(), time.process_time()
@@ -190,8 +190,8 @@ def scale_lines(r: dict[str, Any]) -> list[str]:
 def validate(path: str) -> dict[str, Any]:
     """What ``shardstream validate PATH`` does (load, validate), in this process; its time and
     peak RSS (``VmHWM``: a parent's memory at fork does not count)."""
-    from formats.manifest import load_manifest
-    from formats.validate import validate_manifest
+    from formats.manifest.wire import load_manifest
+    from formats.validate.manifest import validate_manifest
 
     t0, c0 = time.perf_counter(), time.process_time()
     problems = validate_manifest(load_manifest(path), where=path)

@@ -76,7 +76,7 @@ from typing import Any
 from formats.errors import UsageError
 from formats.layouts.models import manifest_from_parallel, parallel_meshes
 from formats.layouts.rules import layer_index, stage_of_layer
-from formats.manifest import Manifest
+from formats.manifest.wire import Manifest
 from streamer.cli.args import emit, parse_size, positive_int
 from streamer.plan.gcpause import paused_gc
 from streamer.plan.model import Plan
@@ -503,7 +503,7 @@ def _report(arrays: Mapping[str, tuple[Sequence[int], str]], train: Mapping[str,
 
 
 def _nbytes(shape: Sequence[int], data_type: str) -> int:
-    from formats.dtypes import by_name
+    from formats.manifest.dtypes import by_name
 
     n = by_name(data_type).itemsize
     for s in shape:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from formats.dtypes import DTYPES
+from formats.manifest.dtypes import DTYPES
 
 __all__ = ["Qwen3Shape", "PRESETS", "qwen3_arrays", "QWEN3_TP_RULES", "write_checkpoint", "tensor_data"]
 
@@ -114,8 +114,8 @@ def write_checkpoint(out_dir: str | os.PathLike[str], arrays: dict[str, tuple[tu
     """Write an HF-style checkpoint (``model.safetensors`` or shards + index) atomically."""
     import json
 
-    from formats.manifest import atomic_write_bytes
-    from formats.safetensors_io import SafetensorsWriter
+    from formats.manifest.wire import atomic_write_bytes
+    from formats.safetensors.io import SafetensorsWriter
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from formats.errors import PeerTimeoutError, UsageError
-from formats.manifest import atomic_write_bytes
+from formats.manifest.wire import atomic_write_bytes
 from streamer.ops.agree import AgreedRefusal, LocalChecks, Refusal, agree
 from streamer.transport.base import RemoteAbortError, Transport
 from streamer.transport.watchdog import Watchdog, abort

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from formats.errors import UsageError
-from formats.manifest import atomic_write_bytes
+from formats.manifest.wire import atomic_write_bytes
 from streamer.transport.jobs import (
     FRESH_SLACK,
     Clock,

@@ -57,10 +57,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from formats.box import Box
-from formats.dtypes import from_torch
 from formats.errors import FormatError, ValidationError
-from formats.manifest import ArraySpec, Chunk, Manifest, Source, TensorSpec
+from formats.manifest.box import Box
+from formats.manifest.dtypes import from_torch
+from formats.manifest.wire import ArraySpec, Chunk, Manifest, Source, TensorSpec
 
 __all__ = ["EXPERT_NAMINGS", "VllmLayoutError", "VllmManifests", "VllmTensor", "choose_naming",
            "describe_worker", "manifest_from_vllm", "manifests_from_pieces"]
@@ -541,7 +541,7 @@ def choose_naming(manifests: Mapping[str, Manifest], src: Manifest) -> str:
     """The expert naming whose arrays the sender's manifest publishes: ``fused`` when the sender
     names a fused expert array of ours, else ``per_expert``.
 
-    >>> from formats.manifest import Manifest
+    >>> from formats.manifest.wire import Manifest
     >>> choose_naming({"per_expert": Manifest(1, {}), "fused": Manifest(1, {})}, Manifest(1, {}))
     'per_expert'
     """

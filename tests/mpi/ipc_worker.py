@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from formats.dtypes import DTYPES, np_storage
 from formats.layouts import apply_layout, manifest_from_arrays, parse_mesh, parse_rule
+from formats.manifest.dtypes import DTYPES, np_storage
 from streamer.refit.options import RefitOptions
 from streamer.refit.session import RefitSession
 

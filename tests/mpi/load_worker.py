@@ -16,7 +16,7 @@ import sys
 import numpy as np
 from mpi4py import MPI
 
-from formats.manifest import load_manifest
+from formats.manifest.wire import load_manifest
 from streamer.refit.options import RefitOptions
 from streamer.refit.persist import alloc_local, load_local
 from streamer.refit.session import RefitSession

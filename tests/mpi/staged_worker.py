@@ -21,10 +21,10 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from formats.box import Box
-from formats.dtypes import DTYPES, np_storage
 from formats.layouts import Replicate, Shard, build_manifest, parse_mesh
-from formats.manifest import Chunk, Source
+from formats.manifest.box import Box
+from formats.manifest.dtypes import DTYPES, np_storage
+from formats.manifest.wire import Chunk, Source
 from streamer.execute import staging
 from streamer.execute.executor import Executor
 from streamer.execute.schedule import build_schedule

@@ -28,7 +28,7 @@ import pytest
 from mpi_helpers import BIN, Background
 from replica_worker import ARRAYS, SLOW_LINK, fill, manifest, wait_file, weights
 
-from formats.manifest import save_manifest
+from formats.manifest.wire import save_manifest
 
 WORKER = Path(__file__).with_name("replica_worker.py")
 

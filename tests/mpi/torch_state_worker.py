@@ -50,8 +50,8 @@ from torch.distributed.tensor import DTensor, Partial, Shard  # noqa: E402
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module  # noqa: E402
 from torch.distributed.tensor.placement_types import _StridedShard  # noqa: E402
 
-from formats.manifest import Manifest, dumps_manifest, loads_manifest  # noqa: E402
-from formats.validate import validate_manifest  # noqa: E402
+from formats.manifest.wire import Manifest, dumps_manifest, loads_manifest  # noqa: E402
+from formats.validate.manifest import validate_manifest  # noqa: E402
 from streamer.refit.torch_state import StateDictError, manifest_from_state_dict  # noqa: E402
 
 

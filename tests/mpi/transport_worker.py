@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from formats.dtypes import DTYPES, np_storage
 from formats.errors import PeerTimeoutError
 from formats.layouts import apply_layout, manifest_from_arrays, parse_mesh, parse_rule
+from formats.manifest.dtypes import DTYPES, np_storage
 from streamer.execute.executor import Executor
 from streamer.execute.schedule import build_schedule
 from streamer.plan.planner import plan_transfers

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from helpers import check_dest_tensors, empty_dest_tensors, lay_out, make_source_tensors, run_sessions
 
-from formats.box import Box
 from formats.layouts import Mesh, Replicate, Shard
-from formats.manifest import Chunk, Manifest, Source
+from formats.manifest.box import Box
+from formats.manifest.wire import Chunk, Manifest, Source
 from streamer.execute.delta import DeltaChecksumError
 from streamer.ops.cast import cast_bytes
 from streamer.refit.session import RefitSession, StepStats

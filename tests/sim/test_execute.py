@@ -25,10 +25,10 @@ from helpers import (
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from formats.box import Box
 from formats.errors import PeerTimeoutError, TransportError
 from formats.layouts import Mesh, Replicate, Shard, chunk_regions
-from formats.manifest import Chunk, Manifest, Source
+from formats.manifest.box import Box
+from formats.manifest.wire import Chunk, Manifest, Source
 from streamer.execute.schedule import INPLACE_MIN_BYTES, Message, build_schedule
 from streamer.plan.check import validate_plan
 from streamer.plan.model import Plan
@@ -290,7 +290,7 @@ def test_fused_qkv_lands_at_its_offsets(bucket: int, dds: int | None) -> None:
 
 
 def _prefixed(m: Manifest, prefix: str) -> Manifest:
-    from formats.manifest import ArraySpec
+    from formats.manifest.wire import ArraySpec
 
     out = {}
     for fqn, a in m.arrays.items():

@@ -22,9 +22,9 @@ from helpers import run_plan_loopback
 
 from formats.layouts import Mesh, parse_mesh
 from formats.layouts.presets import preset_manifest
-from formats.manifest import Manifest, load_manifest, save_manifest
-from formats.safetensors_io import save_tensors
-from formats.validate import validate_data
+from formats.manifest.wire import Manifest, load_manifest, save_manifest
+from formats.safetensors.io import save_tensors
+from formats.validate.manifest import validate_data
 from streamer.convert import ConvertOptions, convert, plan_files
 from streamer.plan.check import validate_plan
 from streamer.plan.planner import plan_transfers

@@ -14,9 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from quant_reference import ref_block_fp8, ref_mxfp8
 
-from formats.box import Box
 from formats.errors import PlanError
-from formats.manifest import ArraySpec, Chunk, Manifest, Source
+from formats.manifest.box import Box
+from formats.manifest.wire import ArraySpec, Chunk, Manifest, Source
 from streamer.refit.session import RefitSession, StepStats
 
 torch = pytest.importorskip("torch")

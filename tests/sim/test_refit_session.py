@@ -20,7 +20,7 @@ from helpers import (
 )
 
 from formats.layouts import Mesh, Replicate, Shard
-from formats.manifest import Manifest
+from formats.manifest.wire import Manifest
 from streamer.refit.session import RefitSession, RefusedError
 
 ARRAYS = {"w": ((6, 4), "bfloat16"), "b": ((6,), "float32"), "s": ((), "float32")}

@@ -28,7 +28,7 @@ from helpers import (
 
 from formats.errors import TransportError
 from formats.layouts import Mesh, Replicate, Shard
-from formats.manifest import Manifest
+from formats.manifest.wire import Manifest
 from streamer.refit.session import RefitSession
 from streamer.transport.base import wait_all
 from streamer.transport.colocated import _colocation_problems

@@ -33,10 +33,10 @@ from helpers import (
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from formats.box import Box
 from formats.errors import UsageError, ValidationError
 from formats.layouts import Mesh, Replicate, Shard
-from formats.manifest import ArraySpec, Chunk, Manifest, Source
+from formats.manifest.box import Box
+from formats.manifest.wire import ArraySpec, Chunk, Manifest, Source
 from streamer.execute import staging
 from streamer.execute.executor import ExecStats, Executor
 from streamer.execute.schedule import build_schedule

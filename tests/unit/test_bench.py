@@ -99,9 +99,9 @@ def test_dcp_placements_from_manifest() -> None:
 def test_dcp_compare_outputs_fails_loudly(tmp_path: Path) -> None:
     import numpy as np
 
-    from formats.dtypes import DTYPES
     from formats.errors import ValidationError
-    from formats.safetensors_io import SafetensorsWriter
+    from formats.manifest.dtypes import DTYPES
+    from formats.safetensors.io import SafetensorsWriter
     from streamer.tools.bench_dcp import compare_outputs
 
     def write(d: Path, data: bytes) -> None:

@@ -11,7 +11,7 @@ from streamer.cli.app import main
 
 
 def _ckpt(d: Path) -> dict[str, np.ndarray]:
-    from formats.safetensors_io import save_tensors
+    from formats.safetensors.io import save_tensors
 
     rng = np.random.default_rng(3)
     t = {"w": (rng.standard_normal((37, 20)) * 3).astype(np.float32),

@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 
 from formats.errors import ManifestError
-from formats.manifest import load_manifest, save_manifest
-from formats.validate import validate_data
+from formats.manifest.wire import load_manifest, save_manifest
+from formats.validate.manifest import validate_data
 from streamer.cli.app import build_parser, main, parse_size
 from streamer.convert.importer import import_checkpoint
 from streamer.tools.synth import write_checkpoint

@@ -1,4 +1,4 @@
-"""formats.compact: the compact manifest form (format_version 2).
+"""formats.manifest.compact: the compact manifest form (format_version 2).
 
 Oracle: the v1 writer. For every preset and a few meshes, the compact form expands to exactly
 the v1 JSON (byte for byte after ``dumps_manifest``), plans to the same digest, and validation
@@ -17,8 +17,8 @@ from test_presets import DSV3, DSV3_FP8, LLAMA_BIAS, MOE, QWEN3, QWEN3_TIED
 from formats.errors import ManifestError
 from formats.layouts import Mesh, Rule, Shard, apply_layout, manifest_from_arrays, parse_mesh
 from formats.layouts.presets import PRESETS, preset_manifest
-from formats.manifest import Manifest, dumps_manifest, loads_manifest
-from formats.validate import validate_manifest
+from formats.manifest.wire import Manifest, dumps_manifest, loads_manifest
+from formats.validate.manifest import validate_manifest
 from streamer.plan.planner import plan_transfers
 
 #: (preset, mesh) pairs each preset accepts; megatron / vllm axes in their rank order
@@ -324,8 +324,8 @@ def test_deepseek_v3_vllm_dp8_tp32_is_small_and_validates_in_little_memory(tmp_p
     path.write_text(text)
     # peak RSS of the fresh process: VmHWM (ru_maxrss of a child carries the forking parent's peak over)
     code = ("import sys\n"
-            "from formats.manifest import load_manifest\n"
-            "from formats.validate import validate_manifest\n"
+            "from formats.manifest.wire import load_manifest\n"
+            "from formats.validate.manifest import validate_manifest\n"
             "m = load_manifest(sys.argv[1])\n"
             "assert validate_manifest(m) == []\n"
             "assert m.chunk_count() == 1437667 and not any(a.expanded for a in m.arrays.values())\n"
@@ -375,7 +375,7 @@ def test_array_vars_reads_names_as_the_documented_pattern() -> None:
     import random
     import re
 
-    from formats.compact import array_vars
+    from formats.manifest.compact import array_vars
 
     pattern = re.compile(r"(?<![^.])(layers|experts|local_experts)\.(\d+)(?![^.])")
     var_of = {"layers": "layer", "experts": "expert", "local_experts": "expert"}
@@ -395,7 +395,7 @@ def test_fill_pattern_equals_the_token_by_token_definition() -> None:
     the same error) on patterns with literal braces, shifts and missing or negative numbers."""
     import random
 
-    from formats.compact_patterns import _tokens, array_vars, fill_pattern
+    from formats.manifest.compact_patterns import _tokens, array_vars, fill_pattern
 
     def reference(pattern: str, fqn: str) -> str:
         vs = array_vars(fqn)

@@ -27,9 +27,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from formats.layouts import Mesh, Replicate, Rule, Shard, apply_layout
-from formats.manifest import Manifest, load_manifest, save_manifest
-from formats.safetensors_io import SafetensorsReader, read_header
-from formats.validate import validate_data, validate_manifest
+from formats.manifest.wire import Manifest, load_manifest, save_manifest
+from formats.safetensors.io import SafetensorsReader, read_header
+from formats.validate.manifest import validate_data, validate_manifest
 from streamer.cli.app import main
 from streamer.convert import ConvertOptions, convert, plan_files
 from streamer.convert.importer import import_checkpoint
@@ -281,7 +281,7 @@ def test_small_memory_limit_is_byte_identical(tmp_path: Path, capsys: Any) -> No
 def test_slabs_are_packed_into_few_sequential_writes(tmp_path: Path, capsys: Any, monkeypatch: Any) -> None:
     """A file's tensors are written as one stream: many small tensors cost a few large writes,
     in file order (one pwrite per slab made the background writer wait on the filler)."""
-    from formats.safetensors_io import SafetensorsWriter
+    from formats.safetensors.io import SafetensorsWriter
 
     make_hf(tmp_path / "hf", {f"t{i}.weight": ((17, 3 + i), "bfloat16") for i in range(40)}, seed=3)
     assert run_cli(capsys, "layout", "--like", tmp_path / "hf", "--mesh", "tp=2", "--rule", "*=S(0)",
@@ -305,7 +305,7 @@ def test_slabs_are_packed_into_few_sequential_writes(tmp_path: Path, capsys: Any
 
 
 def test_contiguous_span() -> None:
-    from formats.box import Box
+    from formats.manifest.box import Box
     from streamer.convert.fill import contiguous_span as _contiguous_span
 
     assert _contiguous_span(Box((1, 0), (2, 8)), (4, 8)) == (8, 16)  # whole rows

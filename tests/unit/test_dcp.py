@@ -33,10 +33,10 @@ import pytest
 torch = pytest.importorskip("torch")
 dcp = pytest.importorskip("torch.distributed.checkpoint")
 
-from formats.dcp_io import read_dcp
+from formats.dcp.io import read_dcp
 from formats.errors import FormatError, ShardstreamError
-from formats.manifest import load_manifest
-from formats.safetensors_io import SafetensorsReader
+from formats.manifest.wire import load_manifest
+from formats.safetensors.io import SafetensorsReader
 from formats.store import SourceStore
 from streamer.cli.app import main
 
@@ -380,9 +380,9 @@ def test_sharded_fsdp2_checkpoint_converts_like_dcp_load(
 def test_reader_reads_chunks_through_source_store(sharded_ckpt: tuple[Path, dict[str, Any]],
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     d, full = sharded_ckpt
-    import formats.dcp_io
+    import formats.dcp.io
 
-    monkeypatch.setattr(formats.dcp_io._Files, "MAX_OPEN", 1)  # items interleave the two files
+    monkeypatch.setattr(formats.dcp.io._Files, "MAX_OPEN", 1)  # items interleave the two files
     m, skipped = read_dcp(d)
     assert skipped == ["step"]
     assert m.base_dir == d.resolve()
@@ -395,10 +395,10 @@ def test_reader_reads_chunks_through_source_store(sharded_ckpt: tuple[Path, dict
 
 
 def test_reader_needs_no_torch(plain_ckpt: tuple[Path, dict[str, Any]]) -> None:
-    """formats.dcp_io builds nothing from torch: it works with torch made unimportable."""
+    """formats.dcp.io builds nothing from torch: it works with torch made unimportable."""
     d, full = plain_ckpt
     code = ("import sys; sys.modules['torch'] = None\n"
-            "from formats.dcp_io import read_dcp\n"
+            "from formats.dcp.io import read_dcp\n"
             f"m, skipped = read_dcp({str(d)!r})\n"
             "print(len(m.arrays), sorted(skipped))\n")
     r = subprocess.run([sys.executable, "-c", code], check=False, cwd=ROOT, capture_output=True, text=True, timeout=60,

@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from formats.errors import ShardstreamError
-from formats.manifest import loads_manifest
-from formats.validate import validate_data, validate_manifest
+from formats.manifest.wire import loads_manifest
+from formats.validate.manifest import validate_data, validate_manifest
 
 N = int(os.environ.get("SHARDSTREAM_FUZZ_EXAMPLES", "150"))
 FUZZ = settings(max_examples=N, deadline=None, suppress_health_check=list(HealthCheck))
@@ -145,7 +145,7 @@ def test_with_real_files(tmp_path: Path) -> None:
     """Mutated manifests pointing at real (and hostile) files: --data never crashes."""
     import numpy as np
 
-    from formats.safetensors_io import save_tensors
+    from formats.safetensors.io import save_tensors
 
     save_tensors(tmp_path / "rank-00000.safetensors", {"w": np.zeros((4, 3), np.uint16)})
     (tmp_path / "shared.safetensors").write_bytes(b"\xff" * 64)

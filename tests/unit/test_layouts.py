@@ -18,7 +18,6 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from formats.box import Box
 from formats.errors import ShardstreamError
 from formats.layouts import (
     LayoutError,
@@ -45,7 +44,8 @@ from formats.layouts import (
     stage_of_layer,
     unmatched_rules,
 )
-from formats.manifest import Chunk, Manifest, Source, dumps_manifest, loads_manifest, parse_manifest
+from formats.manifest.box import Box
+from formats.manifest.wire import Chunk, Manifest, Source, dumps_manifest, loads_manifest, parse_manifest
 
 try:  # DTensor's pure geometry helper (private; only an extra oracle)
     from torch.distributed.tensor import Replicate as DReplicate

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from formats.errors import FormatError
-from formats.megatron_dist import read_megatron_dist, resolve_iteration_dir
+from formats.megatron.dist import read_megatron_dist, resolve_iteration_dir
 from streamer.cli.app import main
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "megatron"
@@ -223,7 +223,7 @@ def test_hostile_pickle_in_megatron_metadata_is_refused(tmp_path: Path, capsys: 
 
 def test_write_item_type_must_be_a_plain_value(tmp_path: Path) -> None:
     """WriteItemType is rebuilt from its value; the call takes an int and nothing else."""
-    from formats import unpickle
+    from formats.dcp import unpickle
 
     assert unpickle.write_item_type(2) == unpickle.WriteItemType(2)
     with pytest.raises(TypeError):
@@ -237,12 +237,12 @@ def test_to_hf_view_of_a_large_moe_layout_is_valid_and_quick() -> None:
     import time
     from math import prod
 
-    from formats.box import Box
     from formats.layouts.megatron_hf import _stacked, megatron_to_hf
     from formats.layouts.mesh import Mesh
     from formats.layouts.presets import preset_manifest
-    from formats.manifest import ArraySpec, Chunk, Manifest, Source
-    from formats.validate import validate_manifest
+    from formats.manifest.box import Box
+    from formats.manifest.wire import ArraySpec, Chunk, Manifest, Source
+    from formats.validate.manifest import validate_manifest
 
     cfg = {"model_type": "qwen3_moe", "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
            "num_experts": 64, "num_experts_per_tok": 8, "num_hidden_layers": 16, "num_attention_heads": 8,

@@ -139,9 +139,16 @@ def test_real_archive_unpickles_to_inert_records(monkeypatch: pytest.MonkeyPatch
     plain values, NumPy's RNG state as raw bytes (``_codecs`` never called), tensors as references."""
     import _codecs
 
-    from formats.megatron_legacy import read_legacy_archive
-    from formats.torch_archive import ArchiveWindow, open_archive, read_data_pkl
-    from formats.unpickle import LegacyUnpickler, NumpyArray, NumpyDType, Record, TensorRef, restricted_load
+    from formats.dcp.torch_archive import ArchiveWindow, open_archive, read_data_pkl
+    from formats.dcp.unpickle import (
+        LegacyUnpickler,
+        NumpyArray,
+        NumpyDType,
+        Record,
+        TensorRef,
+        restricted_load,
+    )
+    from formats.megatron.legacy import read_legacy_archive
 
     def boom(*a: Any, **k: Any) -> Any:
         raise AssertionError("_codecs.encode was called")
@@ -202,7 +209,7 @@ def test_a_config_whose_vocab_does_not_fit_is_refused(vocab: int, expect: str, t
 
 
 def test_padded_vocab_from_args_else_stored_rows_else_the_divisor() -> None:
-    from formats.megatron_legacy import find_rank_files, padded_vocab, read_legacy_archive
+    from formats.megatron.legacy import find_rank_files, padded_vocab, read_legacy_archive
 
     files = find_rank_files(LEGACY / "tp2/iter_0000002")
     real = {k: read_legacy_archive(f) for k, f in files.items()}
@@ -326,7 +333,7 @@ def test_megatron_spec_names_match_real_state_dicts(spec: str) -> None:
     memory (the legacy files are its state_dict); ``te`` fuses the norms."""
     from formats.layouts.mesh import Mesh
     from formats.layouts.presets import preset_manifest
-    from formats.megatron_legacy import read_legacy_tensors
+    from formats.megatron.legacy import read_legacy_tensors
 
     m = preset_manifest(CONFIGS["tp2"], "megatron", Mesh(("tp",), (TP,)), megatron_spec=spec,
                         megatron_padded_vocab=PADDED)

@@ -14,7 +14,6 @@ from typing import Any
 
 import pytest
 
-from formats.box import Box
 from formats.layouts import Mesh, Replicate, Shard, parse_rule, resolve_placements
 from formats.layouts.models import (
     ModelConfigError,
@@ -27,7 +26,8 @@ from formats.layouts.models import (
     parallel_from_dict,
     parse_m2n_system,
 )
-from formats.validate import validate_manifest
+from formats.manifest.box import Box
+from formats.validate.manifest import validate_manifest
 from streamer.cli.app import main
 
 WORKLOADS = Path(__file__).resolve().parents[2] / "workloads"  # shipped copy (shapes only)

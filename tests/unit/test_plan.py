@@ -26,7 +26,6 @@ from helpers import LayoutPair, lay_out, n_examples, random_layout_pair
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from formats.box import Box
 from formats.errors import PlanError
 from formats.layouts import (
     Mesh,
@@ -37,7 +36,8 @@ from formats.layouts import (
     parse_mesh,
     parse_rule,
 )
-from formats.manifest import ArraySpec, Chunk, Manifest
+from formats.manifest.box import Box
+from formats.manifest.wire import ArraySpec, Chunk, Manifest
 from streamer.plan.check import validate_plan
 from streamer.plan.match import match_arrays
 from streamer.plan.model import DEFAULT_SPLIT_BYTES, Plan, PlanStats, Transfer
@@ -843,7 +843,7 @@ def test_fp8_scales_that_do_not_follow_their_weights_are_planned_alone() -> None
 def test_digest_does_not_depend_on_object_sharing() -> None:
     """Layouts share chunk tuples between arrays; a parsed manifest shares nothing. Both jobs of a
     refit must still compute the same digest from the same content."""
-    from formats.manifest import dumps_manifest, loads_manifest
+    from formats.manifest.wire import dumps_manifest, loads_manifest
 
     arrays = {f"l.{i}.w": ((64, 32), "bfloat16") for i in range(4)}
     from formats.layouts import build_manifest

@@ -27,7 +27,7 @@ from test_presets import DSV3, DSV3_FP8, MOE, QWEN3
 from formats.errors import UsageError
 from formats.layouts import Mesh, Replicate, Shard, parse_mesh
 from formats.layouts.presets import preset_manifest
-from formats.manifest import COMPACT_FORMAT_VERSION, Manifest, dumps_manifest, loads_manifest
+from formats.manifest.wire import COMPACT_FORMAT_VERSION, Manifest, dumps_manifest, loads_manifest
 from streamer.plan.forwards import forward_keys, forward_sources
 from streamer.plan.local_shapes import LocalShapes, plan_shapes
 from streamer.plan.model import Plan, Transfer
@@ -229,7 +229,7 @@ def test_cli_rank_figures_sum_to_the_whole_plan(tmp_path: Any, capsys: Any, same
     to the whole plan's ``moved_bytes``; a rank outside the plan is one line, exit 2."""
     import json
 
-    from formats.manifest import save_manifest
+    from formats.manifest.wire import save_manifest
     from streamer.cli.app import main
 
     src, dst = tmp_path / "src.json", tmp_path / "dst.json"
@@ -260,7 +260,7 @@ def test_cli_rank_figures_sum_to_the_whole_plan(tmp_path: Any, capsys: Any, same
 def test_bench_rank_start_and_whole_plan_on_a_small_model(tmp_path: Any) -> None:
     """The scale benchmark's two workers on small compact manifests: a rank's start schedules
     exactly its share of the bytes, and the whole plan's figures are the plan's."""
-    from formats.manifest import save_manifest
+    from formats.manifest.wire import save_manifest
     from streamer.tools.bench_rank import rank_start, scale_case, whole_plan
 
     src, dst = tmp_path / "src.json", tmp_path / "dst.json"

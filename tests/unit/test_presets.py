@@ -51,8 +51,8 @@ from formats.layouts.presets import (
     vllm_expert_range,
     vllm_padded_vocab,
 )
-from formats.manifest import Manifest, TensorSpec, load_manifest, save_manifest
-from formats.validate import validate_manifest
+from formats.manifest.wire import Manifest, TensorSpec, load_manifest, save_manifest
+from formats.validate.manifest import validate_manifest
 from streamer.cli.app import main
 
 # ------------------------------------------------------------------ tiny configs
@@ -959,7 +959,7 @@ def test_cli_convert_hf_to_preset_and_back_with_no_flags(tmp_path: Path, capsys:
                                                          cfg: dict[str, Any], preset: str, mesh: str) -> None:
     """An HF checkpoint in the config's dtype (fp32 masters; tied: embed_tokens only, as HF stores
     it) converts to a preset's layout and back, byte for byte, with no dtype or tie flags."""
-    from formats.safetensors_io import SafetensorsReader
+    from formats.safetensors.io import SafetensorsReader
     from streamer.tools.synth import write_checkpoint
 
     cfgp = tmp_path / "config.json"

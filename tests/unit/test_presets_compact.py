@@ -21,8 +21,8 @@ from test_presets import DSV3, DSV3_FP8, DSV3_FP8_ODD, LLAMA_BIAS, MOE, QWEN3
 from formats.layouts import parse_mesh
 from formats.layouts.presets import preset_manifest
 from formats.layouts.presets.builder import Builder
-from formats.manifest import Manifest, dumps_manifest, loads_manifest
-from formats.validate import validate_manifest
+from formats.manifest.wire import Manifest, dumps_manifest, loads_manifest
+from formats.validate.manifest import validate_manifest
 from streamer.plan.planner import plan_transfers
 
 CONFIGS = {"qwen3": QWEN3, "llama_bias": LLAMA_BIAS, "moe": MOE, "dsv3": DSV3, "dsv3_fp8": DSV3_FP8,

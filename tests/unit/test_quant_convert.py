@@ -11,7 +11,7 @@ import pytest
 from quant_reference import ref_block_fp8, ref_mxfp8
 
 from formats.layouts import Mesh, Rule, Shard, apply_layout, manifest_from_arrays
-from formats.manifest import load_manifest, save_manifest
+from formats.manifest.wire import load_manifest, save_manifest
 from streamer.cli.app import main
 
 torch = pytest.importorskip("torch")
@@ -203,7 +203,7 @@ def test_zarr_output_quantizes_too(tmp_path: Path, scheme: str) -> None:
 def test_fp8_destination_it_cannot_quantize_is_refused(tmp_path: Path, capsys: Any, case: str) -> None:
     import dataclasses
 
-    from formats.manifest import ArraySpec, Source
+    from formats.manifest.wire import ArraySpec, Source
 
     _hf(tmp_path / "hf", {"w.weight": torch.ones((256, 256), dtype=torch.bfloat16),
                           "e.bias": torch.ones((1, 2), dtype=torch.float32)})

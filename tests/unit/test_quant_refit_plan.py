@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from formats.layouts import Mesh, Rule, Shard, apply_layout, manifest_from_arrays
-from formats.manifest import Manifest, save_manifest
+from formats.manifest.wire import Manifest, save_manifest
 from streamer.cli.app import main
 from streamer.execute.quant import STAGE_PREFIX, refit_quant
 from streamer.plan.check import validate_plan

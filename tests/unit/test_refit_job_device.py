@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from formats.manifest import TensorSpec
+from formats.manifest.wire import TensorSpec
 from streamer.refit.job import _on_device
 from streamer.refit.local import check_local
 

@@ -1,4 +1,4 @@
-"""formats.safetensors_io: golden bytes, compatibility with the official library, ranged reads,
+"""formats.safetensors.io: golden bytes, compatibility with the official library, ranged reads,
 hostile headers, atomic writer."""
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import safetensors.numpy
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from formats.box import Box, split_box
-from formats.dtypes import DTYPES
 from formats.errors import FormatError, RegionOutOfBoundsError, ShardNotFoundError
-from formats.safetensors_io import (
+from formats.manifest.box import Box, split_box
+from formats.manifest.dtypes import DTYPES
+from formats.safetensors.io import (
     MAX_HEADER_BYTES,
     ReadStats,
     SafetensorsReader,
@@ -286,7 +286,7 @@ def test_save_tensors_numpy_dtype_override(tmp_path: Path) -> None:
 
 
 def test_module_does_not_import_torch() -> None:
-    code = "import sys, formats.safetensors_io; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, formats.safetensors.io; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -732,7 +732,7 @@ def test_write_at_spans_tensors_and_stays_in_the_data_section(tmp_path: Path) ->
 def test_sequential_writes_start_writeback_early(tmp_path: Path, monkeypatch: Any) -> None:
     """A sequential stream gets its writeback started every WRITEBACK_BYTES (so commit's fsync
     finds little left); scattered writes are left to fsync; the bytes are the same either way."""
-    import formats.safetensors_write as sio
+    import formats.safetensors.write as sio
 
     if not hasattr(os, "posix_fadvise"):
         pytest.skip("no posix_fadvise")

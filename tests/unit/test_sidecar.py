@@ -1,4 +1,4 @@
-"""Chunk checksums of compact (v2) manifests in a sidecar file (formats/sidecar.py): round trips
+"""Chunk checksums of compact (v2) manifests in a sidecar file (formats/integrity/sidecar.py): round trips
 against the explicit form, the cases that stay explicit, and every way the sidecar or its
 references can be wrong (one precise problem each, never a traceback)."""
 
@@ -13,7 +13,8 @@ from helpers import lay_out
 
 from formats.errors import ManifestError
 from formats.layouts import Mesh, Replicate, Shard
-from formats.manifest import (
+from formats.manifest.spec import Source
+from formats.manifest.wire import (
     ArraySpec,
     Chunk,
     Manifest,
@@ -23,8 +24,7 @@ from formats.manifest import (
     save_manifest,
     without_checksums,
 )
-from formats.spec import Source
-from formats.validate import validate_manifest
+from formats.validate.manifest import validate_manifest
 
 ARRAYS = {"a.weight": ((8, 6), "bfloat16"), "b.weight": ((5,), "float32"), "c": ((), "int64"),
           "model.layers.0.mlp.experts.0.w": ((4, 4), "bfloat16"), "model.layers.0.mlp.experts.1.w": ((4, 4), "bfloat16")}

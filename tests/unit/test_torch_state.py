@@ -32,8 +32,8 @@ from torch.distributed.tensor._utils import _compute_local_shape_and_global_offs
 from torch.distributed.tensor.placement_types import _StridedShard  # noqa: E402
 
 from formats.errors import ShardstreamError, ValidationError  # noqa: E402
-from formats.manifest import Manifest, dumps_manifest, loads_manifest  # noqa: E402
-from formats.validate import validate_manifest  # noqa: E402
+from formats.manifest.wire import Manifest, dumps_manifest, loads_manifest  # noqa: E402
+from formats.validate.manifest import validate_manifest  # noqa: E402
 from streamer.refit.torch_state import (  # noqa: E402
     StateDictError,
     _merge,

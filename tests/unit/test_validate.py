@@ -1,4 +1,4 @@
-"""formats.validate: every bad-input kind, property tests on tilings, real safetensors files."""
+"""formats.validate.manifest: every bad-input kind, property tests on tilings, real safetensors files."""
 
 from __future__ import annotations
 
@@ -15,15 +15,15 @@ import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from formats.box import Box
-from formats.manifest import ArraySpec, Chunk, Manifest, Source, parse_manifest
-from formats.overlap import analyze_boxes
-from formats.validate import (
+from formats.manifest.box import Box
+from formats.manifest.wire import ArraySpec, Chunk, Manifest, Source, parse_manifest
+from formats.validate.manifest import (
     MAX_PER_KIND,
     check_file_path,
     validate_data,
     validate_manifest,
 )
+from formats.validate.overlap import analyze_boxes
 
 W = "t.json"
 FQN = "model.layers.0.q_proj.weight"
@@ -693,7 +693,7 @@ def test_data_skips_unsafe_paths(ckpt: tuple[Path, np.ndarray[Any, Any]], tmp_pa
 
 
 def test_data_header_read_once(ckpt: tuple[Path, np.ndarray[Any, Any]], monkeypatch: pytest.MonkeyPatch) -> None:
-    import formats.safetensors_header as sio
+    import formats.safetensors.header as sio
 
     base, _full = ckpt
     calls: list[str] = []

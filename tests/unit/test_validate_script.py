@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from formats.manifest import save_manifest
-from formats.safetensors_io import read_header
+from formats.manifest.wire import save_manifest
+from formats.safetensors.io import read_header
 from streamer.cli.app import main
 from streamer.convert.importer import import_checkpoint
 from streamer.tools.synth import write_checkpoint

@@ -21,13 +21,13 @@ from hypothesis import strategies as st
 
 zarr = pytest.importorskip("zarr")
 
-from formats.box import Box
 from formats.errors import FormatError
 from formats.layouts import Mesh, Rule, Shard, apply_layout
-from formats.manifest import ArraySpec, Chunk, Manifest, load_manifest, save_manifest
+from formats.manifest.box import Box
+from formats.manifest.wire import ArraySpec, Chunk, Manifest, load_manifest, save_manifest
 from formats.store import SourceStore
-from formats.validate import validate_data, validate_manifest
-from formats.zarr_io import (
+from formats.validate.manifest import validate_data, validate_manifest
+from formats.zarr.io import (
     MAX_CHUNKS,
     ZarrReader,
     choose_layout,
@@ -81,7 +81,7 @@ def hf_layout(like: Manifest) -> Manifest:
 
 def bits(fqn: str, shape: tuple[int, ...], dt: str, seed: int = 0) -> np.ndarray:
     """The source values as zarr stores them (bf16 -> uint16, fp8 -> uint8 bits)."""
-    from formats.dtypes import DTYPES, np_storage
+    from formats.manifest.dtypes import DTYPES, np_storage
 
     raw = np.ascontiguousarray(tensor_data(fqn, shape, dt, seed)).view(np.uint8).reshape(-1)
     return raw.view(np_storage(DTYPES[dt])).reshape(shape)

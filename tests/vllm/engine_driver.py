@@ -55,7 +55,7 @@ def generate(llm: Any, job: dict[str, Any]) -> list[dict[str, Any]]:
 
 def dump(worker: Any, out: str) -> None:
     """In each worker (collective_rpc): what its shardstream engine described and did."""
-    from formats.manifest import Manifest, dumps_manifest
+    from formats.manifest.wire import Manifest, dumps_manifest
 
     eng = worker.weight_transfer_engine
     d = eng.described

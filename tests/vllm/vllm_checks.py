@@ -9,7 +9,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from formats.manifest import Manifest, load_manifest, parse_manifest
+from formats.manifest.wire import Manifest, load_manifest, parse_manifest
 
 #: vLLM 0.32 keeps routed experts in a ``routed_experts`` submodule; the preset predates it
 RENAMES = ((".mlp.experts.routed_experts.", ".mlp.experts."),)

@@ -142,7 +142,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from ...spec import Manifest
+from ...manifest.spec import Manifest
 from ..mesh import LayoutError, Mesh
 from ..rules import check_file_pattern
 from . import fsdp2, hf, megatron, vllm
@@ -207,7 +207,7 @@ def preset_manifest(cfg: Mapping[str, Any] | str | os.PathLike[str], preset: str
     ``megatron_padded_vocab`` (megatron): the padded vocabulary a save holds (``args.padded_vocab_size``,
     a multiple of tp); None: Megatron's default padding to a multiple of 128 × tp.
     ``compact``: arrays a mesh layout describes exactly are layout references whose chunks expand
-    on first use (:mod:`formats.compact`), written directly for the regular placements (no chunk
+    on first use (:mod:`formats.manifest.compact`), written directly for the regular placements (no chunk
     is listed: :meth:`~.builder.Builder.spread`); False lists every chunk (the v1 writer; both
     give equal chunks).
     """

@@ -15,10 +15,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from ...box import Box
-from ...compact import ArrayRef, Layout, MeshDecl
-from ...compact_fit import Fitter
-from ...spec import ArraySpec, Chunk, Manifest, Source, TensorSpec
+from ...manifest.box import Box
+from ...manifest.compact import ArrayRef, Layout, MeshDecl
+from ...manifest.compact_fit import Fitter
+from ...manifest.spec import ArraySpec, Chunk, Manifest, Source, TensorSpec
 from ..mesh import LayoutError, Mesh, Pin, Placement, Replicate, Shard, chunk_regions
 from .geometry import PresetError, divide
 
@@ -257,9 +257,9 @@ class Builder:
 
     def _shard_order(self, shape: tuple[int, ...], pl: tuple[Placement, ...],
                      split_axes: Sequence[str]) -> tuple[int, ...] | None:
-        """The ``order`` :class:`~formats.compact_fit.Fitter` writes for splits in ``split_axes`` order:
-        None when mesh order gives the same regions, else every mesh axis reversed (its only
-        other candidate, which puts the two split axes the other way round)."""
+        """The ``order`` :class:`~formats.manifest.compact_fit.Fitter` writes for splits in
+        ``split_axes`` order: None when mesh order gives the same regions, else every mesh axis
+        reversed (its only other candidate, which puts the two split axes the other way round)."""
         idx = [self.mesh.axes.index(a) for a in split_axes if self.size(a) > 1]
         if idx == sorted(idx):
             return None
@@ -273,7 +273,7 @@ class Builder:
 
     def _geometry(self, fixed: Mapping[str, int], split: tuple[str, int] | None,
                   replicas: int) -> tuple[MeshDecl, tuple[Placement, ...]] | None:
-        """The mesh and placements of a :meth:`spread`, as :class:`~formats.compact_fit.Fitter` reads
+        """The mesh and placements of a :meth:`spread`, as :class:`~formats.manifest.compact_fit.Fitter` reads
         them off the chunks (so both write the same layouts): axes of size 1 replicate, a fixed
         axis pins, the split axis shards; replicated pieces split the axis in two (``tp`` as
         ``tp, tp_rep``: pieces over the first, replicas over the second)."""

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-from ...dtypes import by_name
+from ...manifest.dtypes import by_name
 from ..mesh import LayoutError, Mesh
 from .builder import Arrays, Builder
 from .geometry import PresetError

@@ -12,11 +12,11 @@ from dataclasses import replace
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
+from ..integrity.sidecar import ChecksumWriter
+from ..layouts.mesh import LayoutError, Mesh, Pin, Placement, Replicate, Shard, chunk_regions
 from .box import Box
 from .compact import RUN_MARK, ArrayRef, Layout, MeshDecl
 from .compact_patterns import array_vars, fill_pattern, templatize
-from .layouts.mesh import LayoutError, Mesh, Pin, Placement, Replicate, Shard, chunk_regions
-from .sidecar import ChecksumWriter
 from .spec import FORMAT, Source
 
 if TYPE_CHECKING:

@@ -1,12 +1,13 @@
 """Bounded reads of small metadata files (zarr metadata, DCP ``.metadata``): a leaf module, so that
-the readers that need it (:mod:`.store`, :mod:`.zarr_io`, :mod:`.dcp_io`) do not import each other."""
+the readers that need it (:mod:`formats.store`, :mod:`formats.zarr.io`, :mod:`formats.dcp.io`) do
+not import each other."""
 
 from __future__ import annotations
 
 import os
 import stat
 
-from .errors import FormatError, ShardNotFoundError
+from ..errors import FormatError, ShardNotFoundError
 
 __all__ = ["read_bounded"]
 

@@ -8,9 +8,9 @@ problems, one line each, in the CLI form (design §8)::
 
     WHERE: ARRAY: what is wrong (expected ..., got ...)
 
-Coverage and overlap checks are O(n log n) per array (``formats.overlap``). ``validate_data``
-lives in ``formats.validate_data`` and is re-exported here, as are ``check_file_path``
-(``formats.paths``) and ``MAX_PER_KIND`` (``formats.problems``).
+Coverage and overlap checks are O(n log n) per array (``formats.validate.overlap``). ``validate_data``
+lives in ``formats.validate.data`` and is re-exported here, as are ``check_file_path``
+(``formats.validate.paths``) and ``MAX_PER_KIND`` (``formats.validate.problems``).
 
 No MPI, no torch.distributed.
 """
@@ -22,15 +22,15 @@ from dataclasses import dataclass
 from math import prod
 from typing import Any
 
-from .box import Box
-from .compact_patterns import fill_pattern
-from .dtypes import DTYPES, DType
-from .limits import INT64_MAX
-from .manifest import ArraySpec, Chunk, Manifest, TensorSpec
+from ..manifest.box import Box
+from ..manifest.compact_patterns import fill_pattern
+from ..manifest.dtypes import DTYPES, DType
+from ..manifest.limits import INT64_MAX
+from ..manifest.wire import ArraySpec, Chunk, Manifest, TensorSpec
+from .data import declared_dtype, validate_data
 from .overlap import MAX_PAIRS, analyze_boxes, box_from
 from .paths import check_file_path, check_file_pattern
 from .problems import MAX_PER_KIND, Report, fmt_dims, fmt_ranks
-from .validate_data import declared_dtype, validate_data
 
 __all__ = ["INT64_MAX", "MAX_PER_KIND", "check_file_path", "validate_data", "validate_manifest"]
 

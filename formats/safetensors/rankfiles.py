@@ -8,8 +8,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from formats.limits import RANK_FILE_PATTERN
-from formats.manifest import ArraySpec, Chunk, Manifest, Source, TensorSpec, atomic_write_bytes
+from formats.manifest.limits import RANK_FILE_PATTERN
+from formats.manifest.wire import ArraySpec, Chunk, Manifest, Source, TensorSpec, atomic_write_bytes
 
 __all__ = ["DEFAULT_PATTERN", "FileJob", "INDEX_NAME", "plan_files", "write_index"]
 

@@ -26,13 +26,13 @@ Tensor patterns take ``{layer}`` (the integer after ``layers.`` in the array's n
 ``{expert}`` (after ``experts.``), optionally shifted: ``{layer-4}`` (Megatron numbers layers
 within a stage). ``{{`` / ``}}`` are literal braces. Arrays that a layout does not describe keep
 v1's explicit ``chunks``; both kinds mix freely. Expanding an array gives exactly the chunks a
-v1 writer lists (:meth:`ArrayRef.expand`), and ``compact_dict`` (:mod:`formats.compact_fit`)
+v1 writer lists (:meth:`ArrayRef.expand`), and ``compact_dict`` (:mod:`formats.manifest.compact_fit`)
 only writes a layout after checking that it expands to the array's chunks, so
 ``compact -> expand`` is lossless by construction.
 
 This module holds the model (meshes, layouts, array references) and the parsing of the wire
-form; :mod:`formats.compact_patterns` the tensor name patterns (re-exported here);
-:mod:`formats.compact_fit` the writing (fitting layouts to chunks).
+form; :mod:`formats.manifest.compact_patterns` the tensor name patterns (re-exported here);
+:mod:`formats.manifest.compact_fit` the writing (fitting layouts to chunks).
 """
 
 from __future__ import annotations
@@ -43,11 +43,20 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any, Protocol
 
+from ..integrity.sidecar import ChecksumTable
+from ..layouts.mesh import (
+    LayoutError,
+    Mesh,
+    Pin,
+    Placement,
+    Replicate,
+    Shard,
+    check_placements,
+    chunk_regions,
+)
 from .box import Box
 from .compact_patterns import array_vars, check_pattern, fill_pattern, templatize
 from .dtypes import DTYPES
-from .layouts.mesh import LayoutError, Mesh, Pin, Placement, Replicate, Shard, check_placements, chunk_regions
-from .sidecar import ChecksumTable
 from .spec import Chunk, Source
 
 __all__ = ["RUN_MARK", "ArrayRef", "Layout", "MeshDecl", "array_vars", "check_pattern", "fill_pattern", "is_run",

@@ -8,7 +8,7 @@ storage bytes in ``data/<key>``, stored uncompressed). ``read_dcp`` resolves eve
 payload once, so the manifest addresses it with ``source.byte_range`` + ``source.stored_shape``
 (design §3) and ``convert`` moves it with ranged reads.
 
-Security: both pickles are read with the restricted unpicklers of :mod:`formats.unpickle`
+Security: both pickles are read with the restricted unpicklers of :mod:`formats.dcp.unpickle`
 (``MetadataUnpickler``, ``DataPklUnpickler``): they build plain stand-ins, record tensor
 rebuilds instead of running them, and refuse every other global. Anything else is refused with
 ``FormatError``; so is every malformed file. ``torch`` is never imported by this module and
@@ -27,12 +27,12 @@ from math import prod
 from pathlib import Path
 from typing import Any
 
-from .box import Box, is_row_major, row_major_strides
-from .dtypes import DTYPES, DType
-from .errors import FormatError
-from .files import read_bounded
-from .limits import INT64_MAX
-from .manifest import ArraySpec, Chunk, Manifest, Source
+from ..errors import FormatError
+from ..files.bounded import read_bounded
+from ..manifest.box import Box, is_row_major, row_major_strides
+from ..manifest.dtypes import DTYPES, DType
+from ..manifest.limits import INT64_MAX
+from ..manifest.wire import ArraySpec, Chunk, Manifest, Source
 from .torch_archive import ArchiveWindow, clip, open_archive, payload_offset, read_data_pkl, storage_entry
 from .unpickle import (
     TORCH_ALIASES,
@@ -311,7 +311,7 @@ def read_dcp(path: str | os.PathLike[str]) -> tuple[Manifest, list[str]]:
         files.close()
     m = Manifest(world_size=1, arrays=arrays, name=root.name, base_dir=root)
     if not problems:
-        from .validate import validate_manifest
+        from ..validate.manifest import validate_manifest
 
         problems.extend(validate_manifest(m, where=where, check_paths=True))
     if problems:

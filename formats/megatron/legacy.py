@@ -7,7 +7,7 @@ next to ``latest_checkpointed_iteration.txt``. Each archive is
 with the rank's *local* tensors under the local module spec's names (``input_layernorm.weight``,
 ``pre_mlp_layernorm.weight``), layers numbered within the stage.
 
-``data.pkl`` is read by :class:`formats.unpickle.LegacyUnpickler`: tensor rebuilds and storages
+``data.pkl`` is read by :class:`formats.dcp.unpickle.LegacyUnpickler`: tensor rebuilds and storages
 are recorded, not run; ``argparse.Namespace`` becomes a plain record; NumPy's RNG state (and the
 protocol-2 ``bytes`` in it, ``_codecs.encode(text, "latin1")``) and ``megatron.*`` enums become
 inert records. Any other global is refused by name. The tensors' bytes are then addressed in
@@ -29,13 +29,21 @@ from math import prod
 from pathlib import Path
 from typing import Any
 
-from .box import Box, is_row_major, row_major_strides
-from .dtypes import DTYPES
-from .errors import FormatError
-from .layouts.presets.megatron import MEGATRON_VOCAB_DIVISOR, megatron_padded_vocab
-from .manifest import ArraySpec, Chunk, Manifest, Source
-from .torch_archive import ArchiveWindow, clip, open_archive, payload_offset, read_data_pkl
-from .unpickle import TORCH_ALIASES, LegacyUnpickler, Record, Refused, ScanRefused, TensorRef, restricted_load
+from ..dcp.torch_archive import ArchiveWindow, clip, open_archive, payload_offset, read_data_pkl
+from ..dcp.unpickle import (
+    TORCH_ALIASES,
+    LegacyUnpickler,
+    Record,
+    Refused,
+    ScanRefused,
+    TensorRef,
+    restricted_load,
+)
+from ..errors import FormatError
+from ..layouts.presets.megatron import MEGATRON_VOCAB_DIVISOR, megatron_padded_vocab
+from ..manifest.box import Box, is_row_major, row_major_strides
+from ..manifest.dtypes import DTYPES
+from ..manifest.wire import ArraySpec, Chunk, Manifest, Source
 
 __all__ = ["LegacyArchive", "LegacyTensor", "find_rank_files", "is_megatron_legacy", "read_legacy_archive",
            "read_legacy_tensors", "read_megatron_legacy"]
@@ -58,7 +66,7 @@ class LegacyTensor:
 
 def is_megatron_legacy(path: Path) -> bool:
     """``path`` (a save root with the tracker, or an iteration directory) holds ``mp_rank_*`` dirs."""
-    from .megatron_dist import resolve_iteration_dir
+    from .dist import resolve_iteration_dir
 
     try:
         it = resolve_iteration_dir(path)
@@ -240,9 +248,9 @@ def read_megatron_legacy(path: str | os.PathLike[str], cfg: Mapping[str, Any] | 
     """The HF-named manifest of the legacy checkpoint at ``path`` (save root or iteration
     directory), its chunks addressing the ``model_optim_rng.pt`` bytes. ``base_dir`` is the
     iteration directory."""
-    from .layouts.mesh import Mesh
-    from .layouts.presets import model_info, preset_manifest
-    from .megatron_dist import resolve_iteration_dir
+    from ..layouts.mesh import Mesh
+    from ..layouts.presets import model_info, preset_manifest
+    from .dist import resolve_iteration_dir
 
     it = resolve_iteration_dir(path)
     files, archives = _read_rank_files(it)

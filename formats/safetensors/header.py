@@ -2,7 +2,7 @@
 
 ``read_header`` never allocates more than the file holds, and every broken rule is one
 ``FormatError`` line naming the file, the tensor and the rule (the format:
-:mod:`formats.safetensors_io`). No I/O beyond the 8-byte prefix and the header.
+:mod:`formats.safetensors.io`). No I/O beyond the 8-byte prefix and the header.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .box import Box
-from .dtypes import DType, by_safetensors
-from .errors import FormatError, ShardNotFoundError
-from .limits import INT64_MAX
+from ..errors import FormatError, ShardNotFoundError
+from ..manifest.box import Box
+from ..manifest.dtypes import DType, by_safetensors
+from ..manifest.limits import INT64_MAX
 
 __all__ = ["MAX_HEADER_BYTES", "METADATA_KEY", "Header", "StoredTensor", "cut_repr", "open_read", "read_header",
            "read_header_fd", "region_misfit"]

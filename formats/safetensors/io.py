@@ -11,11 +11,11 @@ The format, as the official implementation reads and writes it::
                nothing after the last one. Elements are little-endian, row-major.
 
 
-``read_header`` (:mod:`formats.safetensors_header`) treats every file as hostile: it never
+``read_header`` (:mod:`formats.safetensors.header`) treats every file as hostile: it never
 allocates more than the file holds, and every broken rule is one ``FormatError`` line naming the
-file, the tensor and the rule. ``read_region`` (:mod:`formats.safetensors_read`) reads only the
+file, the tensor and the rule. ``read_region`` (:mod:`formats.safetensors.read`) reads only the
 bytes of a region, coalescing runs whose gaps are small, through a bounded buffer.
-``layout_file`` (:mod:`formats.safetensors_write`) is the pure planner of a file;
+``layout_file`` (:mod:`formats.safetensors.write`) is the pure planner of a file;
 ``SafetensorsWriter`` streams regions into the file it lays out, atomically (temp file + rename).
 This module gathers their public names.
 
@@ -24,9 +24,9 @@ No MPI. No torch at import time: ``save_tensors`` imports it only when handed a 
 
 from __future__ import annotations
 
-from .safetensors_header import MAX_HEADER_BYTES, Header, StoredTensor, read_header
-from .safetensors_read import ReadStats, SafetensorsReader, read_region
-from .safetensors_write import SafetensorsWriter, layout_file, save_tensors
+from .header import MAX_HEADER_BYTES, Header, StoredTensor, read_header
+from .read import ReadStats, SafetensorsReader, read_region
+from .write import SafetensorsWriter, layout_file, save_tensors
 
 __all__ = [
     "MAX_HEADER_BYTES",

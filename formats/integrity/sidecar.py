@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import ManifestError
+from ..errors import ManifestError
 
 __all__ = ["ALGORITHMS", "ChecksumTable", "ChecksumWriter", "sidecar_name"]
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from .box import Box
+from ..manifest.box import Box
 
 __all__ = ["MAX_PAIRS", "BoxAnalysis", "analyze_boxes", "box_from"]
 

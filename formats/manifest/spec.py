@@ -1,7 +1,7 @@
 """The in-memory model of a manifest (design §3): Manifest, ArraySpec, Chunk, Source, TensorSpec.
 
-Frozen values, no parsing and no I/O (``manifest.py`` reads and writes the wire forms). A compact
-array (format_version 2) holds a reference to its layout (``formats/compact.py``) and expands its
+Frozen values, no parsing and no I/O (``wire.py`` reads and writes the wire forms). A compact
+array (format_version 2) holds a reference to its layout (``compact.py``) and expands its
 chunks on first use.
 """
 
@@ -12,16 +12,16 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol, TypedDict
 
+from ..errors import ManifestError
 from .box import Box
 from .dtypes import DTYPES, DType
-from .errors import ManifestError
 
 __all__ = ["ArrayRef", "ArraySpec", "COMPACT_FORMAT_VERSION", "Chunk", "FORMAT", "FORMAT_VERSION", "FORMAT_VERSIONS", "Manifest",
            "RegionDict", "Source", "TensorSpec"]
 
 FORMAT = "shardstream.manifest"
 FORMAT_VERSION = 1
-#: the compact form (meshes + layouts, formats/compact.py); readers take both
+#: the compact form (meshes + layouts, compact.py); readers take both
 COMPACT_FORMAT_VERSION = 2
 FORMAT_VERSIONS = (FORMAT_VERSION, COMPACT_FORMAT_VERSION)
 
@@ -98,7 +98,7 @@ class Chunk:
 
 
 class ArrayRef(Protocol):
-    """What a compact array holds (``formats.compact.ArrayRef``): its layout (shared by arrays), the
+    """What a compact array holds (``formats.manifest.compact.ArrayRef``): its layout (shared by arrays), the
     block of its region inside the local tensor, and the expansion into chunks."""
 
     @property

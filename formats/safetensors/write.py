@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .box import Box, uniform_runs
-from .dtypes import DTYPES, DType, from_torch, np_storage
-from .errors import RegionOutOfBoundsError
-from .limits import INT64_MAX
-from .safetensors_header import MAX_HEADER_BYTES, METADATA_KEY, cut_repr, region_misfit
+from ..errors import RegionOutOfBoundsError
+from ..manifest.box import Box, uniform_runs
+from ..manifest.dtypes import DTYPES, DType, from_torch, np_storage
+from ..manifest.limits import INT64_MAX
+from .header import MAX_HEADER_BYTES, METADATA_KEY, cut_repr, region_misfit
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -141,7 +141,7 @@ class SafetensorsWriter:
     included) aborts: the temp file is removed, so no complete-looking file is ever left.
 
     >>> import tempfile, os
-    >>> from formats.safetensors_read import SafetensorsReader
+    >>> from formats.safetensors.read import SafetensorsReader
     >>> p = os.path.join(tempfile.mkdtemp(), "w.safetensors")
     >>> with SafetensorsWriter(p, [("w", DTYPES["uint8"], (2, 3))]) as w:
     ...     w.write_box("w", Box((0, 0), (2, 2)), np.array([[1, 2], [4, 5]], dtype=np.uint8))

@@ -10,7 +10,7 @@ read here). Arrays keep Megatron's global names and shapes: layers stacked on a 
 Besides the model weights the DCP directory holds optimizer state as ordinary arrays
 (``optimizer.state.exp_avg.<weight>``; distributed-optimizer saves use other ``optimizer.``
 keys), RNG state and Transformer Engine ``_extra_state`` as byte entries. All of them are
-skipped by name and counted. The pickles are read by :mod:`formats.dcp_io`'s restricted
+skipped by name and counted. The pickles are read by :mod:`formats.dcp.io`'s restricted
 unpicklers: nothing in the checkpoint is executed.
 
 No MPI, no torch.
@@ -24,8 +24,8 @@ import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from .errors import FormatError
-from .manifest import Manifest
+from ..errors import FormatError
+from ..manifest.wire import Manifest
 
 __all__ = ["MegatronSkipped", "is_megatron_save_dir", "read_megatron_dist", "resolve_iteration_dir"]
 
@@ -124,7 +124,7 @@ def read_megatron_dist(path: str | os.PathLike[str]) -> tuple[Manifest, Megatron
     Arrays keep the stored DCP keys and global shapes; every chunk addresses its ``.distcp``
     payload by byte range (a view, no copy). ``base_dir`` is the iteration directory.
     """
-    from .dcp_io import read_dcp
+    from ..dcp.io import read_dcp
 
     it = resolve_iteration_dir(path)
     if not (it / ".metadata").is_file():

@@ -26,7 +26,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .dtypes import DTYPES
+from ..manifest.dtypes import DTYPES
 
 __all__ = [
     "LEGACY_GLOBALS", "TORCH_ALIASES", "TORCH_DTYPE_NAMES", "BytesStorageMetadata", "ChunkStorageMetadata",

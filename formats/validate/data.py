@@ -14,11 +14,11 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .box import Box, contiguous_slabs
-from .checksum import new_hasher
-from .dtypes import DTYPES, DType
-from .errors import FormatError, ShardNotFoundError, ShardstreamError, UsageError
-from .manifest import Chunk, Manifest
+from ..errors import FormatError, ShardNotFoundError, ShardstreamError, UsageError
+from ..integrity.checksum import new_hasher
+from ..manifest.box import Box, contiguous_slabs
+from ..manifest.dtypes import DTYPES, DType
+from ..manifest.wire import Chunk, Manifest
 from .paths import check_file_path, check_file_pattern, expand_file, file_kind
 from .problems import Report, fmt_dims
 
@@ -47,7 +47,7 @@ class _StoredLike(Protocol):
 
 def _header_reader() -> Callable[[Path], Any]:
     # imported lazily: validate_manifest never needs it, and it keeps this module's imports light
-    from .safetensors_header import read_header
+    from ..safetensors.header import read_header
 
     return read_header
 
@@ -96,7 +96,7 @@ def validate_data(m: Manifest, *, where: str = "<manifest>", verify_checksums: b
 
     Assumes ``m`` passed ``validate_manifest``: files whose paths ``check_file_path`` rejects are
     not opened (and not re-reported). Each file is stat'ed once and each safetensors header read
-    once. A directory is a zarr group (``formats.zarr_io``): its array must exist with sane
+    once. A directory is a zarr group (``formats.zarr.io``): its array must exist with sane
     metadata and the chunk's dtype and shape. Checksums are computed from ranged reads with
     bounded memory.
     """
@@ -132,7 +132,7 @@ class _DataChecker:
         self.headers: dict[str, Any] = {}
         self.reported: set[tuple[Any, ...]] = set()
         self.crc_missing = False
-        self.zarr: Any = None  # formats.zarr_io.ZarrReader, made on the first zarr group
+        self.zarr: Any = None  # formats.zarr.io.ZarrReader, made on the first zarr group
         self.zarr_bad: dict[tuple[str, str], bool] = {}
 
     def _once(self, *key: Any) -> bool:
@@ -145,7 +145,7 @@ class _DataChecker:
         if self.read_header is None and self.reader_error is None:
             try:
                 self.read_header = _header_reader()
-            except Exception as e:  # noqa: BLE001 - a broken safetensors_io must not crash validation
+            except Exception as e:  # noqa: BLE001 - a broken formats.safetensors must not crash validation
                 self.reader_error = f"{type(e).__name__}: {e}"
         return self.read_header
 
@@ -168,8 +168,8 @@ class _DataChecker:
             if reader is None:
                 if self._once("reader"):
                     self.rep.add(fqn, "file problems",
-                                 f"chunk {ci}: cannot read safetensors headers (formats.safetensors_io failed "
-                                 f"to import: {self.reader_error})")
+                                 f"chunk {ci}: cannot read safetensors headers "
+                                 f"(formats.safetensors.io failed to import: {self.reader_error})")
                 return None
             try:
                 self.headers[rel] = reader(full)
@@ -193,7 +193,7 @@ class _DataChecker:
         if self.zarr_bad.get(key):
             return  # reported once per array
         try:
-            from .zarr_io import ZarrReader, region_checksum
+            from ..zarr.io import ZarrReader, region_checksum
 
             if self.zarr is None:
                 self.zarr = ZarrReader()

@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from .box import Box, uniform_runs
-from .dtypes import np_storage
-from .errors import FormatError, RegionOutOfBoundsError, ShardNotFoundError
-from .safetensors_header import Header, StoredTensor, cut_repr, open_read, read_header_fd, region_misfit
+from ..errors import FormatError, RegionOutOfBoundsError, ShardNotFoundError
+from ..manifest.box import Box, uniform_runs
+from ..manifest.dtypes import np_storage
+from .header import Header, StoredTensor, cut_repr, open_read, read_header_fd, region_misfit
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -208,7 +208,7 @@ class SafetensorsReader:
     """An open safetensors file: its validated header and region reads.
 
     >>> import tempfile, os
-    >>> from formats.safetensors_write import save_tensors
+    >>> from formats.safetensors.write import save_tensors
     >>> d = tempfile.mkdtemp(); p = os.path.join(d, "t.safetensors")
     >>> save_tensors(p, {"w": np.arange(12, dtype=np.int32).reshape(3, 4)})
     >>> with SafetensorsReader(p) as r:

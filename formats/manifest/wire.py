@@ -3,7 +3,7 @@ serialise exactly.
 
 The wire form is plain JSON; the model is frozen dataclasses (``spec.py``, re-exported here). ``parse_manifest`` reports every
 structural problem it finds (unknown keys, wrong types, versions) in one ``ManifestError``.
-Semantic checks (coverage, overlaps, bounds, paths) live in ``validate.py``.
+Semantic checks (coverage, overlaps, bounds, paths) live in :mod:`formats.validate`.
 
 No I/O except ``load_manifest`` / ``save_manifest``; no MPI.
 """
@@ -17,13 +17,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from ..errors import ManifestError, ShardNotFoundError
+from ..integrity.sidecar import ChecksumTable, ChecksumWriter, sidecar_name
 from .box import Box
 from .compact import Layout, parse_compact, parse_ref, parse_run
 from .compact_fit import compact_dict
 from .dtypes import DTYPES
-from .errors import ManifestError, ShardNotFoundError
 from .limits import INT64_MAX
-from .sidecar import ChecksumTable, ChecksumWriter, sidecar_name
 from .spec import (
     COMPACT_FORMAT_VERSION,
     FORMAT,
@@ -474,7 +474,7 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
 
 def save_manifest(m: Manifest, path: str | os.PathLike[str], *, format_version: int = FORMAT_VERSION) -> None:
     """Write ``m`` atomically. Version 2 puts chunk checksums in a sidecar beside it
-    (``formats.sidecar``), written (atomically) before the manifest that names it."""
+    (``formats.integrity.sidecar``), written (atomically) before the manifest that names it."""
     p = Path(path)
     if format_version != COMPACT_FORMAT_VERSION:
         atomic_write_bytes(p, dumps_manifest(m, format_version=format_version).encode())

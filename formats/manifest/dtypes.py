@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import FormatError, ManifestError
+from ..errors import FormatError, ManifestError
 
 __all__ = ["DType", "DTYPES", "by_name", "by_safetensors", "from_torch", "np_storage"]
 

@@ -31,11 +31,11 @@ from typing import Any
 
 import numpy as np
 
-from .box import Box, contiguous_slabs
-from .dtypes import DTYPES, DType, by_name, np_storage
-from .errors import FormatError, ShardNotFoundError, UsageError
-from .files import read_bounded
-from .limits import INT64_MAX
+from ..errors import FormatError, ShardNotFoundError, UsageError
+from ..files.bounded import read_bounded
+from ..manifest.box import Box, contiguous_slabs
+from ..manifest.dtypes import DTYPES, DType, by_name, np_storage
+from ..manifest.limits import INT64_MAX
 
 __all__ = [
     "COMPRESSORS",
@@ -448,7 +448,7 @@ class ZarrArray:
 
 
 def _zarr_call(where: str, what: str, fn: Any, *args: Any) -> Any:
-    from .errors import ShardstreamError
+    from ..errors import ShardstreamError
 
     try:
         return fn(*args)
@@ -497,7 +497,7 @@ def read_box(za: ZarrArray, box: Box, out: np.ndarray | None = None) -> np.ndarr
     if out is None:
         out = np.empty(n, dtype=np.uint8)
     if not box.fits_in(za.info.shape):
-        from .errors import RegionOutOfBoundsError
+        from ..errors import RegionOutOfBoundsError
 
         raise RegionOutOfBoundsError(f"{za.where}: region {box} is outside the array's shape {list(za.info.shape)}")
     if n == 0:
@@ -512,7 +512,7 @@ def read_box(za: ZarrArray, box: Box, out: np.ndarray | None = None) -> np.ndarr
 
 def region_checksum(za: ZarrArray, box: Box, algo: str, budget: int = 64 << 20) -> str:
     """Checksum of ``box``'s bytes in row-major order, read slab by slab (bounded memory)."""
-    from .checksum import new_hasher
+    from ..integrity.checksum import new_hasher
 
     h = new_hasher(algo)
     isz = za.info.dtype.itemsize
