@@ -133,8 +133,9 @@ def transport_kind(kind: str | None, group: Group) -> str:
     return kind
 
 
-def make_transport(kind: str | Transport | None, group: Group, timeout: float) -> Transport:
-    """The transport named ``kind`` over ``group`` (default: mpi on the MPI plane, else gloo)."""
+def make_transport(kind: str | Transport | None, group: Group, timeout: float, device: Any = None) -> Transport:
+    """The transport named ``kind`` over ``group`` (default: mpi on the MPI plane, else gloo);
+    ``device``: the CUDA device of nccl and cuda-ipc when the caller owns the choice."""
     if kind is not None and not isinstance(kind, str):
         return kind
     kind = transport_kind(kind, group)
@@ -143,11 +144,11 @@ def make_transport(kind: str | Transport | None, group: Group, timeout: float) -
     if kind in ("shm", "cuda-ipc"):  # colocated ranks: one-sided copies (transport/handles.py)
         from streamer.transport.colocated import open_handle_transport
 
-        return open_handle_transport(kind, group, timeout)
+        return open_handle_transport(kind, group, timeout, device)
     from streamer.transport.torch_dist import TorchDistTransport
 
     return TorchDistTransport(group.control, kind, store=group.store, timeout=timeout,
-                              prefix=f"{group.prefix}shardstream")
+                              prefix=f"{group.prefix}shardstream", device=device)
 
 
 def _agree_transport(group: Group, transport: str | Transport | None, timeout: float, checks: LocalChecks,
@@ -209,6 +210,7 @@ class RefitSession:
         self._kind: str | None = None  # the transport asked for (None: the plane's default)
         self._reopenable = False  # open() built the transport: it can build one for a new sender job
         self._replica: str | None = None  # receivers: this replica's name
+        self._device: Any = None  # open(device=): the CUDA device of nccl / cuda-ipc, for reopening
         self._receipt = ""  # a replica's receiver: the store key of its last receipt (``_post_receipt``)
         self._fleet: Fleet | None = None  # a trainer serving replicas: its per-replica sessions
         self._synced_ptrs: tuple[Any, ...] = ()
@@ -230,7 +232,7 @@ class RefitSession:
              refusal: Refusal | None = None, announce: Callable[[AgreedRefusal], None] | None = None,
              prepare: Callable[[Group], None] | None = None,
              choose_manifest: Callable[[Manifest], Manifest] | None = None, replica: str | None = None,
-             replicas: bool = False) -> RefitSession:
+             replicas: bool = False, device: Any = None) -> RefitSession:
         """Join the refit as ``role`` ("send" or "recv") and plan it: the one collective entry point.
 
         ``transport``: "mpi" (default under mpiexec), "gloo" (default otherwise), "nccl", "shm" or
@@ -249,6 +251,10 @@ class RefitSession:
         Replicas (store plane, ``docs/resilience.md``): each inference replica's receiver job opens
         with ``replica="NAME"`` and the same ``rendezvous``; the trainer opens with ``replicas=True``
         and pushes to every replica that joins (``streamer.refit.fleet``).
+
+        ``device``: the CUDA device the nccl and cuda-ipc transports use, for a process whose
+        device someone else chose (a vLLM worker passes its own); used as given, the current device
+        left alone. Default: the launcher's local rank, made current (``transport.device``).
         """
         t0 = time.perf_counter()
         if replicas:
@@ -269,8 +275,9 @@ class RefitSession:
         try:
             kind = _agree_transport(group, transport, timeout, checks, prepare)
             assert m is not None  # a rank without its manifest refused above, on every rank
-            session = cls(m, role, group, make_transport(kind, group, timeout), timeout, options or RefitOptions(),
-                          device_ops, choose_manifest)
+            session = cls(m, role, group, make_transport(kind, group, timeout, device), timeout,
+                          options or RefitOptions(), device_ops, choose_manifest)
+            session._device = device
             session._kind = kind if isinstance(kind, str) else None
             session._reopenable = not (transport is not None and not isinstance(transport, str))
             session._replica = replica
@@ -324,7 +331,7 @@ class RefitSession:
         if self._started:
             return
         if self.transport is None:
-            self.transport = make_transport(None, self.group, self.timeout)
+            self.transport = make_transport(None, self.group, self.timeout, self._device)
         with paused_gc():  # a full-size plan: ~10^6 long-lived objects (see streamer.plan.gcpause)
             self._plan_start()
         self._start_quant()
@@ -545,7 +552,7 @@ class RefitSession:
         self.group = rejoin(self.group, self.timeout)
         kind = _agree_transport(self.group, self._kind, self.timeout, LocalChecks(), None)  # as open() does
         self._broken = False
-        self.transport = make_transport(kind, self.group, self.timeout)
+        self.transport = make_transport(kind, self.group, self.timeout, self._device)
         self._started, self._delta_state, self._executor = False, None, None
         self._recv_quant = None
         self.start()

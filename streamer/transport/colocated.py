@@ -45,9 +45,10 @@ def _colocation_problems(kind: str, control: Transport, timeout: float, names: A
     return problems
 
 
-def open_handle_transport(kind: str, group: Any, timeout: float) -> HandleTransport:
+def open_handle_transport(kind: str, group: Any, timeout: float, device: Any = None) -> HandleTransport:
     """The ``shm`` or ``cuda-ipc`` transport of ``group``; refused (same problems on every rank,
-    exit 1) when the ranks span several nodes or, for cuda-ipc, a rank sees no CUDA device."""
+    exit 1) when the ranks span several nodes or, for cuda-ipc, a rank sees no CUDA device.
+    ``device``: cuda-ipc's device when the caller owns the choice (``transport.device``)."""
     control: Transport = group.control
     if group.plane != "mpi":  # the store plane carries no point-to-point messages: gloo does
         from streamer.transport.torch_dist import TorchDistTransport
@@ -64,7 +65,7 @@ def open_handle_transport(kind: str, group: Any, timeout: float) -> HandleTransp
         else:
             from streamer.transport.cuda_ipc import CudaIpcBackend
 
-            backend = CudaIpcBackend.for_rank(group.role_rank)
+            backend = CudaIpcBackend.for_rank(group.role_rank, device)
     except (TransportError, RuntimeError, OSError) as e:  # every rank must reach the allgather below
         problem = str(e)
     problems = _colocation_problems(kind, control, timeout, group.name, problem)

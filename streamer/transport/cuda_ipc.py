@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 from typing import Any
 
 from formats.errors import TransportError
@@ -106,20 +105,20 @@ class CudaIpcBackend:
         self._mapped: dict[tuple[int, int], Any] = {}
 
     @classmethod
-    def for_rank(cls, rank: int) -> CudaIpcBackend:
-        """The device of this process: ``LOCAL_RANK`` when a launcher set it, else ``rank`` (its
-        rank in its own job: on one node, trainer rank i and server rank i share GPU i, as
-        colocated RL places them), modulo the visible GPUs."""
+    def for_rank(cls, rank: int, device: Any = None) -> CudaIpcBackend:
+        """The device of this process: ``device`` when the caller names it (a vLLM worker's own),
+        else ``LOCAL_RANK`` when a launcher set it, else ``rank`` (its rank in its own job: on one
+        node, trainer rank i and server rank i share GPU i, as colocated RL places them), modulo
+        the visible GPUs (``transport.device``)."""
         try:
             import torch
         except ImportError as e:
             raise TransportError("torch is not installed") from e
         if not torch.cuda.is_available():
             raise TransportError("no CUDA device is visible (torch.cuda.is_available() is False)")
-        local = int(os.environ.get("LOCAL_RANK", rank))
-        device = torch.device("cuda", local % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-        return cls(device)
+        from streamer.transport.device import cuda_device
+
+        return cls(cuda_device(rank, device))
 
     # -- buffers
     def byte_view(self, tensor: Any) -> Any:

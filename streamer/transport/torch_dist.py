@@ -24,6 +24,7 @@ from typing import Any
 
 from formats.errors import TransportError, UsageError
 from streamer.transport.base import RemoteAbortError, Transport
+from streamer.transport.device import cuda_device
 from streamer.transport.store import open_store
 
 __all__ = ["TorchDistTransport", "free_port"]
@@ -79,7 +80,7 @@ class TorchDistTransport:
     ``MPITransport`` or a ``StoreControl``); ``store`` the plane's TCPStore when it has one."""
 
     def __init__(self, plane: Transport, backend: str = "gloo", *, store: Any = None,
-                 timeout: float = 300.0, prefix: str = "shardstream") -> None:
+                 timeout: float = 300.0, prefix: str = "shardstream", device: Any = None) -> None:
         import torch
         import torch.distributed as dist
 
@@ -100,10 +101,8 @@ class TorchDistTransport:
         else:
             if not torch.cuda.is_available():
                 raise UsageError("--transport nccl needs CUDA GPUs; none are visible (use mpi or gloo on CPU)")
-            local = int(os.environ.get("LOCAL_RANK", os.environ.get(
-                "MPI_LOCALRANKID", os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", self.rank))))
-            self.device = torch.device("cuda", local % torch.cuda.device_count())
-            torch.cuda.set_device(self.device)
+            # ``device``: the caller's own (a vLLM worker's), used as given; else the launcher's
+            self.device = cuda_device(self.rank, device)
         self.store = store if store is not None else self._serve_store(timeout)
         self._prefix = f"{prefix}/{backend}"
         try:

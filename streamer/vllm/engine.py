@@ -117,7 +117,14 @@ class ShardstreamWeightTransferEngine(
                                          timeout=init_info.timeout,
                                          options=RefitOptions(verify=init_info.verify, delta=init_info.delta,
                                                               fp8_block=described.fp8_block),
-                                         choose_manifest=choose)
+                                         choose_manifest=choose, device=self._cuda_device())
+
+    def _cuda_device(self) -> Any:
+        """The worker's own device for the nccl transport (None on CPU): vLLM chose it, and it need
+        not be ``LOCAL_RANK`` (remapped ``CUDA_VISIBLE_DEVICES``, data parallelism); the session
+        uses it as given and never calls ``set_device`` inside the worker."""
+        device = getattr(self, "device", None)
+        return device if getattr(device, "type", None) == "cuda" else None
 
     # ------------------------------------------------------------------ one update
     def start_weight_update(self) -> None:
