@@ -81,15 +81,17 @@ def _full_tensors(worker: Any, model_dir: str) -> None:
     """In each worker: every HF tensor whole in this worker's memory (what vLLM's NCCL backend and
     checkpoint-engine deliver), then ``model.load_weights`` inside vLLM's layerwise reload."""
     from safetensors.torch import load_file
-    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
+    from streamer.vllm import internals
+
+    v = internals.load()
     weights: dict[str, Any] = {}
     for f in sorted(Path(model_dir).glob("*.safetensors")):
         weights.update(load_file(f))
     model = worker.model_runner.get_model()
-    initialize_layerwise_reload(model)
+    v.initialize_layerwise_reload(model)
     model.load_weights(iter(weights.items()))
-    finalize_layerwise_reload(model, worker.model_runner.model_config)
+    v.finalize_layerwise_reload(model, worker.model_runner.model_config)
 
 
 def _generate(llm: Any) -> list[Any]:

@@ -55,6 +55,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from streamer.vllm import internals
 from streamer.vllm.audit import Snapshot, snapshot, stale
 from streamer.vllm.manifest import VllmManifests, VllmTensor, manifest_from_vllm
 
@@ -106,6 +107,7 @@ class ShardstreamWeightTransferEngine(
 
         if self.session is not None:
             self.shutdown()
+        internals.check()  # a vLLM without what the updates use is refused here, before any push
         self.described = described = manifest_from_vllm(self.model)
 
         def choose(src: Any) -> Any:
@@ -128,11 +130,9 @@ class ShardstreamWeightTransferEngine(
 
     # ------------------------------------------------------------------ one update
     def start_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
         self._need_session()
         self._before = snapshot(self.model, self._audited())
-        initialize_layerwise_reload(self.model)
+        internals.load().initialize_layerwise_reload(self.model)
         self._reloading = True
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
@@ -172,11 +172,9 @@ class ShardstreamWeightTransferEngine(
                      "quantized": _quantized(session), "quantize_seconds": st.quantize_seconds}
 
     def finish_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
         if self._reloading:
             self._reloading = False
-            finalize_layerwise_reload(self.model, self.model_config)
+            internals.load().finalize_layerwise_reload(self.model, self.model_config)
         if self._before is not None:
             before, self._before = self._before, None
             left = stale(self.model, before)
@@ -215,25 +213,19 @@ class ShardstreamWeightTransferEngine(
         load does (vLLM processes every module after loading, the tied head after the embedding).
         On the CPU build that rebuilds the head's packed copy, which the logits are computed from;
         without it the engine served the new body with the first load's output head."""
-        from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
-        from vllm.model_executor.model_loader.reload.layerwise import (
-            LAYERWISE_INFO,
-            _copy_and_restore_kernel_tensors,
-            _place_kernel_tensors,
-        )
-
+        v = internals.load()
         for module in self._aliases():
             layer = self.model.get_submodule(module)
-            info = LAYERWISE_INFO.get(layer)
+            info = v.LAYERWISE_INFO.get(layer)
             if info is None or info.kernel_tensors is None:
                 raise RuntimeError(f"shardstream: tied layer {module} was not set up for reload (start_weight_update)")
-            _place_kernel_tensors(layer, info)  # the owner's tensors, which now hold the pushed bytes
+            v.place_kernel_tensors(layer, info)  # the owner's tensors, which now hold the pushed bytes
             qm = getattr(layer, "quant_method", None)
-            if isinstance(qm, QuantizeMethodBase):
+            if isinstance(qm, v.QuantizeMethodBase):
                 if hasattr(layer, "_already_called_process_weights_after_loading"):
                     delattr(layer, "_already_called_process_weights_after_loading")
                 qm.process_weights_after_loading(layer)
-            _copy_and_restore_kernel_tensors(layer, info)
+            v.copy_and_restore_kernel_tensors(layer, info)
             info.reset()
 
     def _with_base(self, tensors: dict[str, Any]) -> dict[str, Any]:
@@ -252,20 +244,18 @@ class ShardstreamWeightTransferEngine(
     def _targets(self) -> tuple[dict[str, Any], list[tuple[Any, str]]]:
         """The tensors the pull writes: kernel tensors of ``inplace`` layers, freshly materialized
         model-format parameters of ``reprocess`` layers (vLLM's ``materialize_layer``)."""
-        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
-        from vllm.model_executor.model_loader.reload.meta import materialize_layer
-
+        v = internals.load()
         tensors: dict[str, Any] = {}
         layers: dict[int, tuple[Any, str]] = {}
         for t in self._locals():
             layer = self.model.get_submodule(t.module)
-            info = LAYERWISE_INFO.get(layer)
+            info = v.LAYERWISE_INFO.get(layer)
             if info is None or not info.can_load() or info.kernel_tensors is None:
                 raise RuntimeError(f"shardstream: {t.module} was not set up for reload (start_weight_update)")
             if id(layer) not in layers:
                 layers[id(layer)] = (layer, t.path)
                 if t.path == "reprocess":
-                    materialize_layer(layer, info)
+                    v.materialize_layer(layer, info)
             param = getattr(layer, t.param) if t.path == "reprocess" else info.kernel_tensors[0][t.param]
             tensors[t.name] = param.data.view(t.shape)
         return tensors, list(layers.values())
@@ -274,38 +264,30 @@ class ShardstreamWeightTransferEngine(
         """Per layer, what ``_layerwise_process`` does after its loads: vLLM's processing of the new
         weights, copied into the kernel tensors (``reprocess``); or just the kernel tensors put back
         (``inplace``). Either way the layer is done: finalize skips it."""
-        from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
-        from vllm.model_executor.model_loader.reload.layerwise import (
-            LAYERWISE_INFO,
-            _copy_and_restore_kernel_tensors,
-            _place_kernel_tensors,
-        )
-
+        v = internals.load()
         for layer, path in layers:
-            info = LAYERWISE_INFO[layer]
+            info = v.LAYERWISE_INFO[layer]
             if path == "reprocess":
                 qm = getattr(layer, "quant_method", None)
-                if isinstance(qm, QuantizeMethodBase):
+                if isinstance(qm, v.QuantizeMethodBase):
                     if hasattr(layer, "_already_called_process_weights_after_loading"):
                         delattr(layer, "_already_called_process_weights_after_loading")
                     qm.process_weights_after_loading(layer)
                     _experts_prepack(qm, layer)
                     if hasattr(layer, "update_param_tp_status"):
                         layer.update_param_tp_status()
-                _copy_and_restore_kernel_tensors(layer, info)
+                v.copy_and_restore_kernel_tensors(layer, info)
             else:
-                _place_kernel_tensors(layer, info)
+                v.place_kernel_tensors(layer, info)
             info.reset()
 
     def _abort(self) -> None:
         """Put every layer's kernel tensors back (vLLM's finalize does: nothing was loaded through its
         loaders), so a failed update leaves a model that still serves."""
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
         self._before = None
         if self._reloading:
             self._reloading = False
-            finalize_layerwise_reload(self.model, self.model_config)
+            internals.load().finalize_layerwise_reload(self.model, self.model_config)
 
 
 def _quantized(session: Any) -> dict[str, int]:

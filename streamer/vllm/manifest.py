@@ -61,6 +61,7 @@ from formats.errors import FormatError, ValidationError
 from formats.manifest.box import Box
 from formats.manifest.dtypes import from_torch
 from formats.manifest.wire import ArraySpec, Chunk, Manifest, Source, TensorSpec
+from streamer.vllm import internals
 
 __all__ = ["EXPERT_NAMINGS", "VllmLayoutError", "VllmManifests", "VllmTensor", "choose_naming",
            "describe_worker", "manifest_from_vllm", "manifests_from_pieces"]
@@ -124,9 +125,7 @@ class VllmManifests:
 def _model_format(layer: Any, name: str, param: Any) -> Any:
     """The parameter as the loaders write it: vLLM's reload metadata (a meta tensor recorded before
     ``process_weights_after_loading``), else the parameter itself."""
-    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
-
-    info = LAYERWISE_INFO.get(layer)
+    info = internals.load().LAYERWISE_INFO.get(layer)
     if info is not None:
         meta = info.restore_metadata[0].get(name)
         if meta is not None:
@@ -136,14 +135,13 @@ def _model_format(layer: Any, name: str, param: Any) -> Any:
 
 def _path(layer: Any) -> str:
     import torch
-    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
-    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
+    v = internals.load()
     qm = getattr(layer, "quant_method", None)
     if qm is None:
         return "inplace"
     # on CUDA these two keep the weight as loaded (process_weights_after_loading does nothing there)
-    if type(qm) in (UnquantizedLinearMethod, UnquantizedEmbeddingMethod) and torch.cuda.is_available():
+    if type(qm) in (v.UnquantizedLinearMethod, v.UnquantizedEmbeddingMethod) and torch.cuda.is_available():
         return "inplace"
     return "reprocess"
 
@@ -343,26 +341,12 @@ def _experts(w: _Worker, layer: Any, module: str, params: Mapping[str, tuple[Any
 
 def describe_worker(model: Any) -> _Worker:
     """This worker's pieces and local tensors (both namings) and the problems found."""
-    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
-    from vllm.model_executor.layers.linear import (
-        ColumnParallelLinear,
-        MergedColumnParallelLinear,
-        QKVParallelLinear,
-        ReplicatedLinear,
-        RowParallelLinear,
-        UnquantizedLinearMethod,
-    )
-    from vllm.model_executor.layers.vocab_parallel_embedding import (
-        UnquantizedEmbeddingMethod,
-        VocabParallelEmbedding,
-    )
-    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
-
+    v = internals.load()
     w = _Worker(getattr(model, "packed_modules_mapping", None) or {})
-    known: list[tuple[type, Any]] = [(QKVParallelLinear, _qkv), (MergedColumnParallelLinear, _merged),
-                                     (RowParallelLinear, _row), (ReplicatedLinear, None),
-                                     (ColumnParallelLinear, _column), (VocabParallelEmbedding, _vocab)]
-    unquantized = (UnquantizedLinearMethod, UnquantizedEmbeddingMethod)
+    known: list[tuple[type, Any]] = [(v.QKVParallelLinear, _qkv), (v.MergedColumnParallelLinear, _merged),
+                                     (v.RowParallelLinear, _row), (v.ReplicatedLinear, None),
+                                     (v.ColumnParallelLinear, _column), (v.VocabParallelEmbedding, _vocab)]
+    unquantized = (v.UnquantizedLinearMethod, v.UnquantizedEmbeddingMethod)
     owner: dict[int, str] = {}  # id of a parameter -> the module that describes it
     for module, layer in model.named_modules():
         _buffers(w, module, layer)
@@ -380,7 +364,7 @@ def describe_worker(model: Any) -> _Worker:
         if len(params) != len(own):
             continue
         qm = getattr(layer, "quant_method", None)
-        if isinstance(layer, RoutedExperts):
+        if isinstance(layer, v.RoutedExperts):
             if type(qm).__name__ != "UnquantizedFusedMoEMethod":
                 w.problems.append(f"{module}: quantized experts ({type(qm).__name__}) are not described yet")
             else:
@@ -406,7 +390,7 @@ def describe_worker(model: Any) -> _Worker:
                 w.scales(layer, module, *params["weight_scale_inv"], block)
             continue
         for pname, (meta, dt) in params.items():
-            loader = getattr(own[pname], "weight_loader", default_weight_loader)
+            loader = getattr(own[pname], "weight_loader", v.default_weight_loader)
             if qm is not None or getattr(loader, "__name__", "") not in ("default_weight_loader",
                                                                          "online_process_loader"):
                 w.problems.append(f"{module}.{pname}: {type(layer).__name__} loads it with "
@@ -481,11 +465,10 @@ def _fp8_block(w: _Worker, module: str, qm: Any, params: Mapping[str, tuple[Any,
     dynamic activation scales, float32 ``weight_scale_inv``), recorded in ``w``; None, with the
     problem recorded, for any other quantized layer (per-tensor FP8, static input scales, UE8M0
     scales, every other method: not described yet)."""
-    from vllm.model_executor.layers.quantization.fp8 import Fp8LinearMethod
-
-    block = getattr(qm, "weight_block_size", None) if type(qm) is Fp8LinearMethod else None
+    fp8_method = internals.load().Fp8LinearMethod
+    block = getattr(qm, "weight_block_size", None) if type(qm) is fp8_method else None
     why = ("" if block is not None else f"quantized layer ({type(qm).__name__}"
-           + (", FP8 without weight_block_size" if type(qm) is Fp8LinearMethod else "") + ") is not described yet")
+           + (", FP8 without weight_block_size" if type(qm) is fp8_method else "") + ") is not described yet")
     if not why and (qm.act_q_static or getattr(qm, "is_scale_e8m0", False)):
         why = "block-FP8 layer with static input scales or UE8M0 scales is not described yet"
     if not why and (params.get("weight", (None, ""))[1] != "float8_e4m3fn"
@@ -561,9 +544,7 @@ def manifest_from_vllm(model: Any, *, name: str | None = "vllm", group: Any = No
     mine = (w.pieces, w.tensors, w.problems)
     if dist.is_available() and dist.is_initialized():
         if group is None:
-            from vllm.distributed.parallel_state import get_world_group
-
-            group = get_world_group().cpu_group
+            group = internals.load().get_world_group().cpu_group
         rank, size = int(dist.get_rank()), int(dist.get_world_size())
         gathered: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(gathered, (rank, mine), group=group)
