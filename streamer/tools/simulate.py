@@ -136,7 +136,7 @@ class Cluster:
         return d
 
 
-#: public specs (../shared/workloads/README.md). DGX H100: 8 GPUs per NVLink domain, NVLink
+#: public specs (workloads/README.md). DGX H100: 8 GPUs per NVLink domain, NVLink
 #: 900 GB/s per GPU bidirectional (450 one way), one 400 Gb/s (50 GB/s) InfiniBand NIC per GPU.
 #: GB200 NVL72: 72 GPUs per domain, NVLink 1.8 TB/s per GPU bidirectional (900 one way), one
 #: 400 Gb/s NIC per GPU (ConnectX-7; pass --nic-gbps 100 for 800 Gb/s ConnectX-8).

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-MODELS = Path(__file__).resolve().parents[2] / "workloads" / "models"  # shipped copy of ../shared/workloads
+MODELS = Path(__file__).resolve().parents[2] / "workloads" / "models"  # the shipped model shapes
 CONFIG = MODELS / "deepseek-v3.config.json"
 GB = 1 << 30
 

@@ -1,7 +1,7 @@
 """formats.layouts.models: model descriptions -> arrays, NCCL M2N JSONs, generic rules, and the
 Megatron / vLLM parallel layouts built from them.
 
-Oracles: published parameter counts, the NCCL M2N model JSONs shipped in ../shared/workloads
+Oracles: published parameter counts, the NCCL M2N model JSONs shipped in workloads/
 (made by NVIDIA from the real checkpoints), and hand-written shapes for tiny configs.
 """
 
@@ -35,7 +35,7 @@ MODELS = WORKLOADS / "models"
 M2N = WORKLOADS / "nccl-m2n"
 SYSTEMS = sorted(p for p in M2N.glob("*.json") if not p.name.endswith(".model.json"))
 
-needs_workloads = pytest.mark.skipif(not MODELS.is_dir(), reason="../shared/workloads not present (workloads/ missing)")
+needs_workloads = pytest.mark.skipif(not MODELS.is_dir(), reason="workloads/ missing")
 
 TINY_MOE: dict[str, Any] = {
     "model_type": "qwen3_moe", "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,

@@ -29,10 +29,10 @@ from streamer.tools.simulate import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
-WORKLOADS = ROOT / "workloads"  # shipped copy of ../shared/workloads (shapes only, small)
+WORKLOADS = ROOT / "workloads"  # the shipped model shapes (small)
 MODELS = WORKLOADS / "models"
 M2N = WORKLOADS / "nccl-m2n"
-needs_workloads = pytest.mark.skipif(not MODELS.is_dir(), reason="../shared/workloads not present (workloads/ missing)")
+needs_workloads = pytest.mark.skipif(not MODELS.is_dir(), reason="workloads/ missing")
 
 #: round numbers: NIC 1 GB/s, NVLink 4 GB/s, 1 ms per message, one big bucket
 NIC, NVL, LAT = 1e9, 4e9, 1e-3
