@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from formats.errors import TransportError
+from formats.errors import TransportError, UsageError
 
 __all__ = ["DECODE_GBPS", "ENCODE_GBPS", "ENCODINGS", "HEADER_WORDS", "DeltaChecksumError", "DeltaPush", "DeltaRecv",
            "DeltaSend", "DeltaState", "break_even_gbps", "decode_into", "encode", "host_array", "pair_link", "xor_scan"]
@@ -189,8 +189,11 @@ class DeltaRecv:
 
 
 def _zstd() -> Any:
-    from numcodecs import Zstd  # type: ignore[import-untyped]  # no stubs
-
+    try:
+        from numcodecs import Zstd  # type: ignore[import-untyped]  # no stubs
+    except ImportError as e:
+        raise UsageError("delta refit compresses with numcodecs, which is not installed: "
+                         "pip install 'shardstream[delta]'") from e
     return Zstd(level=1)
 
 
