@@ -1,4 +1,5 @@
-"""vLLM plugin: registers the ``shardstream`` weight-transfer backend in every vLLM process.
+"""vLLM plugin: registers the ``shardstream`` weight-transfer backend in every vLLM process: the
+engine side (``streamer.vllm.engine``) and the trainer side (``streamer.vllm.trainer``).
 
 Installing shardstream declares it under the ``vllm.general_plugins`` entry point (pyproject), which
 vLLM loads in every process it starts; the engine module itself (it imports vLLM) is loaded only
@@ -51,7 +52,13 @@ def register() -> None:
             "registered (SHARDSTREAM_VLLM_ANY_VERSION=1 registers it anyway)",
             version, ", ".join(f"{a}.{b}.x" for a, b in SUPPORTED), BACKEND)
         return
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    from vllm.distributed.weight_transfer import factory
 
-    if BACKEND not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine(BACKEND, "streamer.vllm.engine", "ShardstreamWeightTransferEngine")
+    if BACKEND not in factory.WeightTransferEngineFactory._registry:
+        factory.WeightTransferEngineFactory.register_engine(BACKEND, "streamer.vllm.engine",
+                                                            "ShardstreamWeightTransferEngine")
+    # the trainer side: a trainer process that calls vllm.plugins.load_general_plugins() can then
+    # pick the backend by name (WeightTransferTrainerFactory.trainer_init, streamer.vllm.trainer)
+    trainers = getattr(factory, "WeightTransferTrainerFactory", None)
+    if trainers is not None and BACKEND not in trainers._registry:
+        trainers.register_engine(BACKEND, "streamer.vllm.trainer", "ShardstreamTrainerEngine")

@@ -15,7 +15,8 @@ from streamer.vllm import internals
 
 PKG = Path(__file__).resolve().parents[2] / "streamer" / "vllm"
 #: vLLM's public API, which any module of the backend may import
-PUBLIC = {"vllm", "vllm.distributed.weight_transfer.base", "vllm.distributed.weight_transfer.factory"}
+PUBLIC = {"vllm", "vllm.distributed.weight_transfer", "vllm.distributed.weight_transfer.base",
+          "vllm.distributed.weight_transfer.factory"}
 
 
 def _trees() -> dict[str, ast.AST]:

@@ -18,17 +18,24 @@ def _fake_vllm(monkeypatch: pytest.MonkeyPatch, version: str) -> dict[str, Any]:
     registry: dict[str, Any] = {}
 
     class Factory:
-        _registry = registry
+        _registry: dict[str, Any] = {}
 
-        @staticmethod
-        def register_engine(name: str, module: str, cls: str) -> None:
-            registry[name] = (module, cls)
+        @classmethod
+        def register_engine(cls, name: str, module: str, class_name: str) -> None:
+            cls._registry[name] = (module, class_name)
+            registry[f"{cls.__name__}:{name}"] = (module, class_name)
+
+    class TrainerFactory(Factory):
+        _registry: dict[str, Any] = {}
 
     mods = {"vllm": types.ModuleType("vllm"), "vllm.distributed": types.ModuleType("vllm.distributed"),
             "vllm.distributed.weight_transfer": types.ModuleType("vllm.distributed.weight_transfer"),
             "vllm.distributed.weight_transfer.factory": types.ModuleType("vllm.distributed.weight_transfer.factory")}
     mods["vllm"].__version__ = version  # type: ignore[attr-defined]
-    mods["vllm.distributed.weight_transfer.factory"].WeightTransferEngineFactory = Factory  # type: ignore[attr-defined]
+    factory = mods["vllm.distributed.weight_transfer.factory"]
+    factory.WeightTransferEngineFactory = Factory  # type: ignore[attr-defined]
+    factory.WeightTransferTrainerFactory = TrainerFactory  # type: ignore[attr-defined]
+    mods["vllm.distributed.weight_transfer"].factory = factory  # type: ignore[attr-defined]
     for name, mod in mods.items():
         monkeypatch.setitem(sys.modules, name, mod)
     monkeypatch.delenv("SHARDSTREAM_VLLM_ANY_VERSION", raising=False)
@@ -39,7 +46,8 @@ def test_a_tested_vllm_gets_the_backend(monkeypatch: pytest.MonkeyPatch) -> None
     registry = _fake_vllm(monkeypatch, "0.32.0")
     plugin.register()
     plugin.register()  # idempotent
-    assert registry == {"shardstream": ("streamer.vllm.engine", "ShardstreamWeightTransferEngine")}
+    assert registry == {"Factory:shardstream": ("streamer.vllm.engine", "ShardstreamWeightTransferEngine"),
+                        "TrainerFactory:shardstream": ("streamer.vllm.trainer", "ShardstreamTrainerEngine")}
 
 
 def test_an_untested_vllm_gets_one_line_and_nothing_registered(monkeypatch: pytest.MonkeyPatch,
@@ -56,4 +64,4 @@ def test_the_override_registers_on_any_version(monkeypatch: pytest.MonkeyPatch) 
     registry = _fake_vllm(monkeypatch, "0.34.1")
     monkeypatch.setenv("SHARDSTREAM_VLLM_ANY_VERSION", "1")
     plugin.register()
-    assert "shardstream" in registry
+    assert "Factory:shardstream" in registry

@@ -122,11 +122,49 @@ def test_vllm_serve_refits_over_http(tmp_path: Path) -> None:
             srv.refit(sender, rdv, version)
             assert srv.get("/weight_info") == {"weight_version": version}
             outs[version] = (srv.served(str(b)), time.monotonic() - t0)
+        backend = _trainer_backend(srv, tmp_path, a, b, procs)
     finally:
         for p in procs:
             p.kill()
     assert all(len(o["tokens"]) == 6 and all(len(pos) == 5 for pos in o["logprobs"]) for o in first), first
     assert outs["a"][0] != first, "after pushing A the server still serves B: the update did not reach the kernels"
     assert outs["b"][0] == first, "after pushing B back the server does not serve what its own load of B served"
+    # the trainer-side backend: an FSDP2 trainer picks "shardstream" by name through vLLM's trainer
+    # factory and drives the server through vLLM's HTTP client. A, then B: the server serves what
+    # the hub pushes of A served, then its own load of B; /weight_info names each pushed version;
+    # and no rank gathered a full tensor
+    (v1, after_a), (v2, after_b) = backend
+    assert after_a == outs["a"][0], "after the backend pushed A the server does not serve what A served"
+    assert after_b == first, "after the backend pushed B the server does not serve what its own load of B served"
+    assert v1["gathers"] == 0 and v2["gathers"] == 0, (v1, v2)
+    assert v2["version"] > v1["version"], (v1, v2)
     print(f"vllm serve: up in {up:.0f} s; sessions (join + update + leave) {outs['a'][1]:.1f} s, "
           f"{outs['b'][1]:.1f} s")
+
+
+def _trainer_backend(srv: Server, tmp: Path, a: Path, b: Path, procs: list[Proc]) -> list[tuple[dict[str, Any], Any]]:
+    """A 2-rank FSDP2 trainer drives the server through vLLM's trainer factory (backend_trainer.py):
+    pushes A, then B. Returns, per push, what the trainer reported and what the server then served."""
+    import shutil
+
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    assert torchrun is not None
+    out = tmp / "backend"
+    out.mkdir()
+    trainer = Proc([torchrun, "--standalone", "--nproc-per-node", 2, HERE / "backend_trainer.py", srv.base,
+                    tmp / "rdv-backend", a, b, out], tmp, "backend-trainer")
+    procs.append(trainer)
+    got = []
+    for n in (1, 2):
+        deadline = time.monotonic() + 400
+        while not (out / f"sent-{n}").exists():
+            if trainer.p.poll() is not None and not (out / f"sent-{n}").exists():
+                raise AssertionError(f"the backend trainer exited with {trainer.p.returncode}\n{trainer.tail()}")
+            assert time.monotonic() < deadline, f"no push {n} from the backend trainer\n{trainer.tail()}"
+            time.sleep(0.5)
+        sent = json.loads((out / f"sent-{n}").read_text())
+        assert srv.get("/weight_info") == {"weight_version": str(sent["version"])}, sent
+        got.append((sent, srv.served(str(b))))
+        (out / f"go-{n + 1}").write_text("")
+    assert trainer.wait(120) == 0, trainer.tail()
+    return got
