@@ -93,6 +93,7 @@ class ShardstreamWeightTransferEngine(
         self.described: VllmManifests | None = None
         self.naming = "per_expert"
         self._reloading = False
+        self._received = False  # this update's pull is done (a second update_weights is refused)
         #: delta sessions: this worker's model-format bytes of the last push, one host tensor per
         #: local tensor (what the next push's XOR deltas apply to); None outside a delta session
         self.base: dict[str, Any] | None = None
@@ -134,6 +135,7 @@ class ShardstreamWeightTransferEngine(
         self._before = snapshot(self.model, self._audited())
         internals.load().initialize_layerwise_reload(self.model)
         self._reloading = True
+        self._received = False
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # the base class calls torch.accelerator.synchronize() unconditionally, which raises on CPU
@@ -147,6 +149,10 @@ class ShardstreamWeightTransferEngine(
         session = self._need_session()
         if not self._reloading:
             raise RuntimeError("shardstream: update_weights before start_weight_update")
+        if self._received:
+            # one push is one update: the pull above already rebuilt every layer
+            raise RuntimeError("shardstream: update_weights was already called in this update (one push per update: "
+                               "call finish_weight_update, then start_weight_update for the next push)")
         try:
             t0 = time.perf_counter()
             tensors, layers = self._targets()
@@ -162,6 +168,7 @@ class ShardstreamWeightTransferEngine(
         except BaseException:
             self._abort()
             raise
+        self._received = True
         self.last = {"materialize_seconds": t1 - t0, "pull_seconds": t2 - t1, "process_seconds": t3 - t2,
                      "bytes_received": st.bytes_received, "naming": self.naming,
                      "reprocessed_layers": sum(1 for _, p in layers if p == "reprocess"),

@@ -83,11 +83,21 @@ class Server:
             out.append({"tokens": lp["tokens"], "logprobs": lp["top_logprobs"]})
         return out
 
-    def refit(self, sender: Proc, rdv: Path, version: str) -> None:
-        """One session over HTTP: join, one update, leave."""
+    def refit(self, sender: Proc, rdv: Path, version: str, twice: bool = False) -> None:
+        """One session over HTTP: join, one update, leave. ``twice``: a second ``update_weights``
+        in the same update must be refused by name, and the update still finishes."""
         self.post("/init_weight_transfer_engine", {"init_info": {"rendezvous": str(rdv), "timeout": 240}})
         self.post("/start_weight_update")
         self.post("/update_weights", {"update_info": {}})
+        if twice:
+            req = urllib.request.Request(self.base + "/update_weights", data=b'{"update_info": {}}',
+                                         headers={"Content-Type": "application/json"})
+            try:
+                urllib.request.urlopen(req, timeout=120)
+                raise AssertionError("a second update_weights in one update was accepted")
+            except urllib.error.HTTPError as e:
+                body = e.read().decode()
+                assert "update_weights was already called in this update" in body, body[:2000]
         self.post("/finish_weight_update", {"weight_version": version})
         self.post("/shutdown_weight_transfer_engine")
         assert sender.wait(120) == 0, sender.tail()
@@ -119,7 +129,7 @@ def test_vllm_serve_refits_over_http(tmp_path: Path) -> None:
             sender = Proc([sys.executable, HERE / "hub_sender.py", model, rdv, 240], tmp_path, f"sender-{version}")
             procs.append(sender)
             t0 = time.monotonic()
-            srv.refit(sender, rdv, version)
+            srv.refit(sender, rdv, version, twice=version == "b")
             assert srv.get("/weight_info") == {"weight_version": version}
             outs[version] = (srv.served(str(b)), time.monotonic() - t0)
         backend = _trainer_backend(srv, tmp_path, a, b, procs)
