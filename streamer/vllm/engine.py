@@ -150,9 +150,13 @@ class ShardstreamWeightTransferEngine(
         if not self._reloading:
             raise RuntimeError("shardstream: update_weights before start_weight_update")
         if self._received:
-            # one push is one update: the pull above already rebuilt every layer
+            # one push is one update: the first pull already rebuilt every layer. vLLM ends an update
+            # whose update_weights raised (no finish follows), so complete this one here: its weights,
+            # received in full, stay served, and vLLM keeps the previous weight_version
+            self.finish_weight_update()
             raise RuntimeError("shardstream: update_weights was already called in this update (one push per update: "
-                               "call finish_weight_update, then start_weight_update for the next push)")
+                               "call finish_weight_update, then start_weight_update for the next push); the update "
+                               "ends with the first push's weights")
         try:
             t0 = time.perf_counter()
             tensors, layers = self._targets()

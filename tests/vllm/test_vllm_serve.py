@@ -85,7 +85,8 @@ class Server:
 
     def refit(self, sender: Proc, rdv: Path, version: str, twice: bool = False) -> None:
         """One session over HTTP: join, one update, leave. ``twice``: a second ``update_weights``
-        in the same update must be refused by name, and the update still finishes."""
+        in the same update must be refused by name; vLLM then ends the update itself (no finish:
+        the version stays), and the first push's weights are served."""
         self.post("/init_weight_transfer_engine", {"init_info": {"rendezvous": str(rdv), "timeout": 240}})
         self.post("/start_weight_update")
         self.post("/update_weights", {"update_info": {}})
@@ -98,7 +99,8 @@ class Server:
             except urllib.error.HTTPError as e:
                 body = e.read().decode()
                 assert "update_weights was already called in this update" in body, body[:2000]
-        self.post("/finish_weight_update", {"weight_version": version})
+        else:
+            self.post("/finish_weight_update", {"weight_version": version})
         self.post("/shutdown_weight_transfer_engine")
         assert sender.wait(120) == 0, sender.tail()
 
@@ -130,7 +132,8 @@ def test_vllm_serve_refits_over_http(tmp_path: Path) -> None:
             procs.append(sender)
             t0 = time.monotonic()
             srv.refit(sender, rdv, version, twice=version == "b")
-            assert srv.get("/weight_info") == {"weight_version": version}
+            # after the refused second update_weights, vLLM keeps the version it had ("a")
+            assert srv.get("/weight_info") == {"weight_version": "a"}
             outs[version] = (srv.served(str(b)), time.monotonic() - t0)
         backend = _trainer_backend(srv, tmp_path, a, b, procs)
     finally:
