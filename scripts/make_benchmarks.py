@@ -796,6 +796,17 @@ Here the steady push meets the 1.2× target as a median (1.18×; 0.83× in round
 | median | 0.036 s | 0.033 s | 1.36 | 1.20 | 1.28 | 1.17 | 17.6× | 18.4× |
 
 No change beyond the noise. Two `bench refit --against benchmarks/refit-reference.json` runs just before, on the final main, gave the steady push 1.36× and 1.31× the floor (reference 1.19: WORSE; steady push 0.035 s both times, the floor 0.026–0.027 s, faster than the 0.030–0.036 s of the session 9 runs), the first push 1.19× and 1.21× the steady one (ok), 17.2× faster than gather-broadcast (reference 28.5: WORSE), peak extra memory 12.0 MiB per rank (64 MiB buckets).
+
+**Session 11 check** (2026-12-05 05:21–05:22 UTC, load average 1.6–4.8, `nice -n -15`, `bench refit` defaults, `8be040e` and `main` run in turn, three rounds). This session's transport change is the CUDA device of nccl and cuda-ipc (a caller may name it), which no CPU push takes; the `formats/` modules moved into packages. No schedule or executor change.
+
+| round | before: steady push | after: steady push | before: steady / floor | after: steady / floor | before: faster than gather-broadcast | after: faster than gather-broadcast |
+|---|---|---|---|---|---|---|
+| 1 | 0.041 s | 0.035 s | 1.14 | 1.08 | 14.1× | 17.5× |
+| 2 | 0.038 s | 0.029 s | 1.14 | 1.18 | 16.5× | 17.7× |
+| 3 | 0.038 s | 0.034 s | 1.31 | 1.22 | 18.2× | 22.0× |
+| median | 0.038 s | 0.034 s | 1.14 | 1.18 | 16.5× | 17.7× |
+
+No change beyond the noise.
 """
 
 
