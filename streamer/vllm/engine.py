@@ -46,6 +46,7 @@ failed push). ``shutdown_weight_transfer_engine`` closes the session; a later
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -210,9 +211,9 @@ class ShardstreamWeightTransferEngine(
         assert self.described is not None
         return self.described.tensors[self.naming]
 
-    def _aliases(self) -> dict[str, str]:
+    def _aliases(self) -> Mapping[str, str]:
         assert self.described is not None
-        return dict(self.described.aliases or {})
+        return self.described.aliases
 
     def _audited(self) -> list[str]:
         """Every layer an update writes or rebuilds: the described ones and the tied ones."""
@@ -231,11 +232,7 @@ class ShardstreamWeightTransferEngine(
             if info is None or info.kernel_tensors is None:
                 raise RuntimeError(f"shardstream: tied layer {module} was not set up for reload (start_weight_update)")
             v.place_kernel_tensors(layer, info)  # the owner's tensors, which now hold the pushed bytes
-            qm = getattr(layer, "quant_method", None)
-            if isinstance(qm, v.QuantizeMethodBase):
-                if hasattr(layer, "_already_called_process_weights_after_loading"):
-                    delattr(layer, "_already_called_process_weights_after_loading")
-                qm.process_weights_after_loading(layer)
+            _rerun_processing(layer, v)
             v.copy_and_restore_kernel_tensors(layer, info)
             info.reset()
 
@@ -279,11 +276,8 @@ class ShardstreamWeightTransferEngine(
         for layer, path in layers:
             info = v.LAYERWISE_INFO[layer]
             if path == "reprocess":
-                qm = getattr(layer, "quant_method", None)
-                if isinstance(qm, v.QuantizeMethodBase):
-                    if hasattr(layer, "_already_called_process_weights_after_loading"):
-                        delattr(layer, "_already_called_process_weights_after_loading")
-                    qm.process_weights_after_loading(layer)
+                qm = _rerun_processing(layer, v)
+                if qm is not None:
                     _experts_prepack(qm, layer)
                     if hasattr(layer, "update_param_tp_status"):
                         layer.update_param_tp_status()
@@ -299,6 +293,19 @@ class ShardstreamWeightTransferEngine(
         if self._reloading:
             self._reloading = False
             internals.load().finalize_layerwise_reload(self.model, self.model_config)
+
+
+def _rerun_processing(layer: Any, v: Any) -> Any:
+    """Run the layer's quant method's ``process_weights_after_loading`` on its current weights, as
+    vLLM's loading does (its ran-once flag cleared first); the method, or None for a layer without
+    one."""
+    qm = getattr(layer, "quant_method", None)
+    if not isinstance(qm, v.QuantizeMethodBase):
+        return None
+    if hasattr(layer, "_already_called_process_weights_after_loading"):
+        delattr(layer, "_already_called_process_weights_after_loading")
+    qm.process_weights_after_loading(layer)
+    return qm
 
 
 def _quantized(session: Any) -> dict[str, int]:

@@ -54,7 +54,7 @@ method, e.g. the CPU build's repacking of unquantized linear and embedding weigh
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from formats.errors import FormatError, ValidationError
@@ -113,7 +113,7 @@ class VllmManifests:
     fp8_block: tuple[int, int] | None = None
     #: this worker's tied layers: module -> the module whose parameters it serves (``lm_head`` ->
     #: ``model.embed_tokens``); reprocessed after their owner on every update
-    aliases: Mapping[str, str] | None = None
+    aliases: Mapping[str, str] = field(default_factory=dict)
 
     def naming_for(self, src: Manifest) -> str:
         return choose_naming(self.manifests, src)

@@ -34,34 +34,36 @@ from test_vllm_refit import PROMPTS, Proc  # noqa: E402
 MATRIX = tiny_models.MATRIX
 
 
+def _cell(tmp: Path, dirname: str, arch: str, steps: int, refit: dict[str, Any]) -> tuple[Path, dict[str, Any], dict[str, Any]]:
+    """One cell's directory, initial checkpoint, refit run (``refit`` adds to its keys) and trainer case."""
+    d = tmp / dirname
+    initial = tiny_models.make_model(arch, d / "initial")
+    (d / "hf").mkdir()
+    run = {"model": str(initial), "refit": {"rendezvous": str(d / "rdv"), "timeout": 300, "steps": steps, **refit}}
+    case = {"name": dirname, "initial": str(initial), "rendezvous": str(d / "rdv"), "save_hf": str(d / "hf"),
+            "steps": steps}
+    return d, run, case
+
+
 def run_matrix(tmp: Path, tp: int, archs: list[str], sabotaged: str | None = None) -> dict[str, Any]:
     """Every architecture of ``archs`` at ``tp``; ``sabotaged``: one more cell of that (tied)
     architecture, named ``stale``, whose engine skips rebuilding its tied layers (TP 1)."""
+    job = {"tp": tp, "prompts": PROMPTS, "max_tokens": 6, "logprobs": 5}
     jobs, cases = [], []
     if sabotaged is not None:
-        d = tmp / "stale"
-        initial = tiny_models.make_model(sabotaged, d / "initial")
-        (d / "hf").mkdir()
-        refit_s = {"rendezvous": str(d / "rdv"), "timeout": 300, "steps": 1, "sabotage": "tied"}
-        jobs.append({"tp": tp, "prompts": PROMPTS, "max_tokens": 6, "logprobs": 5,
-                     "runs": [{"model": str(initial), "refit": refit_s}]})
-        cases.append({"name": "stale", "initial": str(initial), "rendezvous": str(d / "rdv"), "save_hf": str(d / "hf"),
-                      "steps": 1})
+        _, run, case = _cell(tmp, "stale", sabotaged, 1, {"sabotage": "tied"})
+        jobs.append({**job, "runs": [run]})
+        cases.append(case)
     for name in archs:
-        d = tmp / name
-        initial = tiny_models.make_model(name, d / "initial")
-        (d / "hf").mkdir()
         refused = MATRIX[name] is not None
-        refit: dict[str, Any] = {"rendezvous": str(d / "rdv"), "timeout": 300, "steps": 2,
-                                 "init_info": {"verify": True}, "refused": refused}
-        runs: list[dict[str, Any]] = [{"model": str(initial), "refit": refit}]
+        d, run, case = _cell(tmp, name, name, 2, {"init_info": {"verify": True}, "refused": refused})
+        runs: list[dict[str, Any]] = [run]
         if not refused:
             runs += [{"model": str(d / "hf" / "step-0")}, {"model": str(d / "hf" / "step-1")}]
             if name == archs[0]:
                 runs.append({"model": str(d / "hf" / "step-1")})  # the noise between two fresh engines
-            cases.append({"name": name, "initial": str(initial), "rendezvous": str(d / "rdv"),
-                          "save_hf": str(d / "hf"), "steps": 2})
-        jobs.append({"tp": tp, "prompts": PROMPTS, "max_tokens": 6, "logprobs": 5, "runs": runs})
+            cases.append(case)
+        jobs.append({**job, "runs": runs})
     (tmp / "job.json").write_text(json.dumps({"tp": tp, "engine_in_process": True, "jobs": jobs}))
     (tmp / "train.json").write_text(json.dumps({"timeout": 600, "cases": cases}))
     procs = {"trainer": Proc([sys.executable, HERE / "matrix_trainer.py", tmp / "train.json"], tmp, "trainer"),
