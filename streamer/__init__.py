@@ -2,7 +2,8 @@
 
 The public API for trainers and servers::
 
-    from streamer import RefitSession, manifest_from_state_dict
+    from streamer import RefitSession, manifest_from_state_dict  # FSDP2 / DTensor state dicts
+    from streamer import manifest_from_megatron                 # a live megatron-core model
 
 Names are imported on first use, so ``import streamer`` stays cheap (no torch, no MPI).
 """
@@ -12,10 +13,10 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = ["ConvertOptions", "Plan", "PushFailed", "RefitOptions", "RefitSession", "RefusedError", "StateDictError", "StepStats", "__version__",
-           "manifest_from_state_dict", "plan_transfers"]
+           "manifest_from_megatron", "manifest_from_state_dict", "plan_transfers"]
 
 _LAZY = {"PushFailed": "refit.session", "RefitOptions": "refit.options", "RefitSession": "refit.session", "RefusedError": "refit.session", "StepStats": "refit.session",
-         "manifest_from_state_dict": "refit.torch_state", "StateDictError": "refit.torch_state",
+         "manifest_from_state_dict": "refit.torch_state", "manifest_from_megatron": "refit.megatron", "StateDictError": "refit.torch_state",
          "plan_transfers": "plan", "Plan": "plan",
          "ConvertOptions": "convert.options"}
 

@@ -34,7 +34,14 @@ def _dtensor_type() -> Any:
 
 
 def collect_local(obj: Any) -> tuple[dict[str, Any], list[str]]:
-    """(local name -> buffer, problems). ``obj``: a mapping or an ``nn.Module`` (its state dict)."""
+    """(local name -> buffer, problems). ``obj``: a mapping, an ``nn.Module`` (its state dict), or
+    a megatron-core model (or its list of virtual-pipeline chunks): its parameters under the names
+    ``manifest_from_megatron`` gives them."""
+    if "megatron.core" in sys.modules:
+        from .megatron import is_megatron_model, megatron_tensors
+
+        if is_megatron_model(obj):
+            return megatron_tensors(obj), []
     if _is_module(obj):
         obj = obj.state_dict()
     if not isinstance(obj, Mapping):
