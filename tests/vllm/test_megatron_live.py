@@ -1,0 +1,206 @@
+"""A live megatron-core trainer refits other jobs every step (issue: NeMo RL's ``nccl_reshard`` scenario).
+
+The trainer (megatron_trainer.py under ``torchrun``) builds a GPTModel on CPU over gloo, describes
+it with ``manifest_from_megatron`` and pushes it after each of two Adam steps. The oracle is
+written by the trainer with an independent gather-and-convert (mcore.py), and is itself checked
+against Megatron's own forward: transformers, loading it, gives Megatron's logits within float32
+noise. Then:
+
+* shardstream's own receivers (``refit recv --save``) hold exactly the oracle's tensors, bit for bit;
+* a vLLM engine (``shardstream`` backend) of another layout serves after each push exactly what a
+  fresh engine loaded from the oracle serves (greedy tokens and top-k logprobs), and not what it
+  served before; each worker receives exactly the bytes its parameters hold (the lower bound) and
+  nothing is gathered on any trainer rank (``push`` sends local parameters only: bytes sent by all
+  trainer ranks sum to what the workers received).
+
+Cells: dense Llama-like TP 2 (fp32 masters, cast on the way) -> vLLM TP 1 and receivers;
+TP 2 × PP 2 (bf16) -> vLLM TP 2; Qwen3-MoE-like EP 2 inside ``Float16Module`` -> vLLM TP 2.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from test_vllm_refit import PROMPTS, Proc  # noqa: E402
+
+TOKENS = [[1, 17, 42, 199, 5, 88, 123, 7]]
+DENSE = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 250,
+         "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False}
+MOE = {**DENSE, "model_type": "qwen3_moe", "moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2,
+       "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []}
+#: name -> (HF config, trainer layout); each trainer runs under torchrun
+CELLS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "tp2": (DENSE, {"tp": 2, "pp": 1, "fp32": True}),
+    "tp2pp2": (DENSE, {"tp": 2, "pp": 2, "fp32": False}),
+    "moe-ep2": (MOE, {"tp": 1, "pp": 1, "ep": 2, "fp32": False, "wrap": True}),
+}
+
+
+def _initial(hf: dict[str, Any], out: Path) -> Path:
+    """The checkpoint the engine starts from: the same architecture, other (seeded) weights."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(7)
+    cfg = AutoConfig.for_model(hf["model_type"], **{k: v for k, v in hf.items() if k != "model_type"})
+    AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).save_pretrained(out)
+    return out
+
+
+def _trainer(tmp: Path, name: str, rendezvous: Path, steps: int = 2) -> Proc:
+    hf, layout = CELLS[name]
+    d = tmp / name
+    (d / "oracle").mkdir(parents=True, exist_ok=True)
+    job = {"hf": hf, **layout, "steps": steps, "rendezvous": str(rendezvous), "timeout": 600, "out": str(d / "oracle"),
+           "tokens": TOKENS}
+    (d / "job.json").write_text(json.dumps(job))
+    n = layout["tp"] * layout["pp"] * layout.get("ep", 1)
+    return Proc([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", n,
+                 HERE / "megatron_trainer.py", d / "job.json"], d, "trainer")
+
+
+def _pushes(proc: Proc) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in proc.out.read_text().splitlines() if line.startswith("{")]
+
+
+def _check_oracle(step_dir: Path) -> float:
+    """transformers on the oracle checkpoint against Megatron's own forward: the largest difference."""
+    import numpy as np
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(step_dir, dtype=torch.float32)
+    model.load_state_dict(load_file(str(step_dir / "fp32.safetensors")))
+    with torch.no_grad():
+        got = model(torch.tensor(TOKENS)).logits.numpy()
+    return float(np.abs(got - np.load(step_dir / "megatron-logits.npy")).max())
+
+
+@pytest.mark.timeout(900)
+def test_megatron_to_shardstream_receivers(tmp_path: Path) -> None:
+    """TP 2 fp32 Megatron -> one receiver in the HF layout, fp32, saving what it received."""
+    import torch
+    from safetensors.torch import load_file
+
+    d = tmp_path / "tp2"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(DENSE))
+    layout = Proc([sys.executable, "-m", "streamer", "layout", "--model", d / "config.json", "--preset", "hf",
+                   "--dtype", "float32", "--no-files", "-o", d / "recv.json"], d, "layout")
+    assert layout.wait(120) == 0, layout.err.read_text()
+    trainer = _trainer(tmp_path, "tp2", d / "rdv")
+    recv = Proc([sys.executable, "-m", "streamer", "refit", "recv", "--manifest", d / "recv.json", "--rendezvous",
+                 d / "rdv", "--control", "store", "--steps", 2, "--save", d / "saved", "--timeout", 600, "--json"],
+                d, "recv")
+    rcs = {"recv": recv.wait(600), "trainer": trainer.wait(120)}
+    assert set(rcs.values()) == {0}, f"{rcs}\n{trainer.err.read_text()[-4000:]}\n{recv.err.read_text()[-2000:]}"
+    oracle = d / "oracle"
+    for step in (0, 1):
+        noise = _check_oracle(oracle / f"step-{step}")
+        assert noise < 1e-4, f"step {step}: the oracle is not Megatron's model (logits differ by {noise})"
+    want = load_file(str(oracle / "step-1" / "fp32.safetensors"))
+    got = load_file(str(next((d / "saved").glob("*.safetensors"))))
+    assert sorted(got) == sorted(want)
+    bad = [k for k in want if not torch.equal(got[k], want[k])]
+    assert not bad, f"received tensors differ from Megatron's: {bad}"
+    before = load_file(str(oracle / "step-0" / "fp32.safetensors"))
+    assert any(not torch.equal(before[k], want[k]) for k in want)
+    # the lower bound: each element of the HF model once (fp32), summed over the trainer's ranks
+    need = sum(t.numel() * 4 for t in want.values())
+    per_step: dict[int, int] = {}
+    for p in _pushes(trainer):
+        per_step[p["step"]] = per_step.get(p["step"], 0) + p["bytes_sent"]
+    assert per_step == {0: need, 1: need}, (per_step, need)
+
+
+def _vllm_cells(tmp: Path, tp: int, names: list[str]) -> dict[str, list[dict[str, Any]]]:
+    """Each cell's trainer in turn, and one engine driver at ``tp`` running their engines in turn."""
+    jobs = []
+    for name in names:
+        hf = CELLS[name][0]
+        d = tmp / name
+        d.mkdir()
+        initial = _initial(hf, d / "initial")
+        oracle = d / "oracle"
+        runs = [{"model": str(initial), "refit": {"rendezvous": str(d / "rdv"), "timeout": 600, "steps": 2,
+                                                  "manifests": str(d / "dump"), "init_info": {"verify": True}}},
+                {"model": str(oracle / "step-0")}, {"model": str(oracle / "step-1")}]
+        jobs.append({"tp": tp, "prompts": PROMPTS, "max_tokens": 6, "logprobs": 5, "runs": runs})
+    (tmp / "job.json").write_text(json.dumps({"tp": tp, "engine_in_process": True, "jobs": jobs}))
+    driver = Proc([sys.executable, HERE / "engine_driver.py", tmp / "job.json", tmp / "out.json"], tmp, "driver")
+    trainers: dict[str, Proc] = {}
+    try:
+        for name in names:  # one trainer at a time: each waits for its engine at its rendezvous
+            trainers[name] = _trainer(tmp, name, tmp / name / "rdv")
+            rc = trainers[name].wait(900)
+            assert rc == 0, f"{name} trainer: {rc}\n{trainers[name].err.read_text()[-6000:]}\n" \
+                            f"{driver.err.read_text()[-3000:]}"
+        rc = driver.wait(900)
+        assert rc == 0, f"driver: {rc}\n{driver.err.read_text()[-6000:]}"
+    finally:
+        driver.kill()
+        for p in trainers.values():
+            p.kill()
+    out = json.loads((tmp / "out.json").read_text())
+    for name in names:
+        out_n = out[names.index(name)]
+        out_n[0]["pushes"] = _pushes(trainers[name])
+    return dict(zip(names, out))
+
+
+def _worker_bytes(dump: Path) -> tuple[int, int]:
+    """(bytes every worker's regions hold, bytes the workers received) at one update."""
+    from formats.manifest.dtypes import DTYPES
+    from formats.manifest.wire import loads_manifest
+
+    need = got = 0
+    for f in sorted(dump.glob("rank-*.json")):
+        body = json.loads(f.read_text())
+        m = loads_manifest(json.dumps(body["manifests"][body["naming"]]), where=str(f))
+        for _, spec, c in m.iter_chunks():
+            if body["rank"] in c.holders:
+                need += c.region.volume * DTYPES[spec.data_type].itemsize
+        got += body["last"]["bytes_received"]
+    return need, got
+
+
+def _check(name: str, runs: list[dict[str, Any]], dump: Path) -> list[str]:
+    refit, fresh = runs[0], runs[1:3]
+    bad = []
+    for i, (st, ref) in enumerate(zip(refit["steps"], fresh)):
+        if st["out"] != ref["out"]:
+            bad.append(f"{name} step {i}: the refitted engine serves {st['out'][0]['tokens']}..., a fresh engine on "
+                       f"the same weights {ref['out'][0]['tokens']}...")
+        need, got = _worker_bytes(dump / f"step-{i}")
+        sent = sum(p["bytes_sent"] for p in refit["pushes"] if p["step"] == i)
+        if not need == got == sent:
+            bad.append(f"{name} step {i}: workers hold {need} bytes, received {got}, the trainer sent {sent}")
+    if fresh[0]["out"] == fresh[1]["out"]:
+        bad.append(f"{name}: steps 0 and 1 serve alike; the check could not see a stale push")
+    if refit["before"] == fresh[0]["out"]:
+        bad.append(f"{name}: the initial model serves like step 0")
+    return bad
+
+
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("tp,names", [(1, ["tp2"]), (2, ["tp2pp2", "moe-ep2"])], ids=["vllm-tp1", "vllm-tp2"])
+def test_megatron_refits_vllm(tmp_path: Path, tp: int, names: list[str]) -> None:
+    t0 = time.monotonic()
+    cells = _vllm_cells(tmp_path, tp, names)
+    bad = [line for name, runs in cells.items() for line in _check(name, runs, tmp_path / name / "dump")]
+    assert not bad, "\n".join(bad)
+    if "tp2" in names:
+        assert _check_oracle(tmp_path / "tp2" / "oracle" / "step-1") < 1e-4
+    print(f"megatron -> vLLM TP {tp}: {', '.join(names)} in {time.monotonic() - t0:.0f} s")
