@@ -7,7 +7,7 @@ JOB: ``{"hf": CONFIG, "tp": T, "pp": P, "ep": E, "vpp": V|null, "fp32": bool, "w
 the GPTModel of the HF config ``CONFIG`` (mcore.py; ``wrap``: inside megatron-core's
 ``Float16Module``, as a bf16 trainer holds it), describes it with ``manifest_from_megatron`` and
 opens the sending side. Per step: one Adam step on seeded gradients; rank 0 writes the oracle,
-``DIR/step-N`` (an HF checkpoint in bf16, and ``fp32.safetensors``, gathered and converted by
+``DIR/step-N`` (an HF checkpoint in bf16; its float32 tensors in ``DIR/step-N-fp32.safetensors``, gathered and converted by
 hand in mcore.py, not by shardstream), plus Megatron's own forward of ``tokens`` (pp = 1:
 ``megatron-logits.npy``); then ``session.push(model, version=N)``. One JSON line per push and rank.
 """
@@ -32,11 +32,16 @@ def write_oracle(hf: dict[str, Any], tensors: dict[str, Any], out: Path, logits:
 
     tmp = out.with_name(f".{out.name}")
     tmp.mkdir(parents=True)
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
     fields = {k: v for k, v in hf.items() if k != "model_type"}
-    AutoConfig.for_model(hf["model_type"], **fields, torch_dtype="bfloat16").save_pretrained(tmp)
+    cfg = AutoConfig.for_model(hf["model_type"], **fields, torch_dtype="bfloat16")
+    cfg.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[hf["model_type"]]]
+    cfg.save_pretrained(tmp)
     t32 = {k: torch.from_numpy(v) for k, v in tensors.items()}
     save_file({k: v.to(torch.bfloat16).contiguous() for k, v in t32.items()}, str(tmp / "model.safetensors"))
-    save_file(t32, str(tmp / "fp32.safetensors"))
+    # beside the checkpoint, not in it: an engine loads every *.safetensors of its directory
+    save_file(t32, str(out.with_name(f"{out.name}-fp32.safetensors")))
     if logits is not None:
         np.save(tmp / "megatron-logits.npy", logits)
     os.replace(tmp, out)
