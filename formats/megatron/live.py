@@ -146,6 +146,22 @@ def _partition(cfg: MegatronConfig, reports: Sequence[RankReport], layers: int) 
     return parts
 
 
+def _uneven(parts: list[int], layers: int) -> tuple[int | None, int | None]:
+    """The ``first_stage_layers`` / ``last_stage_layers`` that give ``parts`` (Megatron-core's
+    ``num_layers_in_first/last_pipeline_stage``); refused when no such pair does."""
+    from ..layouts.presets import PresetError, pp_partition
+
+    if len(set(parts)) == 1:
+        return None, None
+    for first, last in ((parts[0], None), (None, parts[-1]), (parts[0], parts[-1])):
+        try:
+            if pp_partition(layers, len(parts), "megatron", first=first, last=last) == parts:
+                return first, last
+        except PresetError:
+            continue
+    raise FormatError(f"megatron: layers per stage {parts}: only uneven first and last stages are supported")
+
+
 def _mesh_and_ranks(cfg: MegatronConfig, reports: Sequence[RankReport]) -> tuple[Mesh, list[int], int]:
     """The preset's mesh (virtual stages on ``pp``), each flat mesh index's global rank (every
     virtual stage of one pipeline rank maps to the same ranks), and the mesh's stride of ``pp``."""
@@ -198,7 +214,7 @@ def live_manifest(cfg: MegatronConfig, reports: Sequence[RankReport], vocab_size
                   name: str | None = None) -> Manifest:
     """The manifest of a live Megatron job (see the module docstring): every rank computes the
     same one from the same reports. Raises ``FormatError`` with one line per problem."""
-    from ..layouts.presets import PresetError, pp_partition, preset_manifest
+    from ..layouts.presets import PresetError, preset_manifest
 
     if not 1 <= vocab_size <= cfg.padded_vocab:
         raise FormatError(f"megatron: vocab_size {vocab_size} does not fit the model's padded vocabulary "
@@ -217,16 +233,11 @@ def live_manifest(cfg: MegatronConfig, reports: Sequence[RankReport], vocab_size
                           "transposed and side by side, which is not a region of the HF arrays; use "
                           "SequentialMLP or TEGroupedMLP")
     split_tie = cfg.tied and len(parts) > 1
-    uneven = len(set(parts)) > 1
+    first, last = _uneven(parts, hf["num_hidden_layers"])
     try:
         m = preset_manifest(dict(hf, tie_word_embeddings=cfg.tied and not split_tie), "megatron", mesh,
                             megatron_spec="te" if te else "local", megatron_padded_vocab=cfg.padded_vocab,
-                            moe_grouped_gemm=grouped, compact=False,
-                            first_stage_layers=parts[0] if uneven else None,
-                            last_stage_layers=parts[-1] if uneven else None)
-        if uneven and pp_partition(hf["num_hidden_layers"], len(parts), "megatron", first=parts[0],
-                                   last=parts[-1]) != parts:
-            raise FormatError(f"megatron: layers per stage {parts}: only uneven first and last stages are supported")
+                            moe_grouped_gemm=grouped, compact=False, first_stage_layers=first, last_stage_layers=last)
     except (PresetError, LayoutError) as e:
         raise FormatError(f"megatron: {e}") from None
     return _renumber(m, cfg, params, ranks, stride_pp, split_tie, name or f"megatron-{hf['model_type']}")
