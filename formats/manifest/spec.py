@@ -229,6 +229,10 @@ class Manifest:
     tensors: Mapping[int, Mapping[str, TensorSpec]] = field(default_factory=dict)
     #: directory that relative ``source.file`` paths resolve against (not serialised)
     base_dir: Path | None = None
+    #: arrays whose dim-0 length the receiving side decides (a vocabulary the trainer holds padded
+    #: and whose real size only the serving side knows): described at the padded length, every
+    #: local tensor declared in ``tensors``; a refit clips them to the receivers' rows before planning
+    open_rows: tuple[str, ...] = ()
 
     @property
     def domain_size(self) -> int | None:
@@ -306,6 +310,8 @@ class Manifest:
             d["topology"] = dict(self.topology)
         if self.partial:
             d["partial"] = True
+        if self.open_rows:
+            d["open_rows"] = list(self.open_rows)
         if self.tensors:
             d["tensors"] = {str(r): {n: t.to_dict() for n, t in ts.items()}
                             for r, ts in sorted(self.tensors.items())}

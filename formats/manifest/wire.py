@@ -60,7 +60,7 @@ MAX_MANIFEST_BYTES = 2 << 30  # refuse to json-parse more than 2 GiB
 # ---------------------------------------------------------------- parsing
 
 _TOP_KEYS = {"format", "format_version", "name", "world_size", "mesh", "topology", "partial",
-             "tensors", "arrays"}
+             "tensors", "arrays", "open_rows"}
 _COMPACT_TOP_KEYS = _TOP_KEYS | {"meshes", "layouts", "checksums"}
 _ARRAY_KEYS = {"shape", "data_type", "chunks"}
 _CHUNK_KEYS = {"region", "holders", "source"}
@@ -373,6 +373,10 @@ def parse_manifest(obj: object, *, where: str = "<manifest>", base_dir: Path | N
         p.bad("", f"partial must be true or false, got {_short(partial)}")
         partial = False
     tensors = p.tensors(obj.get("tensors"))
+    open_rows = obj.get("open_rows", [])
+    if not isinstance(open_rows, list) or not all(isinstance(n, str) for n in open_rows):
+        p.bad("", f"open_rows must be a list of array names, got {_short(open_rows)}")
+        open_rows = []
     layouts: dict[str, Layout] | None = None
     table = None
     if compact:
@@ -380,10 +384,13 @@ def parse_manifest(obj: object, *, where: str = "<manifest>", base_dir: Path | N
         if "checksums" in obj:
             table = ChecksumTable.parse(p, obj["checksums"], base_dir, where)
     arrays = p.arrays(obj.get("arrays"), layouts, table)
+    for n in open_rows:
+        if n not in arrays:
+            p.bad("open_rows", f"names {n!r}, which is not an array of this manifest")
     if p.problems:
         raise ManifestError(problems=p.problems)
     return Manifest(world_size=ws, arrays=arrays, name=name, mesh=mesh, topology=topo,
-                    partial=partial, tensors=tensors, base_dir=base_dir)
+                    partial=partial, tensors=tensors, base_dir=base_dir, open_rows=tuple(open_rows))
 
 
 def loads_manifest(text: str | bytes, *, where: str = "<manifest>", base_dir: Path | None = None) -> Manifest:

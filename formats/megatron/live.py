@@ -25,7 +25,7 @@ first stage's ``embedding.word_embeddings.weight``.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..errors import FormatError
@@ -210,12 +210,16 @@ def _unflatten(flat: int, shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
-def live_manifest(cfg: MegatronConfig, reports: Sequence[RankReport], vocab_size: int, *,
+def live_manifest(cfg: MegatronConfig, reports: Sequence[RankReport], vocab_size: int | None, *,
                   name: str | None = None) -> Manifest:
     """The manifest of a live Megatron job (see the module docstring): every rank computes the
-    same one from the same reports. Raises ``FormatError`` with one line per problem."""
+    same one from the same reports. ``vocab_size`` None: the embedding and output head are
+    described at the padded size, as ``open_rows`` that a refit cuts to the receivers' rows.
+    Raises ``FormatError`` with one line per problem."""
     from ..layouts.presets import PresetError, preset_manifest
 
+    open_rows = vocab_size is None
+    vocab_size = cfg.padded_vocab if vocab_size is None else vocab_size
     if not 1 <= vocab_size <= cfg.padded_vocab:
         raise FormatError(f"megatron: vocab_size {vocab_size} does not fit the model's padded vocabulary "
                           f"{cfg.padded_vocab} (the GPTModel's vocab_size)")
@@ -240,7 +244,21 @@ def live_manifest(cfg: MegatronConfig, reports: Sequence[RankReport], vocab_size
                             moe_grouped_gemm=grouped, compact=False, first_stage_layers=first, last_stage_layers=last)
     except (PresetError, LayoutError) as e:
         raise FormatError(f"megatron: {e}") from None
-    return _renumber(m, cfg, params, ranks, stride_pp, split_tie, name or f"megatron-{hf['model_type']}")
+    out = _renumber(m, cfg, params, ranks, stride_pp, split_tie, name or f"megatron-{hf['model_type']}")
+    return _with_open_rows(out, params) if open_rows else out
+
+
+def _with_open_rows(m: Manifest, params: Mapping[int, Mapping[str, tuple[tuple[int, ...], str]]]) -> Manifest:
+    """The vocabulary arrays as ``open_rows``, each local tensor declared (once cut to the
+    receivers' rows, the chunks no longer reach the padding)."""
+    rows = tuple(n for n in ("model.embed_tokens.weight", "lm_head.weight") if n in m.arrays)
+    tensors = {r: dict(ts) for r, ts in m.tensors.items()}
+    for fqn in rows:
+        for c in m.arrays[fqn].chunks:
+            for r in c.holders:
+                shape, dt = params[r][c.tensor(fqn)]
+                tensors.setdefault(r, {})[c.tensor(fqn)] = TensorSpec(shape, dt)
+    return replace(m, tensors=tensors, open_rows=rows)
 
 
 def _renumber(m: Manifest, cfg: MegatronConfig, params: Mapping[int, Mapping[str, tuple[tuple[int, ...], str]]],

@@ -11,7 +11,7 @@ an HF checkpoint or shardstream's own receivers name. ``session.push(model)`` th
 rank's parameters as they are: nothing is gathered.
 
 The vocabulary: a ``GPTModel`` knows only its padded size; pass the tokenizer's as
-``vocab_size=``. torch and megatron-core are imported by the caller: importing this costs nothing.
+``vocab_size=``, or leave it to the receivers' manifest (``open_rows``). torch and megatron-core are imported by the caller: importing this costs nothing.
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def _report(model: Any, rank: int) -> tuple[RankReport | None, dict[str, Any] | 
         return None, None, f"megatron: cannot read the model or megatron-core's parallel state ({type(e).__name__}: {e})"
 
 
-def manifest_from_megatron(model: Any, *, vocab_size: int, name: str | None = None) -> Manifest:
+def manifest_from_megatron(model: Any, *, vocab_size: int | None = None, name: str | None = None) -> Manifest:
     """The manifest of what every rank of this Megatron job holds, as regions of the Hugging Face
     arrays. Collective: every rank of the job calls it (one ``all_gather_object``), and every rank
     gets the same manifest, or the same :class:`MegatronError`.
@@ -124,11 +124,13 @@ def manifest_from_megatron(model: Any, *, vocab_size: int, name: str | None = No
     ``model``: the GPTModel chunk of this rank, or its list of virtual-pipeline chunks, bare or in
     megatron-core's ``DistributedDataParallel`` / ``Float16Module``. ``vocab_size``: the unpadded
     vocabulary (the tokenizer's, the HF config's ``vocab_size``): the model holds it padded, and
-    the padding rows are never sent.
+    the padding rows are never sent. None: the receivers' manifest decides at ``open()`` (the
+    arrays are ``open_rows``); receivers that hold more rows than the padded vocabulary, or a
+    ``vocab_size`` that differs from theirs, are refused naming the array.
     """
     import torch.distributed as dist
 
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
+    if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int)):
         raise MegatronError(f"manifest_from_megatron: vocab_size must be an integer, got {vocab_size!r}")
     rank = dist.get_rank() if dist.is_initialized() else 0
     mine = _report(model, rank)

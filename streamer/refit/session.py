@@ -73,6 +73,7 @@ from streamer.ops.agree import AgreedRefusal, LocalChecks, Refusal
 from streamer.ops.agree import agree as agree_refusals
 from streamer.ops.quant import FP8_BLOCK
 from streamer.plan.gcpause import paused_gc
+from streamer.plan.open_rows import bind_open_rows
 from streamer.refit.baseline import Baseline, gather_broadcast
 from streamer.refit.fleet import Fleet, ReplicaResult, check_fleet_args
 from streamer.refit.local import check_local, collect_local
@@ -338,7 +339,8 @@ class RefitSession:
         self._started = True
 
     def _plan_start(self) -> None:
-        self.src, self.dst = self._exchange_manifests()
+        src, self.dst = self._exchange_manifests()
+        self.src = bind_open_rows(src, self.dst)  # a padded vocabulary takes the receivers' rows
         self._agree_options()
         # FP8 destinations fed from float sources: the plan moves between the quantizing manifests
         self.quant = refit_quant(self.src, self.dst, block=self.options.fp8_block or FP8_BLOCK, ue8m0=self.options.ue8m0)

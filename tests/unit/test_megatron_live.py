@@ -181,3 +181,35 @@ def test_uneven_first_and_last_stages(parts: list[int]) -> None:
         stage = max(k for k in range(len(parts)) if starts[k] <= layer)
         (c,) = [c for c in m.arrays[f"model.layers.{layer}.input_layernorm.weight"].chunks]
         assert c.holders == (stage,) and c.tensor("") == f"decoder.layers.{layer - starts[stage]}.input_layernorm.weight"
+
+
+def test_vocab_left_to_the_receivers_is_cut_to_their_rows() -> None:
+    """``vocab_size`` None: the vocabulary arrays travel as ``open_rows`` (both wire forms) and a
+    refit cuts them to the receivers' rows; receivers with more rows than the padding are refused."""
+    from formats.errors import PlanError
+    from formats.layouts.mesh import Mesh
+    from formats.layouts.presets import preset_manifest
+    from formats.manifest.wire import COMPACT_FORMAT_VERSION, dumps_manifest, loads_manifest
+    from streamer.plan.open_rows import bind_open_rows
+
+    cfg, reports = _job(2, 2)
+    m = live_manifest(cfg, reports, None)
+    assert m.open_rows == ("model.embed_tokens.weight", "lm_head.weight")
+    assert m.arrays["model.embed_tokens.weight"].shape == (PADDED, H)
+    for version in (1, COMPACT_FORMAT_VERSION):
+        back = loads_manifest(dumps_manifest(m, format_version=version))
+        assert back.open_rows == m.open_rows and back.tensors == m.tensors
+    hf = hf_config(cfg, VOCAB)
+    bound = bind_open_rows(m, preset_manifest(hf, "hf", Mesh(("tp",), (1,)), dtype="bfloat16"))
+    assert not bound.open_rows
+    emb = bound.arrays["model.embed_tokens.weight"]
+    assert emb.shape == (VOCAB, H)
+    assert sorted((c.region.offsets[0], c.region.sizes[0]) for c in emb.chunks) == [(0, 128), (128, VOCAB - 128)]
+    # the local tensors keep their padded shapes: what push() checks the parameters against
+    assert bound.local_tensors(0)["embedding.word_embeddings.weight"].shape == (PADDED // 2, H)
+    big = preset_manifest(dict(hf, vocab_size=300), "hf", Mesh(("tp",), (1,)), dtype="bfloat16")
+    with pytest.raises(PlanError) as e:
+        bind_open_rows(m, big)
+    assert e.value.problems[0].startswith("model.embed_tokens.weight: the receivers hold [300, 64], the sender [256, 64]")
+    with pytest.raises(Exception, match="open_rows"):
+        loads_manifest(dumps_manifest(m).replace('"open_rows":["model.embed_tokens.weight"', '"open_rows":["nope"'))

@@ -3,7 +3,8 @@
     torchrun --nproc-per-node N megatron_trainer.py JOB.json
 
 JOB: ``{"hf": CONFIG, "tp": T, "pp": P, "ep": E, "vpp": V|null, "fp32": bool, "wrap": bool,
-"steps": N, "rendezvous": PATH, "timeout": S, "out": DIR, "tokens": [[ids]]}``. Every rank builds
+"steps": N, "rendezvous": PATH, "timeout": S, "out": DIR, "tokens": [[ids]], "vocab": V|null}``
+(``vocab``: ``manifest_from_megatron``'s ``vocab_size``, default the config's; null: the receivers'). Every rank builds
 the GPTModel of the HF config ``CONFIG`` (mcore.py; ``wrap``: inside megatron-core's
 ``Float16Module``, as a bf16 trainer holds it), describes it with ``manifest_from_megatron`` and
 opens the sending side. Per step: one Adam step on seeded gradients; rank 0 writes the oracle,
@@ -64,7 +65,8 @@ def main(job: dict[str, Any]) -> None:
         model = chunks if isinstance(model, list) else chunks[0]
     bare = [c.module if hasattr(c, "module") else c for c in chunks]
     opt = torch.optim.Adam([p for c in bare for p in c.parameters()], lr=1e-2)
-    manifest = manifest_from_megatron(model, vocab_size=hf["vocab_size"])
+    # "vocab": null leaves the vocabulary to the receivers' manifest; a number overrides the config's
+    manifest = manifest_from_megatron(model, vocab_size=job.get("vocab", hf["vocab_size"]))
     rank = dist.get_rank()
     with RefitSession.open(manifest, "send", rendezvous=job["rendezvous"], timeout=job["timeout"],
                            options=RefitOptions(verify=True)) as session:

@@ -14,7 +14,7 @@ noise. Then:
   trainer ranks sum to what the workers received).
 
 Cells: dense Llama-like TP 2 (fp32, cast to bf16 on the way) -> vLLM TP 1 and receivers; TP 2 × PP 2
-(bf16, inside megatron-core's ``Float16Module``) -> vLLM TP 2; Qwen3-MoE-like EP 2 (fp32) -> vLLM TP 2.
+(bf16, inside megatron-core's ``Float16Module``, the vocabulary size left to vLLM's manifest) -> vLLM TP 2; Qwen3-MoE-like EP 2 (fp32) -> vLLM TP 2.
 The oracle is checked against Megatron's forward where that runs in float32 at pp = 1 (a bf16
 forward differs from transformers' by more than a wrong mapping might).
 """
@@ -45,7 +45,7 @@ MOE = {**DENSE, "model_type": "qwen3_moe", "moe_intermediate_size": 32, "num_exp
 #: name -> (HF config, trainer layout); each trainer runs under torchrun
 CELLS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "tp2": (DENSE, {"tp": 2, "pp": 1, "fp32": True}),
-    "tp2pp2": (DENSE, {"tp": 2, "pp": 2, "fp32": False, "wrap": True}),
+    "tp2pp2": (DENSE, {"tp": 2, "pp": 2, "fp32": False, "wrap": True, "vocab": None}),
     "moe-ep2": (MOE, {"tp": 1, "pp": 1, "ep": 2, "fp32": True}),
 }
 
@@ -61,8 +61,9 @@ def _initial(hf: dict[str, Any], out: Path) -> Path:
     return out
 
 
-def _trainer(tmp: Path, name: str, rendezvous: Path, steps: int = 2) -> Proc:
+def _trainer(tmp: Path, name: str, rendezvous: Path, steps: int = 2, **extra: Any) -> Proc:
     hf, layout = CELLS[name]
+    layout = {**layout, **extra}
     d = tmp / name
     (d / "oracle").mkdir(parents=True, exist_ok=True)
     job = {"hf": hf, **layout, "steps": steps, "rendezvous": str(rendezvous), "timeout": 600, "out": str(d / "oracle"),
@@ -129,6 +130,23 @@ def test_megatron_to_shardstream_receivers(tmp_path: Path) -> None:
     for p in _pushes(trainer):
         per_step[p["step"]] = per_step.get(p["step"], 0) + p["bytes_sent"]
     assert per_step == {0: need, 1: need}, (per_step, need)
+
+
+@pytest.mark.timeout(300)
+def test_megatron_vocab_that_differs_from_the_receivers_is_refused_by_name(tmp_path: Path) -> None:
+    d = tmp_path / "tp2"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(DENSE))
+    layout = Proc([sys.executable, "-m", "streamer", "layout", "--model", d / "config.json", "--preset", "hf",
+                   "--no-files", "-o", d / "recv.json"], d, "layout")
+    assert layout.wait(120) == 0, layout.err.read_text()
+    trainer = _trainer(tmp_path, "tp2", d / "rdv", steps=1, vocab=240)
+    recv = Proc([sys.executable, "-m", "streamer", "refit", "recv", "--manifest", d / "recv.json", "--rendezvous",
+                 d / "rdv", "--control", "store", "--timeout", 120], d, "recv")
+    rcs = {"recv": recv.wait(200), "trainer": trainer.wait(60)}
+    assert rcs["recv"] == 1 and rcs["trainer"] != 0, rcs
+    for text in (recv.err.read_text(), trainer.err.read_text()):
+        assert "model.embed_tokens.weight" in text and "[240, 64]" in text and "[250, 64]" in text, text[-3000:]
 
 
 def _vllm_cells(tmp: Path, tp: int, names: list[str]) -> dict[str, list[dict[str, Any]]]:
