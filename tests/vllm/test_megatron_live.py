@@ -231,3 +231,21 @@ def test_megatron_refits_vllm(tmp_path: Path, tp: int, names: list[str]) -> None
                 noise = _check_oracle(tmp_path / name / "oracle" / f"step-{step}")
                 assert noise < 1e-4, f"{name} step {step}: the oracle is not Megatron's model ({noise})"
     print(f"megatron -> vLLM TP {tp}: {', '.join(names)} in {time.monotonic() - t0:.0f} s")
+
+
+@pytest.mark.timeout(600)
+def test_example_trainer_runs_as_docs_megatron_shows(tmp_path: Path) -> None:
+    """docs/megatron.md's example, exactly: a TP 2 × PP 2 trainer (examples/megatron_refit) refits
+    receivers laid out as vLLM TP 2, the vocabulary size left to them, checksums verified."""
+    import re
+
+    page = (HERE.parents[1] / "docs" / "megatron.md").read_text()
+    block = re.search(r"```bash\n(E=\$REPO/examples/megatron_refit\n.*?)```", page, re.S)
+    assert block, "docs/megatron.md lost the example's commands"
+    script = f"set -euo pipefail\nREPO={HERE.parents[1]}\nshardstream() {{ python -m streamer \"$@\"; }}\n" + block.group(1)
+    (tmp_path / "run.sh").write_text(script)
+    run = Proc(["bash", tmp_path / "run.sh"], tmp_path, "example")
+    assert run.wait(500) == 0, run.err.read_text()[-4000:]
+    assert "2 step(s)" in run.out.read_text() and "checksums verified" in run.out.read_text(), run.out.read_text()
+    pushes = _pushes(run)
+    assert sorted((p["rank"], p["step"]) for p in pushes) == [(r, s) for r in range(4) for s in range(2)]
