@@ -50,6 +50,21 @@ def cmd_refit(args: argparse.Namespace) -> int:
     return run_refit(args.role, manifest, checks.refusal, args)
 
 
+def _megatron_mesh(args: argparse.Namespace) -> tuple[int, int] | None:
+    """bench vllm --source megatron: the trainer's (tp, pp) from --train-mesh (default tp=2)."""
+    if args.source != "megatron":
+        if args.source != "files":
+            raise UsageError(f"bench vllm takes --source megatron or none, not {args.source}")
+        return None
+    sizes = {"tp": 2, "pp": 1}
+    for part in (args.train_mesh or "tp=2").split(","):
+        axis, _, n = part.partition("=")
+        if axis not in sizes or not n.isdigit() or int(n) < 1:
+            raise UsageError(f"bench vllm --source megatron: --train-mesh takes tp=N[,pp=N], got {args.train_mesh!r}")
+        sizes[axis] = int(n)
+    return sizes["tp"], sizes["pp"]
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     import tempfile
 
@@ -57,7 +72,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     if args.what == "vllm":  # in the vLLM venv: one engine, three ways to update it
         from streamer.vllm.bench import bench_cli
-        _out(args, *bench_cli(args.model, args.repeats, args.dst_tp))
+        _out(args, *bench_cli(args.model, args.repeats, args.dst_tp, _megatron_mesh(args)))
         return 0
     if args.what == "refit" and args.replicas is None and not args.against:
         args.train_mesh, args.serve_mesh = _refit_meshes(args)
@@ -227,7 +242,8 @@ def _add_bench(sub: Any) -> None:
     p.add_argument("--serve-mesh", default=None, help="bench refit: the server's mesh (default tp=RECEIVERS)")
     p.add_argument("--source", choices=["files", "fsdp2", "megatron"], default="files",
                    help="bench refit: the trainer's rank files, or a real FSDP2 model (fp32 masters, cast to bf16); "
-                        "bench convert: megatron = a Megatron torch_dist save -> HF (import --to hf + convert)")
+                        "bench convert: megatron = a Megatron torch_dist save -> HF (import --to hf + convert); "
+                        "bench vllm: megatron = a live megatron-core trainer (--train-mesh tp=N[,pp=N]) pushes first")
     p.add_argument("--delta", action="store_true",
                    help="bench refit: full vs delta pushes after real AdamW steps of a small Llama (--repeats steps)")
     p.add_argument("--lr", type=float, nargs="+", default=[1e-6, 1e-5], metavar="LR",

@@ -144,8 +144,47 @@ def _engine(model_dir: str, tp: int) -> Any:
                tensor_parallel_size=tp, weight_transfer_config={"backend": "shardstream"}, **kw)
 
 
-def bench_vllm(model_dir: str, repeats: int = 3, timeout: float = 600, tp: int = 1) -> dict[str, Any]:
-    """Run the three ways on one engine (TP ``tp``) loaded from ``model_dir``; see the module docstring."""
+def _lower_bound(worker: Any) -> int:
+    """In each worker: the bytes of the regions it holds (what any refit must bring it)."""
+    from formats.manifest.dtypes import DTYPES
+
+    eng = worker.weight_transfer_engine
+    m = eng.described.manifests[eng.naming]
+    me = eng.described.rank
+    return sum(c.region.volume * DTYPES[spec.data_type].itemsize for _, spec, c in m.iter_chunks() if me in c.holders)
+
+
+def _shardstream_way(llm: Any, sender: list[str], rdv: str, repeats: int, timeout: float,
+                     first: list[Any]) -> dict[str, Any]:
+    """The shardstream backend fed by the ``sender`` command (which pushes ``repeats`` times)."""
+    proc = subprocess.Popen(sender)
+    try:
+        llm.init_weight_transfer_engine({"init_info": {"rendezvous": rdv, "timeout": timeout}})
+
+        def update() -> None:
+            llm.start_weight_update()
+            llm.update_weights({"update_info": {}})
+            llm.finish_weight_update()
+
+        times, peaks = _timed(llm, update, repeats)
+        if proc.wait(timeout) != 0:
+            raise RuntimeError(f"the bench's sender exited with {proc.returncode}")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    lasts = llm.collective_rpc(_rpc()._last)
+    out = {"seconds": times, "peak_extra_bytes": peaks, "bytes_received": [int(x["bytes_received"]) for x in lasts],
+           "lower_bound_bytes": [int(x) for x in llm.collective_rpc(_rpc()._lower_bound)],
+           "pull_seconds": [x["pull_seconds"] for x in lasts], "process_seconds": [x["process_seconds"] for x in lasts],
+           "serves_first_load": _generate(llm) == first}
+    llm.shutdown_weight_transfer_engine()
+    return out
+
+
+def bench_vllm(model_dir: str, repeats: int = 3, timeout: float = 600, tp: int = 1,
+               megatron: tuple[int, int] | None = None) -> dict[str, Any]:
+    """Run the ways on one engine (TP ``tp``) loaded from ``model_dir``; see the module docstring.
+    ``megatron``: (tp, pp) of a megatron-core trainer that pushes first (``bench_megatron``)."""
     files = sorted(Path(model_dir).glob("*.safetensors"))
     disk_bytes = sum(f.stat().st_size for f in files)
     t0 = time.perf_counter()
@@ -154,29 +193,16 @@ def bench_vllm(model_dir: str, repeats: int = 3, timeout: float = 600, tp: int =
     out: dict[str, Any] = {"model": model_dir, "repeats": repeats, "tp": tp, "checkpoint_bytes": disk_bytes,
                            "engine_start_seconds": time.perf_counter() - t0}
     with tempfile.TemporaryDirectory() as d:
-        rdv = str(Path(d) / "rdv")
-        sender = subprocess.Popen([sys.executable, "-m", "streamer.vllm.bench", "--send", model_dir, rdv,
-                                   str(repeats), str(timeout)])
-        try:
-            llm.init_weight_transfer_engine({"init_info": {"rendezvous": rdv, "timeout": timeout}})
-
-            def shardstream_update() -> None:
-                llm.start_weight_update()
-                llm.update_weights({"update_info": {}})
-                llm.finish_weight_update()
-
-            times, peaks = _timed(llm, shardstream_update, repeats)
-            if sender.wait(timeout) != 0:
-                raise RuntimeError(f"the bench's sender exited with {sender.returncode}")
-        finally:
-            if sender.poll() is None:
-                sender.kill()
-    lasts = llm.collective_rpc(_rpc()._last)
-    out["shardstream"] = {"seconds": times, "peak_extra_bytes": peaks,
-                          "bytes_received": [int(x["bytes_received"]) for x in lasts],
-                          "pull_seconds": [x["pull_seconds"] for x in lasts],
-                          "process_seconds": [x["process_seconds"] for x in lasts],
-                          "serves_first_load": _generate(llm) == first}
+        if megatron is not None:
+            mt, mp = megatron
+            sender = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                      str(mt * mp), "-m", "streamer.vllm.bench_megatron", model_dir, str(Path(d) / "mg.rdv"),
+                      str(repeats), str(timeout), str(mt), str(mp), str(Path(d) / "mg.json")]
+            out["megatron"] = _shardstream_way(llm, sender, str(Path(d) / "mg.rdv"), repeats, timeout, first)
+            out["megatron"]["trainer"] = json.loads((Path(d) / "mg.json").read_text())
+        sender = [sys.executable, "-m", "streamer.vllm.bench", "--send", model_dir, str(Path(d) / "rdv"),
+                  str(repeats), str(timeout)]
+        out["shardstream"] = _shardstream_way(llm, sender, str(Path(d) / "rdv"), repeats, timeout, first)
     out["full_tensors"] = _vllm_way(llm, lambda: llm.collective_rpc(_rpc()._full_tensors, args=(model_dir,)),
                                     repeats, first, [disk_bytes] * tp)
 
@@ -189,11 +215,9 @@ def bench_vllm(model_dir: str, repeats: int = 3, timeout: float = 600, tp: int =
                                    "bytes_received": [disk_bytes] * tp, "serves_first_load": None}
     else:
         out["reload_from_disk"] = _vllm_way(llm, from_disk, repeats, first, [disk_bytes] * tp)
-    for k in WAYS:
-        if "seconds" in out[k]:
+    for k in (*WAYS, "megatron"):
+        if k in out and "seconds" in out[k]:
             out[k]["median_seconds"] = statistics.median(out[k]["seconds"])
-    if all("error" not in out[k] for k in WAYS):
-        llm.shutdown_weight_transfer_engine()
     return out
 
 
@@ -213,6 +237,8 @@ def _vllm_way(llm: Any, fn: Callable[[], None], repeats: int, first: list[Any], 
 
 WAYS = {"shardstream": "shardstream pull", "full_tensors": "full tensors + load_weights",
         "reload_from_disk": "vLLM reload from disk"}
+#: bench vllm --source megatron: the first row
+MEGATRON_WAY = "shardstream from Megatron"
 
 
 def _per_worker(xs: list[int]) -> str:
@@ -225,25 +251,44 @@ def vllm_text(r: dict[str, Any]) -> str:
     rows = [f"bench vllm ({r['model']}, TP {r['tp']}{' in-process' if r['tp'] == 1 else ''}, median of "
             f"{r['repeats']}; checkpoint {r['checkpoint_bytes'] / 2**20:.2f} MiB; engine start "
             f"{r['engine_start_seconds']:.0f} s):",
-            f"  {'way':28} {'apply s':>9} {'received MiB/worker':>20} {'peak extra MiB/worker':>22}  serves a "
+            f"  {'way':34} {'apply s':>9} {'received MiB/worker':>20} {'peak extra MiB/worker':>22}  serves a "
             f"fresh load's output"]
-    for k, label in WAYS.items():
+    labels = dict(WAYS)
+    if "megatron" in r:
+        t = r["megatron"]["trainer"]
+        labels = {"megatron": f"{MEGATRON_WAY} TP{t['tp']}xPP{t['pp']}", **labels,
+                  "shardstream": "shardstream, full HF tensors"}
+    for k, label in labels.items():
         x = r[k]
         if "error" in x:
-            rows.append(f"  {label:28} FAILED: {x['error']}")
+            rows.append(f"  {label:34} FAILED: {x['error']}")
             continue
-        rows.append(f"  {label:28} {x['median_seconds']:9.3f} {_per_worker(x['bytes_received']):>20} "
+        rows.append(f"  {label:34} {x['median_seconds']:9.3f} {_per_worker(x['bytes_received']):>20} "
                     f"{_per_worker(x['peak_extra_bytes']):>22}  {'yes' if x['serves_first_load'] else 'NO'}")
+    if "megatron" in r and "median_seconds" in r["shardstream"]:
+        m, sh = r["megatron"], r["shardstream"]["median_seconds"]
+        lb = sum(m["lower_bound_bytes"])
+        rows.append(f"  Megatron -> vLLM: the workers received {sum(m['bytes_received']) / lb:.3f}x the lower bound "
+                    f"({_per_worker(m['lower_bound_bytes'])} MiB/worker; full tensors: "
+                    f"{r['checkpoint_bytes'] * r['tp'] / lb:.2f}x); apply time {m['median_seconds'] / sh:.2f}x the "
+                    f"full-HF-tensor sender's; the trainer's push (slowest rank, median) "
+                    f"{statistics.median(m['trainer']['push_seconds']):.3f} s")
     return "\n".join(rows)
 
 
-def bench_cli(model: str | None, repeats: int | None, tp: int | None = None) -> tuple[dict[str, Any], str]:
-    """``shardstream bench vllm --model DIR [--repeats N] [--dst-tp N]``: the figures and their table."""
+def bench_cli(model: str | None, repeats: int | None, tp: int | None = None,
+              megatron: tuple[int, int] | None = None) -> tuple[dict[str, Any], str]:
+    """``shardstream bench vllm --model DIR [--repeats N] [--dst-tp N] [--source megatron --train-mesh
+    pp=P,tp=T]``: the figures and their table."""
     from formats.errors import UsageError
 
     if not model:
         raise UsageError("bench vllm needs --model DIR (an HF checkpoint directory)")
-    r = bench_vllm(model, repeats=repeats or 3, tp=tp or 1)
+    if megatron is not None:
+        from streamer.vllm.bench_megatron import example_dir
+
+        example_dir()  # a clear error before the engine starts
+    r = bench_vllm(model, repeats=repeats or 3, tp=tp or 1, megatron=megatron)
     return r, vllm_text(r)
 
 

@@ -249,3 +249,19 @@ def test_example_trainer_runs_as_docs_megatron_shows(tmp_path: Path) -> None:
     assert "2 step(s)" in run.out.read_text() and "checksums verified" in run.out.read_text(), run.out.read_text()
     pushes = _pushes(run)
     assert sorted((p["rank"], p["step"]) for p in pushes) == [(r, s) for r in range(4) for s in range(2)]
+
+
+@pytest.mark.timeout(600)
+def test_bench_vllm_from_megatron(tmp_path: Path) -> None:
+    """``bench vllm --source megatron``: a TP 2 megatron-core trainer, loaded with the checkpoint's
+    weights through its own manifest, refits the engine that serves that checkpoint: it serves what
+    it served, and each worker receives exactly its regions' bytes."""
+    model = _initial(DENSE, tmp_path / "model")
+    run = Proc([sys.executable, "-m", "streamer", "bench", "vllm", "--model", model, "--source", "megatron",
+                "--train-mesh", "tp=2", "--repeats", 1, "--json"], tmp_path, "bench")
+    assert run.wait(500) == 0, run.err.read_text()[-4000:]
+    r = json.loads(run.out.read_text().splitlines()[-1])
+    m = r["megatron"]
+    assert m["bytes_received"] == m["lower_bound_bytes"] and m["serves_first_load"], m
+    assert m["trainer"]["bytes_sent_per_push"] == sum(m["lower_bound_bytes"])
+    assert r["shardstream"]["serves_first_load"] and r["shardstream"]["bytes_received"] == m["bytes_received"]
