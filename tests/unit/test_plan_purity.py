@@ -27,6 +27,7 @@ PLAN_MODULES = (
     "streamer.plan.layout",
     "streamer.plan.local_shapes",
     "streamer.plan.match",
+    "streamer.plan.open_rows",
     "streamer.plan.model",
     "streamer.plan.planner",
     "streamer.plan.rankplan",
