@@ -689,6 +689,21 @@ Issue 14's manifest targets (≤ 1 MB and ≤ 5 s to write, `validate` ≤ 2 s a
 
 At TP 2 the pull delivers each worker its own half (the vocabulary shards, its heads of the fused q/k/v, its half of gate/up), where the other two ways read the whole checkpoint in every worker. Its apply time at TP 2 splits into the pull (0.077 s on each worker) and vLLM's per-layer processing (0.04–0.09 s), plus three engine RPCs (start, update, finish) against one for the others. Here the pull runs over gloo on loopback from one sender process that pushes both halves through one core, while the other two ways read a page-cached checkpoint in each worker in parallel. Engine start: 18 s at TP 1 and 58 s at TP 2 (this run; vLLM's import included). On the MoE model, vLLM's own reload paths skip the CPU experts' prepack on a weight update: at TP 1 they then serve different logprobs, and at TP 2 the full-tensors path fails outright: the `w13` that vLLM's processing produces does not fit the kernel tensor it is copied into (32 against 64 along dimension 1). The shardstream engine re-runs the prepack, and serves the first load's output at both sizes.
 
+### Refit from a live Megatron trainer into vLLM (`bench vllm --source megatron`)
+
+`shardstream bench vllm --model DIR --source megatron --train-mesh tp=2[,pp=2] [--dst-tp 2] --repeats 3`, measured 2026-12-05 on the same 2-core machine, the same Qwen3 56M (bf16, 107.5 MiB). A megatron-core 0.16.1 trainer under `torchrun` (GPTModel, local spec, on CPU over gloo) loads the checkpoint into its own parameters through its `manifest_from_megatron` manifest and pushes them (`linear_qkv` de-interleaved, `linear_fc1` split, the vocabulary padding left behind, nothing gathered); the rest of the run is the table above on the same engine. "Lower bound": the bytes of the regions the worker holds. One run each:
+
+| engine | trainer | way | apply s | received MiB per worker | lower bound MiB per worker | serves a fresh load's output |
+|---|---|---|---|---|---|---|
+| TP 1 in-process | Megatron TP 2 | shardstream from Megatron | 0.209 | 107.52 | 107.52 | yes |
+| | one rank, full HF tensors | shardstream | 0.219 | 107.52 | 107.52 | yes |
+| | – | full tensors + `load_weights` | 0.108 | 107.53 | – | yes |
+| TP 2 (2 worker processes) | Megatron TP 2 × PP 2 | shardstream from Megatron | 0.202 | **53.77 / 53.77** | 53.77 / 53.77 | yes |
+| | one rank, full HF tensors | shardstream | 0.242 | 53.77 / 53.77 | 53.77 / 53.77 | yes |
+| | – | full tensors + `load_weights` | 0.140 | 107.53 / 107.53 | – | yes |
+
+From the Megatron trainer each worker receives exactly its lower bound (1.000×; full tensors: 2.00× at TP 2). The apply time from the four-rank Megatron trainer is 0.84× that from one rank holding full HF tensors at TP 2 (0.96× at TP 1), in one run on a loaded machine; the trainer's push, slowest rank, median: 0.078–0.087 s. The GPU figures that matter (NCCL, NVLink) do not exist yet.
+
 ### Refit A/B: before schedule v3 against now (`bench refit`, interleaved)
 
 Measured 2026-12-03: `shardstream bench refit --repeats 7` (qwen3-small, 4+4 ranks, files pp=2,tp=2 -> tp=4, 64 MiB buckets), the version before schedule v3 (`c109358`) and main run in turn, four rounds (old, new, old, new, ...), 8 ranks on the 2 cores (load average 1.5 at the start, about 10 during the runs). Ratios are to the `MPI_Alltoallv` floor of the same run; the first push is the first of the session.

@@ -95,22 +95,26 @@ def _check_oracle(step_dir: Path) -> float:
     return float(np.abs(got - np.load(step_dir / "megatron-logits.npy")).max())
 
 
+def _receivers(tmp: Path, dtype: str, *args: Any) -> tuple[Path, Proc]:
+    """One ``refit recv`` rank in the HF layout of DENSE (``dtype``), joining through ``tmp/tp2/rdv``."""
+    d = tmp / "tp2"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(DENSE))
+    layout = Proc([sys.executable, "-m", "streamer", "layout", "--model", d / "config.json", "--preset", "hf",
+                   "--dtype", dtype, "--no-files", "-o", d / "recv.json"], d, "layout")
+    assert layout.wait(120) == 0, layout.err.read_text()
+    return d, Proc([sys.executable, "-m", "streamer", "refit", "recv", "--manifest", d / "recv.json", "--rendezvous",
+                    d / "rdv", "--control", "store", *args], d, "recv")
+
+
 @pytest.mark.timeout(900)
 def test_megatron_to_shardstream_receivers(tmp_path: Path) -> None:
     """TP 2 fp32 Megatron -> one receiver in the HF layout, fp32, saving what it received."""
     import torch
     from safetensors.torch import load_file
 
-    d = tmp_path / "tp2"
-    d.mkdir()
-    (d / "config.json").write_text(json.dumps(DENSE))
-    layout = Proc([sys.executable, "-m", "streamer", "layout", "--model", d / "config.json", "--preset", "hf",
-                   "--dtype", "float32", "--no-files", "-o", d / "recv.json"], d, "layout")
-    assert layout.wait(120) == 0, layout.err.read_text()
+    d, recv = _receivers(tmp_path, "float32", "--steps", 2, "--save", tmp_path / "tp2" / "saved", "--timeout", 600)
     trainer = _trainer(tmp_path, "tp2", d / "rdv")
-    recv = Proc([sys.executable, "-m", "streamer", "refit", "recv", "--manifest", d / "recv.json", "--rendezvous",
-                 d / "rdv", "--control", "store", "--steps", 2, "--save", d / "saved", "--timeout", 600, "--json"],
-                d, "recv")
     rcs = {"recv": recv.wait(600), "trainer": trainer.wait(120)}
     assert set(rcs.values()) == {0}, f"{rcs}\n{trainer.err.read_text()[-4000:]}\n{recv.err.read_text()[-2000:]}"
     oracle = d / "oracle"
@@ -134,15 +138,8 @@ def test_megatron_to_shardstream_receivers(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(300)
 def test_megatron_vocab_that_differs_from_the_receivers_is_refused_by_name(tmp_path: Path) -> None:
-    d = tmp_path / "tp2"
-    d.mkdir()
-    (d / "config.json").write_text(json.dumps(DENSE))
-    layout = Proc([sys.executable, "-m", "streamer", "layout", "--model", d / "config.json", "--preset", "hf",
-                   "--no-files", "-o", d / "recv.json"], d, "layout")
-    assert layout.wait(120) == 0, layout.err.read_text()
+    d, recv = _receivers(tmp_path, "bfloat16", "--timeout", 120)
     trainer = _trainer(tmp_path, "tp2", d / "rdv", steps=1, vocab=240)
-    recv = Proc([sys.executable, "-m", "streamer", "refit", "recv", "--manifest", d / "recv.json", "--rendezvous",
-                 d / "rdv", "--control", "store", "--timeout", 120], d, "recv")
     rcs = {"recv": recv.wait(200), "trainer": trainer.wait(60)}
     assert rcs["recv"] == 1 and rcs["trainer"] != 0, rcs
     for text in (recv.err.read_text(), trainer.err.read_text()):
