@@ -822,6 +822,17 @@ No change beyond the noise. Two `bench refit --against benchmarks/refit-referenc
 | median | 0.038 s | 0.034 s | 1.14 | 1.18 | 16.5× | 17.7× |
 
 No change beyond the noise.
+
+**Session 12 check** (2026-12-05 07:10–07:11 UTC, load average 2–2.7, `nice -n -5`, `bench refit` defaults, `58064ed` and `main` run in turn, three rounds). This session's change on the push path: `collect_local` hands a megatron-core model's parameters under their manifest names (one `sys.modules` lookup per push otherwise), and `open()` cuts `open_rows` arrays to the receivers' rows before planning (a no-op for manifests without them). No schedule, executor or transport change.
+
+| round | before: steady push | after: steady push | before: steady / floor | after: steady / floor | before: faster than gather-broadcast | after: faster than gather-broadcast |
+|---|---|---|---|---|---|---|
+| 1 | 0.037 s | 0.039 s | 1.34 | 1.07 | 17.4× | 17.9× |
+| 2 | 0.037 s | 0.041 s | 1.20 | 1.11 | 19.4× | 27.0× |
+| 3 | 0.039 s | 0.039 s | 1.16 | 1.08 | 14.1× | 22.4× |
+| median | 0.037 s | 0.039 s | 1.20 | 1.08 | 17.4× | 22.4× |
+
+No change beyond the noise (the steady push 4% slower in absolute time, its ratio to the floor of the same run lower).
 """
 
 
