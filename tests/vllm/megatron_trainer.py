@@ -8,7 +8,8 @@ JOB: ``{"hf": CONFIG, "tp": T, "pp": P, "ep": E, "vpp": V|null, "fp32": bool, "w
 the GPTModel of the HF config ``CONFIG`` (mcore.py; ``wrap``: inside megatron-core's
 ``Float16Module``, as a bf16 trainer holds it), describes it with ``manifest_from_megatron`` and
 opens the sending side. Per step: one Adam step on seeded gradients; rank 0 writes the oracle,
-``DIR/step-N`` (an HF checkpoint in bf16; its float32 tensors in ``DIR/step-N-fp32.safetensors``, gathered and converted by
+``ddp``: inside megatron-core's ``DistributedDataParallel`` (its parameters then live in its
+contiguous buffers). ``DIR/step-N`` (an HF checkpoint in bf16; its float32 tensors in ``DIR/step-N-fp32.safetensors``, gathered and converted by
 hand in mcore.py, not by shardstream), plus Megatron's own forward of ``tokens`` (pp = 1:
 ``megatron-logits.npy``); then ``session.push(model, version=N)``. One JSON line per push and rank.
 """
@@ -62,6 +63,11 @@ def main(job: dict[str, Any]) -> None:
         from megatron.core.transformer.module import Float16Module
 
         chunks = [Float16Module(c.config, c) for c in chunks]
+        model = chunks if isinstance(model, list) else chunks[0]
+    if job.get("ddp"):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        chunks = [DistributedDataParallel(c.config, DistributedDataParallelConfig(), c) for c in chunks]
         model = chunks if isinstance(model, list) else chunks[0]
     bare = [c.module if hasattr(c, "module") else c for c in chunks]
     opt = torch.optim.Adam([p for c in bare for p in c.parameters()], lr=1e-2)

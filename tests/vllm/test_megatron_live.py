@@ -13,7 +13,8 @@ noise. Then:
   nothing is gathered on any trainer rank (``push`` sends local parameters only: bytes sent by all
   trainer ranks sum to what the workers received).
 
-Cells: dense Llama-like TP 2 (fp32, cast to bf16 on the way) -> vLLM TP 1 and receivers; TP 2 × PP 2
+Cells: dense Llama-like TP 2 (fp32, in megatron-core's ``DistributedDataParallel``, cast to bf16
+on the way) -> vLLM TP 1 and receivers; TP 2 × PP 2
 (bf16, inside megatron-core's ``Float16Module``, the vocabulary size left to vLLM's manifest) -> vLLM TP 2; Qwen3-MoE-like EP 2 (fp32) -> vLLM TP 2.
 The oracle is checked against Megatron's forward where that runs in float32 at pp = 1 (a bf16
 forward differs from transformers' by more than a wrong mapping might).
@@ -44,7 +45,7 @@ MOE = {**DENSE, "model_type": "qwen3_moe", "moe_intermediate_size": 32, "num_exp
        "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []}
 #: name -> (HF config, trainer layout); each trainer runs under torchrun
 CELLS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
-    "tp2": (DENSE, {"tp": 2, "pp": 1, "fp32": True}),
+    "tp2": (DENSE, {"tp": 2, "pp": 1, "fp32": True, "ddp": True}),
     "tp2pp2": (DENSE, {"tp": 2, "pp": 2, "fp32": False, "wrap": True, "vocab": None}),
     "moe-ep2": (MOE, {"tp": 1, "pp": 1, "ep": 2, "fp32": True}),
 }
@@ -96,14 +97,18 @@ def _check_oracle(step_dir: Path) -> float:
 
 
 def _receivers(tmp: Path, dtype: str, *args: Any) -> tuple[Path, Proc]:
-    """One ``refit recv`` rank in the HF layout of DENSE (``dtype``), joining through ``tmp/tp2/rdv``."""
+    """One ``refit recv`` rank in the HF layout of DENSE (``dtype``), joining through ``tmp/tp2/rdv``:
+    under ``mpiexec`` from the core venv (``.venv``, which scripts/test.sh makes before this tier;
+    this venv has no MPI), else a plain process."""
     d = tmp / "tp2"
     d.mkdir()
     (d / "config.json").write_text(json.dumps(DENSE))
     layout = Proc([sys.executable, "-m", "streamer", "layout", "--model", d / "config.json", "--preset", "hf",
                    "--dtype", dtype, "--no-files", "-o", d / "recv.json"], d, "layout")
     assert layout.wait(120) == 0, layout.err.read_text()
-    return d, Proc([sys.executable, "-m", "streamer", "refit", "recv", "--manifest", d / "recv.json", "--rendezvous",
+    core = HERE.parents[1] / ".venv" / "bin"
+    launch = ([core / "mpiexec", "-n", 1, core / "python"] if (core / "mpiexec").exists() else [sys.executable])
+    return d, Proc([*launch, "-m", "streamer", "refit", "recv", "--manifest", d / "recv.json", "--rendezvous",
                     d / "rdv", "--control", "store", *args], d, "recv")
 
 

@@ -51,6 +51,7 @@ def _env() -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(HERE)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("HYDRA_LAUNCHER", "fork")  # mpiexec (the core venv's) on this host only
     return env
 
 
