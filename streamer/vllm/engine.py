@@ -59,6 +59,7 @@ from vllm.distributed.weight_transfer.base import (
 from streamer.vllm import internals
 from streamer.vllm.audit import Snapshot, snapshot, stale
 from streamer.vllm.manifest import VllmManifests, VllmTensor, manifest_from_vllm
+from streamer.vllm.staging import Stager
 
 __all__ = ["ShardstreamInitInfo", "ShardstreamUpdateInfo", "ShardstreamWeightTransferEngine"]
 
@@ -75,11 +76,18 @@ class ShardstreamInitInfo(WeightTransferInitInfo):  # type: ignore[misc]
     transport: str | None = None
     verify: bool = False
     delta: bool = False
+    #: "none": ``update_weights`` pulls the push itself; "host": a thread stages every push in host
+    #: buffers while the engine serves, and ``update_weights`` commits a staged version (staging.py)
+    staging: str = "none"
 
 
 @dataclass
 class ShardstreamUpdateInfo(WeightTransferUpdateInfo):  # type: ignore[misc]
-    """Nothing: the trainer's push says what moves."""
+    """``version`` (staging "host"): the staged version to commit; None: the newest staged one, or
+    the push under way (waited for up to the timeout). Without staging the trainer's push says
+    what moves and ``version`` is not read."""
+
+    version: int | None = None
 
 
 class ShardstreamWeightTransferEngine(
@@ -102,13 +110,20 @@ class ShardstreamWeightTransferEngine(
         self.last: dict[str, Any] = {}
         #: the derived state of every layer the update processes, before it (audit.snapshot)
         self._before: Snapshot | None = None
+        #: staging "host": the thread that receives pushes while the engine serves (None: not staged)
+        self.stager: Stager | None = None
 
     # ------------------------------------------------------------------ joining
     def init_transfer_engine(self, init_info: ShardstreamInitInfo) -> None:
         from streamer import RefitOptions, RefitSession
 
-        if self.session is not None:
+        if self.session is not None or self.stager is not None:
             self.shutdown()
+        if init_info.staging not in ("none", "host"):
+            raise ValueError(f"shardstream: init_info staging must be 'none' or 'host', got {init_info.staging!r}")
+        if init_info.staging == "host" and init_info.delta:
+            raise ValueError("shardstream: staging 'host' with delta is not supported yet (a delta decodes against "
+                             "the served copy); use staging 'none' for delta sessions")
         internals.check()  # a vLLM without what the updates use is refused here, before any push
         self.described = described = manifest_from_vllm(self.model)
 
@@ -122,6 +137,16 @@ class ShardstreamWeightTransferEngine(
                                          options=RefitOptions(verify=init_info.verify, delta=init_info.delta,
                                                               fp8_block=described.fp8_block),
                                          choose_manifest=choose, device=self._cuda_device())
+        if init_info.staging == "host":
+            if self.session.options.delta:
+                raise ValueError("shardstream: the trainer asked for a delta session, which staging 'host' does not "
+                                 "support yet")
+            import torch
+
+            shapes = {t.name: (t.shape, getattr(torch, t.data_type)) for t in self._locals()}
+            self.stager = Stager(self.session, shapes, init_info.timeout)
+            self.session = None  # the staging thread owns it now
+            self.stager.start()
 
     def _cuda_device(self) -> Any:
         """The worker's own device for the nccl transport (None on CPU): vLLM chose it, and it need
@@ -147,6 +172,9 @@ class ShardstreamWeightTransferEngine(
             torch.accelerator.synchronize()
 
     def receive_weights(self, update_info: ShardstreamUpdateInfo) -> None:
+        if self.stager is not None:
+            self._commit_staged(update_info.version)
+            return
         session = self._need_session()
         if not self._reloading:
             raise RuntimeError("shardstream: update_weights before start_weight_update")
@@ -183,6 +211,94 @@ class ShardstreamWeightTransferEngine(
                      "encodings": dict(st.encodings), "base_bytes": sum(b.nbytes for b in (self.base or {}).values()),
                      "quantized": _quantized(session), "quantize_seconds": st.quantize_seconds}
 
+    def _commit_staged(self, version: int | None) -> None:
+        """Staging "host": copy a staged version into the served tensors and process it, one layer at
+        a time (one layer's model-format tensors in extra memory at once). A commit that fails puts
+        back, from the committed host copy, every layer it had written (before the first commit
+        there is none: the error says the engine then serves a mix, until the next commit)."""
+        stager = self.stager
+        assert stager is not None
+        if not self._reloading:
+            raise RuntimeError("shardstream: update_weights before start_weight_update")
+        if self._received:
+            self.finish_weight_update()
+            raise RuntimeError("shardstream: update_weights was already called in this update (one version per "
+                               "update); the update ends with the first version committed")
+        t0 = time.perf_counter()
+        try:
+            buf = stager.take(version)
+        except BaseException:
+            self._abort()
+            raise
+        t1 = time.perf_counter()
+        done: list[tuple[Any, str, list[VllmTensor]]] = []
+        peak = 0
+        try:
+            for group in self._layer_groups():
+                peak = max(peak, self._commit_layer(*group, buf.tensors))
+                done.append(group)
+            self._process_aliases()
+        except BaseException as e:
+            self._abort()
+            restored = self._restore(done)
+            raise RuntimeError(f"shardstream: committing version {buf.version} failed ({type(e).__name__}: {e}); "
+                               + (f"the {len(done)} layers it had written were restored from version {restored}"
+                                  if restored is not None else
+                                  f"{len(done)} layers hold the new weights and the rest the old ones (no committed "
+                                  "host copy before the first commit): commit again")) from e
+        stager.committed(buf)
+        self._received = True
+        t2 = time.perf_counter()
+        pushes = stager.received
+        self.last = {"staged": True, "version": buf.version, "wait_seconds": t1 - t0, "commit_seconds": t2 - t1,
+                     "peak_extra_bytes": peak, "staging_bytes": stager.nbytes, "naming": self.naming,
+                     "layers": len(done), "tied_layers": len(self._aliases()),
+                     "bytes_received": pushes[-1][2] if pushes else 0,
+                     "pull_seconds": pushes[-1][1] if pushes else 0.0}
+
+    def _layer_groups(self) -> list[tuple[Any, str, list[VllmTensor]]]:
+        """Per layer (in model order): the layer, its update path and its local tensors."""
+        groups: dict[int, tuple[Any, str, list[VllmTensor]]] = {}
+        for t in self._locals():
+            layer = self.model.get_submodule(t.module)
+            groups.setdefault(id(layer), (layer, t.path, []))[2].append(t)
+        return list(groups.values())
+
+    def _commit_layer(self, layer: Any, path: str, ts: list[VllmTensor], src: Mapping[str, Any]) -> int:
+        """One layer: its tensors from ``src`` (host), then vLLM's processing; the bytes it held in
+        model format while it was processed (its share of the commit's extra memory)."""
+        v = internals.load()
+        info = v.LAYERWISE_INFO.get(layer)
+        if info is None or not info.can_load() or info.kernel_tensors is None:
+            raise RuntimeError(f"shardstream: {ts[0].module} was not set up for reload (start_weight_update)")
+        if path == "reprocess":
+            v.materialize_layer(layer, info)
+        extra = 0
+        for t in ts:
+            param = getattr(layer, t.param) if path == "reprocess" else info.kernel_tensors[0][t.param]
+            param.data.view(t.shape).copy_(src[t.name])
+            extra += param.nbytes if path == "reprocess" else 0
+        self._process([(layer, path)])
+        return extra
+
+    def _restore(self, done: list[tuple[Any, str, list[VllmTensor]]]) -> int | None:
+        """After a failed commit: the layers it wrote, from the committed host copy; its version
+        (None: no copy, nothing restored)."""
+        prev = self.stager.last_committed() if self.stager is not None else None
+        if prev is None or not done:
+            return None if done else (prev.version if prev else None)
+        v = internals.load()
+        v.initialize_layerwise_reload(self.model)
+        self._reloading = True
+        try:
+            for group in done:
+                self._commit_layer(*group, prev.tensors)
+            self._process_aliases()
+        finally:
+            self._reloading = False
+            v.finalize_layerwise_reload(self.model, self.model_config)
+        return prev.version
+
     def finish_weight_update(self) -> None:
         if self._reloading:
             self._reloading = False
@@ -197,12 +313,17 @@ class ShardstreamWeightTransferEngine(
 
     def shutdown(self) -> None:
         self.base = None
+        if self.stager is not None:
+            stager, self.stager = self.stager, None
+            stager.stop()
         if self.session is not None:
             session, self.session = self.session, None
             session.close()
 
     # ------------------------------------------------------------------ the pieces
     def _need_session(self) -> Any:
+        if self.session is None and self.stager is not None:
+            return self.stager  # staged: the thread holds the session
         if self.session is None:
             raise RuntimeError("shardstream: init_weight_transfer_engine has not joined a refit session")
         return self.session

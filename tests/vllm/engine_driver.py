@@ -67,10 +67,10 @@ def dump(worker: Any, out: str) -> None:
     Path(out, f"rank-{d.rank}.json").write_text(json.dumps(body))
 
 
-def update(llm: Any, version: str, job: dict[str, Any]) -> dict[str, Any]:
+def update(llm: Any, version: str, job: dict[str, Any], info: dict[str, Any] | None = None) -> dict[str, Any]:
     t = time.perf_counter()
     llm.start_weight_update()
-    llm.update_weights({"update_info": {}})
+    llm.update_weights({"update_info": info or {}})
     llm.finish_weight_update(weight_version=version)
     return {"update_seconds": time.perf_counter() - t, "version": llm.get_weight_version(), "out": generate(llm, job)}
 
@@ -90,6 +90,84 @@ def sabotaged_update(llm: Any, version: str, job: dict[str, Any]) -> dict[str, A
         return {"error": f"{type(e).__name__}: {e}", "version": llm.get_weight_version()}
     finally:
         E._process_aliases = keep  # type: ignore[method-assign]
+
+
+def _wait_file(path: str, timeout: float = 600) -> None:
+    t0 = time.monotonic()
+    while not Path(path).exists():
+        if time.monotonic() - t0 > timeout:
+            raise TimeoutError(f"{path} did not appear within {timeout} s")
+        time.sleep(0.05)
+
+
+def staged_commits(llm: Any, rf: dict[str, Any], job: dict[str, Any]) -> list[dict[str, Any]]:
+    """Staging "host": commit each ``rf["commits"][i]`` (``{"version": N|null, "fail_at": K}``) in
+    turn, first waiting for ``rf["wait_before"][str(i)]`` (a file) when given; after each, write
+    ``rf["signal"]/committed-i``. ``fail_at``: that commit's K-th layer raises (in every worker)."""
+    out = []
+    for i, c in enumerate(rf["commits"]):
+        wait = rf.get("wait_before", {}).get(str(i))
+        if wait:
+            _wait_file(wait)
+        if c.get("fail_at"):
+            llm.collective_rpc(_fail_hook, args=(c["fail_at"],))
+        t0 = time.time()
+        try:
+            r = update(llm, str(i), job, {"version": c.get("version")})
+            r["error"] = None
+        except Exception as e:  # noqa: BLE001 - recorded for the test to read
+            r = {"error": f"{type(e).__name__}: {e}", "out": generate(llm, job), "version": llm.get_weight_version()}
+            r["late_errors"] = _drain(llm, job["tp"])
+        finally:
+            if c.get("fail_at"):
+                llm.collective_rpc(_fail_hook, args=(0,))
+        r["started"] = t0
+        r["last"] = llm.collective_rpc(_last_info)
+        out.append(r)
+        if rf.get("signal"):
+            Path(rf["signal"], f"committed-{i}").write_text("")
+    return out
+
+
+def _drain(llm: Any, tp: int) -> list[str]:
+    """vLLM 0.32's multiprocess executor raises a failed RPC's first error and leaves the other
+    workers' responses unread: the next RPC would read them as its own (off by one from then on).
+    Read them here (engine core in this process only; nothing is in flight, so any response waiting
+    in a worker's queue is a stale one)."""
+    if tp == 1:
+        return []
+    executor = llm.llm_engine.engine_core.engine_core.model_executor
+    late = []
+    for mq in executor.response_mqs:
+        try:
+            status, result = mq.dequeue(timeout=2.0)
+            late.append(f"{status}: {result}")
+        except TimeoutError:
+            pass
+    return late
+
+
+def _fail_hook(worker: Any, k: int) -> None:
+    """In each worker: the next commit's ``k``-th layer raises (``k`` 0: the hook removed)."""
+    cls = type(worker.weight_transfer_engine)
+    keep = cls.__dict__.get("_kept_commit_layer") or cls._commit_layer
+    cls._kept_commit_layer = keep
+    if not k:
+        cls._commit_layer = keep
+        return
+    calls = [0]
+
+    def failing(self: Any, *a: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == k:
+            raise RuntimeError(f"test hook: layer {k} of this commit fails")
+        return keep(self, *a)
+
+    cls._commit_layer = failing
+
+
+def _last_info(worker: Any) -> dict[str, Any]:
+    return dict(worker.weight_transfer_engine.last)
 
 
 def engine(model: str, job: dict[str, Any], refit: bool) -> Any:
@@ -136,6 +214,8 @@ def run(job: dict[str, Any]) -> list[dict[str, Any]]:
             entry["init_seconds"] = time.perf_counter() - t1
             entry["before"] = generate(llm, job)
             entry["steps"] = []
+            if rf.get("commits"):
+                entry["commits"] = staged_commits(llm, rf, job)
             for step in range(rf["steps"]):
                 if rf.get("sabotage") == "tied":
                     entry["steps"].append(sabotaged_update(llm, str(step), job))

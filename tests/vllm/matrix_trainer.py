@@ -7,7 +7,9 @@ JOB: ``{"timeout": S, "cases": [{"name": ..., "initial": DIR, "rendezvous": PATH
 checkpoint the engine starts from) gets fp32 masters and AdamW; each step trains on seeded random
 tokens (so every tensor moves: biases, norms, tied embeddings), writes the bf16 weights as an HF
 checkpoint ``save_hf/step-N`` (what a fresh engine loads) and pushes the model (cast to bf16 on the
-way) with its step as the version. One line of JSON per push on stdout.
+way) with its step as the version. One line of JSON per push on stdout. Staging tests add
+``"wait_before_push": {"N": PATH}`` (push step N once PATH exists) and ``"done_file": PATH``
+(written once the session is closed).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -44,9 +47,15 @@ def run_case(case: dict[str, Any], timeout: float) -> None:
             copy.load_state_dict({k: v.to(torch.bfloat16) for k, v in model.state_dict().items()})
             copy.save_pretrained(tmp)  # HF names; tied weights once; the fp32 masters untouched
             os.replace(tmp, out)
+            wait = case.get("wait_before_push", {}).get(str(step))
+            while wait and not Path(wait).exists():  # the engine's go-ahead (staging tests)
+                time.sleep(0.05)
             st = session.push(model, version=step)
-            line = json.dumps({"case": case["name"], "step": step, "loss": float(loss), "bytes_sent": st.bytes_sent})
+            line = json.dumps({"case": case["name"], "step": step, "loss": float(loss), "bytes_sent": st.bytes_sent,
+                               "pushed": time.time()})
             os.write(1, (line + "\n").encode())
+    if case.get("done_file"):  # the session is closed: every push returned
+        Path(case["done_file"]).write_text("")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,183 @@
+"""Staged receive for the vLLM backend: pushes land in host buffers while the engine serves.
+
+With ``init_info={"staging": "host"}`` each worker runs one thread that pulls every push of the
+session into a host staging buffer (one tensor per local tensor, this worker's bytes), while the
+engine goes on serving. The trainer's ``push`` returns once every worker's buffer holds it: it never
+waits for the engine to pause. ``update_weights`` then only *commits* a staged version: it copies
+the staged bytes into the served tensors (``engine.ShardstreamWeightTransferEngine``).
+
+Two buffers, in rotating roles:
+
+- **committed**: the bytes of the version the engine serves (none before the first commit);
+- **staged**: a version received in full, not committed yet;
+- a push is received into the buffer that is neither. A push that breaks off leaves that buffer
+  "free" again and touches neither the served tensors nor a staged version.
+
+When both buffers are taken (a version staged and not committed, and a committed copy), the thread
+waits for the next commit before it pulls again: the trainer's next push then waits for the
+engine (back-pressure: at most one version ahead, never more than two buffers of this worker's bytes).
+Committing a version frees the older committed buffer.
+
+After a failed push (``PushFailed``) or a wait for a push that timed out, the thread goes back to
+pulling: the session, on the store control plane, waits for the next push from this trainer job or
+a restarted one, with no call on the engine side. It ends when the trainer job closes the session
+(``pull`` returns None) or the engine shuts the backend down. Delta sessions are not staged yet
+(their base is the served copy, see ``engine``): refused at init.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Stager", "Staged"]
+
+
+@dataclass
+class Staged:
+    """One host buffer and what it holds: ``version`` (None: nothing complete)."""
+
+    tensors: dict[str, Any]
+    version: int | None = None
+    role: str = "free"  # free | receiving | staged | committed
+
+
+@dataclass
+class Stager:
+    """The staging thread of one worker (see the module docstring). ``shapes``: this worker's local
+    tensors (name -> (shape, torch dtype)); ``session``: its receiving ``RefitSession``."""
+
+    session: Any
+    shapes: Mapping[str, tuple[tuple[int, ...], Any]]
+    timeout: float
+    buffers: list[Staged] = field(default_factory=list)
+    #: the last push failure (one line), cleared by the next complete push
+    error: str | None = None
+    #: the trainer job closed the session: nothing more will be staged
+    closed: bool = False
+    #: per complete push: (version, seconds it took, bytes received)
+    received: list[tuple[int, float, int]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        import torch
+
+        self.buffers = [Staged({n: torch.empty(s, dtype=dt, device="cpu") for n, (s, dt) in self.shapes.items()})
+                        for _ in range(2)]
+        self._cond = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="shardstream-staging", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for b in self.buffers for t in b.tensors.values())
+
+    # ------------------------------------------------------------------ the thread
+    def _free(self) -> Staged | None:
+        return next((b for b in self.buffers if b.role == "free"), None)
+
+    def _run(self) -> None:
+        from formats.errors import PeerTimeoutError, PushFailed
+
+        while True:
+            with self._cond:
+                while not self._stop and self._free() is None:
+                    self._cond.wait(1.0)
+                if self._stop:
+                    break
+                buf = self._free()
+                assert buf is not None
+                buf.role, buf.version = "receiving", None
+            t0 = time.perf_counter()
+            try:
+                st = self.session.pull(buf.tensors)
+            except (PushFailed, PeerTimeoutError) as e:
+                self._settle(buf, None, f"{type(e).__name__}: {e}")
+                continue
+            except BaseException as e:  # noqa: BLE001 - the thread must not die silently: the commit reports it
+                self._settle(buf, None, f"{type(e).__name__}: {e}", closed=True)
+                break
+            if st is None:  # the trainer job closed the session
+                self._settle(buf, None, None, closed=True)
+                break
+            self._settle(buf, st.version, None, stats=(st.version, time.perf_counter() - t0, st.bytes_received))
+        self._close_session()
+
+    def _settle(self, buf: Staged, version: int | None, error: str | None, *, closed: bool = False,
+                stats: tuple[int, float, int] | None = None) -> None:
+        with self._cond:
+            if version is None:
+                buf.role, buf.version = "free", None
+            else:
+                for b in self.buffers:  # an older staged version is superseded: its buffer is free again
+                    if b is not buf and b.role == "staged":
+                        b.role, b.version = "free", None
+                buf.role, buf.version = "staged", version
+                self.received.append(stats)  # type: ignore[arg-type]
+            self.error = error if error is not None or version is None else None
+            self.closed = self.closed or closed
+            self._cond.notify_all()
+
+    def _close_session(self) -> None:
+        session, self.session = self.session, None
+        if session is not None:
+            try:
+                session.close()
+            except Exception:  # noqa: BLE001 - closing after the trainer left: nothing to tell
+                pass
+
+    # ------------------------------------------------------------------ the engine's side
+    def take(self, version: int | None) -> Staged:
+        """The staged buffer to commit: ``version``, or the newest staged one; waits (up to the
+        timeout) while a push is under way or none has come. Raises naming what is missing."""
+        deadline = time.monotonic() + self.timeout
+        with self._cond:
+            while True:
+                staged = [b for b in self.buffers if b.role == "staged"]
+                hit = [b for b in staged if version is None or b.version == version]
+                if hit:
+                    return max(hit, key=lambda b: b.version or 0)
+                done = next((b.version for b in self.buffers if b.role == "committed"), None)
+                if version is not None and done is not None and version <= done:
+                    raise RuntimeError(f"shardstream: version {version} is not staged: the engine serves version "
+                                       f"{done} already" + ("" if version == done else " (a newer one)"))
+                if version is not None and staged and all((b.version or 0) > version for b in staged):
+                    raise RuntimeError(f"shardstream: version {version} is not staged (staged: "
+                                       f"{sorted(b.version or 0 for b in staged)}); a newer push replaced it")
+                left = deadline - time.monotonic()
+                if self.closed or left <= 0:
+                    have = sorted(b.version or 0 for b in staged)
+                    why = ("the trainer closed the session" if self.closed
+                           else f"none arrived within {self.timeout:.0f} s")
+                    raise RuntimeError(f"shardstream: no staged version{'' if version is None else f' {version}'} to "
+                                       f"commit ({why}; staged: {have or 'none'}"
+                                       f"{f'; last push failure: {self.error}' if self.error else ''})")
+                self._cond.wait(min(left, 1.0))
+
+    def committed(self, buf: Staged) -> None:
+        """``buf``'s version is now served: it becomes the committed copy, the previous one is freed."""
+        with self._cond:
+            for b in self.buffers:
+                if b is not buf and b.role == "committed":
+                    b.role, b.version = "free", None
+            buf.role = "committed"
+            self._cond.notify_all()
+
+    def last_committed(self) -> Staged | None:
+        with self._cond:
+            return next((b for b in self.buffers if b.role == "committed"), None)
+
+    def stop(self) -> None:
+        """End the thread: at once when it waits for a buffer, else when its pull returns (the
+        session's timeout bounds it)."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join(self.timeout)
+        if not self._thread.is_alive():
+            self._close_session()

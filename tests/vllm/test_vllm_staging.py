@@ -1,0 +1,80 @@
+"""Staged receive (``init_info={"staging": "host"}``): pushes land in host buffers while the engine
+serves, and ``update_weights`` commits a staged version.
+
+One engine (TP 1 in-process, and TP 2), one trainer (matrix_trainer.py: transformers, AdamW, two
+pushes). The trainer pushes version 0, and pushes version 1 only once the engine committed 0; then
+it closes its session and exits. Only after that does the engine start its next update: the push
+never waited for the engine. Then, on the engine:
+
+1. commit version 0: it serves exactly what a fresh engine on step 0's checkpoint serves;
+2. commit version 1 with a test hook that makes its third layer fail: the layers it wrote are
+   restored from the committed host copy, and it serves exactly version 0 again (``weight_version``
+   unchanged);
+3. commit version 1: exactly a fresh engine on step 1; at most one layer in extra memory;
+4. commit version 0 again: refused by name (the engine serves a newer one).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import tiny_models  # noqa: E402
+from test_vllm_refit import PROMPTS, Proc  # noqa: E402
+
+
+def _run(tmp: Path, tp: int, arch: str) -> tuple[dict[str, Any], list[dict[str, Any]], list[dict[str, Any]]]:
+    initial = tiny_models.make_model(arch, tmp / "initial")
+    (tmp / "hf").mkdir()
+    (tmp / "signal").mkdir()
+    commits = [{"version": 0}, {"version": 1, "fail_at": 3}, {"version": 1}, {"version": 0}]
+    refit = {"rendezvous": str(tmp / "rdv"), "timeout": 300, "steps": 0, "commits": commits,
+             "init_info": {"staging": "host", "verify": True}, "signal": str(tmp / "signal"),
+             "wait_before": {"1": str(tmp / "done")}}
+    runs = [{"model": str(initial), "refit": refit}, {"model": str(tmp / "hf" / "step-0")},
+            {"model": str(tmp / "hf" / "step-1")}]
+    job = {"tp": tp, "engine_in_process": True, "prompts": PROMPTS, "max_tokens": 6, "logprobs": 5, "runs": runs}
+    (tmp / "job.json").write_text(json.dumps(job))
+    case = {"name": "staged", "initial": str(initial), "rendezvous": str(tmp / "rdv"), "save_hf": str(tmp / "hf"),
+            "steps": 2, "wait_before_push": {"1": str(tmp / "signal" / "committed-0")}, "done_file": str(tmp / "done")}
+    (tmp / "train.json").write_text(json.dumps({"timeout": 300, "cases": [case]}))
+    driver = Proc([sys.executable, HERE / "engine_driver.py", tmp / "job.json", tmp / "out.json"], tmp, "driver")
+    trainer = Proc([sys.executable, HERE / "matrix_trainer.py", tmp / "train.json"], tmp, "trainer")
+    try:
+        rcs = {"driver": driver.wait(1200), "trainer": trainer.wait(60)}
+    finally:
+        driver.kill()
+        trainer.kill()
+    assert set(rcs.values()) == {0}, f"{rcs}\n{driver.err.read_text()[-5000:]}\n{trainer.err.read_text()[-3000:]}"
+    out = json.loads((tmp / "out.json").read_text())
+    pushes = [json.loads(line) for line in trainer.out.read_text().splitlines() if line.startswith("{")]
+    return out[0], out[1:], pushes
+
+
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize("tp,arch", [(1, "qwen3"), (2, "qwen3-moe")], ids=["tp1-dense", "tp2-moe"])
+def test_staged_pushes_commit_restore_and_refuse(tmp_path: Path, tp: int, arch: str) -> None:
+    refit, fresh, pushes = _run(tmp_path, tp, arch)
+    c = refit["commits"]
+    assert c[0]["error"] is None and c[0]["out"] == fresh[0]["out"], c[0]
+    assert refit["before"] != fresh[0]["out"]
+    # the failed commit: version 0 restored exactly, and vLLM keeps its weight_version
+    assert c[1]["error"] and "test hook: layer 3" in c[1]["error"] and "restored from version 0" in c[1]["error"], c[1]
+    assert c[1]["out"] == fresh[0]["out"] and c[1]["version"] == c[0]["version"], c[1]
+    assert c[2]["error"] is None and c[2]["out"] == fresh[1]["out"], c[2]
+    assert fresh[0]["out"] != fresh[1]["out"]
+    assert c[3]["error"] and "version 0 is not staged: the engine serves version 1" in c[3]["error"], c[3]
+    # the push of version 1 returned (and the trainer closed its session) before the engine began the update
+    assert pushes[1]["pushed"] < c[1]["started"], (pushes, c[1]["started"])
+    for w in c[2]["last"]:
+        assert w["staged"] and w["version"] == 1 and w["bytes_received"] > 0, w
+        # one layer's model-format tensors at a time: far below the worker's whole share
+        assert 0 < w["peak_extra_bytes"] <= w["staging_bytes"] // 4, w
