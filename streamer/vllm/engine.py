@@ -37,6 +37,11 @@ Delta sessions (``RefitOptions(delta=True)`` on the trainer, or ``"delta": true`
 the pull writes into a host base that the engine keeps per session (one model-format copy of the
 worker's parameters), the XOR deltas apply to it, and it is copied into the update's tensors.
 
+Staged updates (``"staging": "host"`` in ``init_info``, :mod:`streamer.vllm.staging`): a thread
+receives every push into host buffers while the engine serves; ``update_weights`` commits a staged
+version (``{"version": N}`` or the newest) layer by layer, and a commit that fails puts back the
+layers it wrote from the committed host copy.
+
 A refused or failed pull restores every layer's kernel tensors before the error is raised (the
 weights of ``reprocess`` layers stay the last good ones; ``inplace`` tensors may hold part of the
 failed push). ``shutdown_weight_transfer_engine`` closes the session; a later
