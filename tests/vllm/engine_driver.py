@@ -102,13 +102,20 @@ def _wait_file(path: str, timeout: float = 600) -> None:
 
 def staged_commits(llm: Any, rf: dict[str, Any], job: dict[str, Any]) -> list[dict[str, Any]]:
     """Staging "host": commit each ``rf["commits"][i]`` (``{"version": N|null, "fail_at": K}``) in
-    turn, first waiting for ``rf["wait_before"][str(i)]`` (a file) when given; after each, write
+    turn (``{"check_only": true}``: no update, only what it serves and its staging state), first
+waiting for ``rf["wait_before"][str(i)]`` (a file) when given; after each, write
     ``rf["signal"]/committed-i``. ``fail_at``: that commit's K-th layer raises (in every worker)."""
     out = []
     for i, c in enumerate(rf["commits"]):
         wait = rf.get("wait_before", {}).get(str(i))
         if wait:
             _wait_file(wait)
+        if c.get("check_only"):  # no update: what the engine serves and what its staging holds now
+            out.append({"out": generate(llm, job), "version": llm.get_weight_version(),
+                        "staging": llm.collective_rpc(_staging_state)})
+            if rf.get("signal"):
+                Path(rf["signal"], f"committed-{i}").write_text("")
+            continue
         if c.get("fail_at"):
             llm.collective_rpc(_fail_hook, args=(c["fail_at"],))
         t0 = time.time()
@@ -164,6 +171,11 @@ def _fail_hook(worker: Any, k: int) -> None:
         return keep(self, *a)
 
     cls._commit_layer = failing
+
+
+def _staging_state(worker: Any) -> dict[str, Any]:
+    stager = worker.weight_transfer_engine.stager
+    return {"error": stager.error, "buffers": [(b.role, b.version) for b in stager.buffers]}
 
 
 def _last_info(worker: Any) -> dict[str, Any]:

@@ -9,7 +9,9 @@ tokens (so every tensor moves: biases, norms, tied embeddings), writes the bf16 
 checkpoint ``save_hf/step-N`` (what a fresh engine loads) and pushes the model (cast to bf16 on the
 way) with its step as the version. One line of JSON per push on stdout. Staging tests add
 ``"wait_before_push": {"N": PATH}`` (push step N once PATH exists) and ``"done_file": PATH``
-(written once the session is closed).
+(written once the session is closed); ``"crash_in_push": N`` (SIGKILL after posting the first
+message of step N's push), ``"push_from": N`` (a restarted trainer: train the steps before N
+without pushing them) and ``"bucket_size": BYTES``.
 """
 
 from __future__ import annotations
@@ -34,8 +36,9 @@ def run_case(case: dict[str, Any], timeout: float) -> None:
     vocab = model.config.vocab_size
     data = torch.randint(0, vocab, (2, 24), generator=torch.Generator().manual_seed(1))
     manifest = manifest_from_state_dict(model.state_dict(), name=f"matrix-{case['name']}")
+    options = RefitOptions(verify=True, **({"bucket_size": case["bucket_size"]} if "bucket_size" in case else {}))
     with RefitSession.open(manifest, "send", rendezvous=case["rendezvous"], timeout=timeout,
-                           options=RefitOptions(verify=True)) as session:
+                           options=options) as session:
         for step in range(case["steps"]):
             loss = model(input_ids=data, labels=data).loss
             loss.backward()
@@ -50,12 +53,31 @@ def run_case(case: dict[str, Any], timeout: float) -> None:
             wait = case.get("wait_before_push", {}).get(str(step))
             while wait and not Path(wait).exists():  # the engine's go-ahead (staging tests)
                 time.sleep(0.05)
+            if step < case.get("push_from", 0):
+                continue  # a restarted trainer: this step was pushed by the one before it
+            if step == case.get("crash_in_push"):
+                crash_midway(session)
             st = session.push(model, version=step)
             line = json.dumps({"case": case["name"], "step": step, "loss": float(loss), "bytes_sent": st.bytes_sent,
                                "pushed": time.time()})
             os.write(1, (line + "\n").encode())
     if case.get("done_file"):  # the session is closed: every push returned
         Path(case["done_file"]).write_text("")
+
+
+def crash_midway(session: Any) -> None:
+    """SIGKILL this process right after it posts the push's first message: a trainer that dies
+    half-way through a push (its other messages never leave)."""
+    import signal
+
+    isend = session.transport.isend
+
+    def posting_then_dying(buf: object, dst: int, tag: int) -> object:
+        request = isend(buf, dst, tag)
+        os.kill(os.getpid(), signal.SIGKILL)
+        return request
+
+    session.transport.isend = posting_then_dying
 
 
 if __name__ == "__main__":

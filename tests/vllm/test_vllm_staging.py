@@ -78,3 +78,56 @@ def test_staged_pushes_commit_restore_and_refuse(tmp_path: Path, tp: int, arch: 
         assert w["staged"] and w["version"] == 1 and w["bytes_received"] > 0, w
         # one layer's model-format tensors at a time: far below the worker's whole share
         assert 0 < w["peak_extra_bytes"] <= w["staging_bytes"] // 4, w
+
+
+@pytest.mark.timeout(900)
+def test_a_trainer_killed_mid_push_leaves_the_served_version_whole(tmp_path: Path) -> None:
+    """Trainer A pushes version 0 (committed), then dies (SIGKILL) right after posting the first of
+    the many messages of version 1's push. The engine goes on serving version 0 exactly, its
+    staging thread reports the broken push and keeps no part of it. Trainer B, restarted, pushes
+    version 1 with no call on the engine side; the engine commits it and serves a fresh engine's
+    output for step 1."""
+    initial = tiny_models.make_model("qwen3", tmp_path / "initial")
+    for d in ("hf", "signal"):
+        (tmp_path / d).mkdir()
+    sig = tmp_path / "signal"
+    commits = [{"version": 0}, {"check_only": True}, {"version": 1}]
+    refit = {"rendezvous": str(tmp_path / "rdv"), "timeout": 300, "steps": 0, "commits": commits,
+             "init_info": {"staging": "host", "verify": True}, "signal": str(sig),
+             "wait_before": {"1": str(sig / "a-dead")}}
+    runs = [{"model": str(initial), "refit": refit}, {"model": str(tmp_path / "hf" / "step-0")},
+            {"model": str(tmp_path / "hf" / "step-1")}]
+    job = {"tp": 1, "engine_in_process": True, "prompts": PROMPTS, "max_tokens": 6, "logprobs": 5, "runs": runs}
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    base = {"initial": str(initial), "rendezvous": str(tmp_path / "rdv"), "save_hf": str(tmp_path / "hf"), "steps": 2,
+            "bucket_size": 16 << 10}  # many messages: the first one is a small part of the push
+    (tmp_path / "a.json").write_text(json.dumps({"timeout": 300, "cases": [
+        {**base, "name": "a", "wait_before_push": {"1": str(sig / "committed-0")}, "crash_in_push": 1}]}))
+    (tmp_path / "b.json").write_text(json.dumps({"timeout": 300, "cases": [
+        {**base, "name": "b", "save_hf": str(tmp_path / "hf-b"), "push_from": 1,
+         "wait_before_push": {"1": str(sig / "committed-1")}}]}))
+    (tmp_path / "hf-b").mkdir()
+    driver = Proc([sys.executable, HERE / "engine_driver.py", tmp_path / "job.json", tmp_path / "out.json"], tmp_path,
+                  "driver")
+    procs = {"driver": driver}
+    try:
+        procs["a"] = Proc([sys.executable, HERE / "matrix_trainer.py", tmp_path / "a.json"], tmp_path, "a")
+        rc_a = procs["a"].wait(600)
+        (sig / "a-dead").write_text("")
+        procs["b"] = Proc([sys.executable, HERE / "matrix_trainer.py", tmp_path / "b.json"], tmp_path, "b")
+        rcs = {"a": rc_a, "driver": driver.wait(600), "b": procs["b"].wait(60)}
+    finally:
+        for p in procs.values():
+            p.kill()
+    assert rcs["a"] == -9 and rcs["driver"] == 0 and rcs["b"] == 0, \
+        f"{rcs}\n{driver.err.read_text()[-5000:]}\n{procs['b'].err.read_text()[-3000:]}"
+    refit_out, fresh0, fresh1 = json.loads((tmp_path / "out.json").read_text())
+    c = refit_out["commits"]
+    assert c[0]["error"] is None and c[0]["out"] == fresh0["out"]
+    # after the broken push: version 0 exactly, the same weight_version, nothing of version 1 staged
+    assert c[1]["out"] == fresh0["out"] and c[1]["version"] == c[0]["version"], c[1]
+    (state,) = c[1]["staging"]
+    assert state["error"] and "PushFailed" in state["error"], state
+    assert ("staged", 1) not in [tuple(b) for b in state["buffers"]], state
+    assert c[2]["error"] is None and c[2]["out"] == fresh1["out"], c[2]
+    assert fresh0["out"] != fresh1["out"]
