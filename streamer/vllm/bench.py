@@ -155,16 +155,25 @@ def _lower_bound(worker: Any) -> int:
 
 
 def _shardstream_way(llm: Any, sender: list[str], rdv: str, repeats: int, timeout: float,
-                     first: list[Any]) -> dict[str, Any]:
-    """The shardstream backend fed by the ``sender`` command (which pushes ``repeats`` times)."""
+                     first: list[Any], staging: str = "none") -> dict[str, Any]:
+    """The shardstream backend fed by the ``sender`` command (which pushes ``repeats`` times).
+    ``staging`` "host": each timed update is the commit of a staged push (the engine's pause)."""
+    go = Path(rdv).with_name(Path(rdv).name + ".go")
+    if staging != "none":
+        go.mkdir()
+        sender = [*sender, str(go)]
     proc = subprocess.Popen(sender)
     try:
-        llm.init_weight_transfer_engine({"init_info": {"rendezvous": rdv, "timeout": timeout}})
+        llm.init_weight_transfer_engine({"init_info": {"rendezvous": rdv, "timeout": timeout, "staging": staging}})
+        done = [0]
 
         def update() -> None:
             llm.start_weight_update()
             llm.update_weights({"update_info": {}})
             llm.finish_weight_update()
+            done[0] += 1
+            if staging != "none":
+                (go / str(done[0])).write_text("")  # the sender's next push may go
 
         times, peaks = _timed(llm, update, repeats)
         if proc.wait(timeout) != 0:
@@ -175,7 +184,8 @@ def _shardstream_way(llm: Any, sender: list[str], rdv: str, repeats: int, timeou
     lasts = llm.collective_rpc(_rpc()._last)
     out = {"seconds": times, "peak_extra_bytes": peaks, "bytes_received": [int(x["bytes_received"]) for x in lasts],
            "lower_bound_bytes": [int(x) for x in llm.collective_rpc(_rpc()._lower_bound)],
-           "pull_seconds": [x["pull_seconds"] for x in lasts], "process_seconds": [x["process_seconds"] for x in lasts],
+           "pull_seconds": [x["pull_seconds"] for x in lasts],
+           "process_seconds": [x.get("process_seconds", x.get("commit_seconds")) for x in lasts],
            "serves_first_load": _generate(llm) == first}
     llm.shutdown_weight_transfer_engine()
     return out
@@ -201,8 +211,13 @@ def bench_vllm(model_dir: str, repeats: int = 3, timeout: float = 600, tp: int =
             out["megatron"] = _shardstream_way(llm, sender, str(Path(d) / "mg.rdv"), repeats, timeout, first)
             out["megatron"]["trainer"] = json.loads((Path(d) / "mg.json").read_text())
         sender = [sys.executable, "-m", "streamer.vllm.bench", "--send", model_dir, str(Path(d) / "rdv"),
-                  str(repeats), str(timeout)]
+                  str(repeats), str(timeout), str(Path(d) / "push.json")]
         out["shardstream"] = _shardstream_way(llm, sender, str(Path(d) / "rdv"), repeats, timeout, first)
+        out["shardstream"]["push_seconds"] = json.loads((Path(d) / "push.json").read_text())["push_seconds"]
+        # staged: the trainer pushes while the engine serves; each timed update is only the commit
+        sender = [*sender[:5], str(Path(d) / "staged.rdv"), *sender[6:8], str(Path(d) / "staged.json")]
+        out["staged"] = _shardstream_way(llm, sender, str(Path(d) / "staged.rdv"), repeats, timeout, first, "host")
+        out["staged"]["push_seconds"] = json.loads((Path(d) / "staged.json").read_text())["push_seconds"]
     out["full_tensors"] = _vllm_way(llm, lambda: llm.collective_rpc(_rpc()._full_tensors, args=(model_dir,)),
                                     repeats, first, [disk_bytes] * tp)
 
@@ -235,8 +250,8 @@ def _vllm_way(llm: Any, fn: Callable[[], None], repeats: int, first: list[Any], 
             "serves_first_load": _generate(llm) == first}
 
 
-WAYS = {"shardstream": "shardstream pull", "full_tensors": "full tensors + load_weights",
-        "reload_from_disk": "vLLM reload from disk"}
+WAYS = {"shardstream": "shardstream pull", "staged": "shardstream staged: commit only",
+        "full_tensors": "full tensors + load_weights", "reload_from_disk": "vLLM reload from disk"}
 #: bench vllm --source megatron: the first row
 MEGATRON_WAY = "shardstream from Megatron"
 
@@ -265,6 +280,12 @@ def vllm_text(r: dict[str, Any]) -> str:
             continue
         rows.append(f"  {label:34} {x['median_seconds']:9.3f} {_per_worker(x['bytes_received']):>20} "
                     f"{_per_worker(x['peak_extra_bytes']):>22}  {'yes' if x['serves_first_load'] else 'NO'}")
+    st = r.get("staged", {})
+    if "median_seconds" in st:
+        push = statistics.median(st["push_seconds"])
+        rows.append(f"  staged: the engine pauses {st['median_seconds']:.3f} s per update (the commit) while the "
+                    f"trainer's push takes {push:.3f} s (pause / push {st['median_seconds'] / push:.2f}); without "
+                    f"staging the pause is the whole pull and processing ({r['shardstream']['median_seconds']:.3f} s)")
     if "megatron" in r and "median_seconds" in r["shardstream"]:
         m, sh = r["megatron"], r["shardstream"]["median_seconds"]
         lb = sum(m["lower_bound_bytes"])
@@ -292,8 +313,11 @@ def bench_cli(model: str | None, repeats: int | None, tp: int | None = None,
     return r, vllm_text(r)
 
 
-def _send(model_dir: str, rdv: str, pushes: int, timeout: float) -> int:
-    """The bench's trainer stand-in: push the checkpoint's tensors ``pushes`` times."""
+def _send(model_dir: str, rdv: str, pushes: int, timeout: float, out: str | None = None,
+          go: str | None = None) -> int:
+    """The bench's trainer stand-in: push the checkpoint's tensors ``pushes`` times; ``out``: write
+    each push's seconds there (JSON); ``go``: before push ``i`` > 0, wait for the file ``go/i``
+    (the engine committed the one before: a staged engine keeps one version ahead at most)."""
     from safetensors.torch import load_file
 
     from streamer import RefitSession, manifest_from_state_dict
@@ -301,15 +325,21 @@ def _send(model_dir: str, rdv: str, pushes: int, timeout: float) -> int:
     weights: dict[str, Any] = {}
     for f in sorted(Path(model_dir).glob("*.safetensors")):
         weights.update(load_file(f))
+    seconds = []
     with RefitSession.open(manifest_from_state_dict(weights), "send", rendezvous=rdv, timeout=timeout) as s:
-        for _ in range(pushes):
-            s.push(weights)
+        for i in range(pushes):
+            while go and i and not Path(go, str(i)).exists():
+                time.sleep(0.01)
+            seconds.append(s.push(weights).seconds)
+    if out:
+        Path(out).write_text(json.dumps({"push_seconds": seconds}))
     return 0
 
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--send"]:
-        sys.exit(_send(sys.argv[2], sys.argv[3], int(sys.argv[4]), float(sys.argv[5])))
+        sys.exit(_send(sys.argv[2], sys.argv[3], int(sys.argv[4]), float(sys.argv[5]),
+                       sys.argv[6] if len(sys.argv) > 6 else None, sys.argv[7] if len(sys.argv) > 7 else None))
     import argparse
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
