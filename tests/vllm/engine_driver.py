@@ -50,6 +50,8 @@ def generate(llm: Any, job: dict[str, Any]) -> list[dict[str, Any]]:
         c = o.outputs[0]
         got.append({"tokens": list(c.token_ids),
                     "logprobs": [{str(t): lp.logprob for t, lp in pos.items()} for pos in c.logprobs]})
+        if job.get("block_size"):  # prefix-caching runs: how many prompt tokens came from the cache
+            got[-1]["cached"] = int(o.num_cached_tokens or 0)
     return got
 
 
@@ -102,7 +104,8 @@ def _wait_file(path: str, timeout: float = 600) -> None:
 
 def staged_commits(llm: Any, rf: dict[str, Any], job: dict[str, Any]) -> list[dict[str, Any]]:
     """Staging "host": commit each ``rf["commits"][i]`` (``{"version": N|null, "fail_at": K}``) in
-    turn (``{"check_only": true}``: no update, only what it serves and its staging state), first
+    turn (``{"check_only": true}``: no update, only what it serves and its staging state;
+``"reset_prefix_cache": true``: vLLM's ``reset_prefix_cache()`` first), first
 waiting for ``rf["wait_before"][str(i)]`` (a file) when given; after each, write
     ``rf["signal"]/committed-i``. ``fail_at``: that commit's K-th layer raises (in every worker)."""
     out = []
@@ -110,6 +113,8 @@ waiting for ``rf["wait_before"][str(i)]`` (a file) when given; after each, write
         wait = rf.get("wait_before", {}).get(str(i))
         if wait:
             _wait_file(wait)
+        if c.get("reset_prefix_cache"):
+            llm.reset_prefix_cache()
         if c.get("check_only"):  # no update: what the engine serves and what its staging holds now
             out.append({"out": generate(llm, job), "version": llm.get_weight_version(),
                         "staging": llm.collective_rpc(_staging_state)})
@@ -192,6 +197,8 @@ def engine(model: str, job: dict[str, Any], refit: bool) -> Any:
         kw["distributed_executor_backend"] = "uni"
     if job.get("expert_parallel"):
         kw["enable_expert_parallel"] = True
+    if job.get("block_size"):  # prefix caching with blocks small enough for the test's prompts
+        kw.update(block_size=job["block_size"], enable_prefix_caching=True)
     return LLM(model=model, dtype="bfloat16", skip_tokenizer_init=True, enforce_eager=True, max_model_len=128,
                tensor_parallel_size=job["tp"], seed=0, **kw)
 

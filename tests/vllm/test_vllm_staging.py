@@ -131,3 +131,40 @@ def test_a_trainer_killed_mid_push_leaves_the_served_version_whole(tmp_path: Pat
     assert ("staged", 1) not in [tuple(b) for b in state["buffers"]], state
     assert c[2]["error"] is None and c[2]["out"] == fresh1["out"], c[2]
     assert fresh0["out"] != fresh1["out"]
+
+
+@pytest.mark.timeout(900)
+def test_the_prefix_cache_must_be_reset_after_a_commit(tmp_path: Path) -> None:
+    """Prefix caching on (blocks of 32 tokens) and a 96-token prompt, served before the update: after
+    the commit its cached blocks (computed with the old weights) are hit, and the output is stale;
+    after vLLM's ``reset_prefix_cache()`` it equals a fresh engine's. The loop is pause ->
+    start_weight_update -> update_weights -> finish_weight_update -> reset_prefix_cache -> resume:
+    the backend does not reset the cache itself."""
+    initial = tiny_models.make_model("qwen3", tmp_path / "initial")
+    for d in ("hf", "signal"):
+        (tmp_path / d).mkdir()
+    long = [(7 * i + 3) % 240 + 1 for i in range(96)]
+    commits = [{"version": 0}, {"check_only": True, "reset_prefix_cache": True}]
+    refit = {"rendezvous": str(tmp_path / "rdv"), "timeout": 300, "steps": 0, "commits": commits,
+             "init_info": {"staging": "host"}, "signal": str(tmp_path / "signal")}
+    runs = [{"model": str(initial), "refit": refit}, {"model": str(tmp_path / "hf" / "step-0")}]
+    job = {"tp": 1, "engine_in_process": True, "prompts": [long], "max_tokens": 6, "logprobs": 5, "runs": runs,
+           "block_size": 32}
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    case = {"name": "cache", "initial": str(initial), "rendezvous": str(tmp_path / "rdv"),
+            "save_hf": str(tmp_path / "hf"), "steps": 1}
+    (tmp_path / "train.json").write_text(json.dumps({"timeout": 300, "cases": [case]}))
+    driver = Proc([sys.executable, HERE / "engine_driver.py", tmp_path / "job.json", tmp_path / "out.json"], tmp_path,
+                  "driver")
+    trainer = Proc([sys.executable, HERE / "matrix_trainer.py", tmp_path / "train.json"], tmp_path, "trainer")
+    try:
+        rcs = {"driver": driver.wait(600), "trainer": trainer.wait(60)}
+    finally:
+        driver.kill()
+        trainer.kill()
+    assert set(rcs.values()) == {0}, f"{rcs}\n{driver.err.read_text()[-5000:]}"
+    refit_out, fresh = json.loads((tmp_path / "out.json").read_text())
+    stale, reset = refit_out["commits"]
+    assert stale["out"][0]["cached"] >= 64, stale  # the old weights' blocks were hit
+    assert stale["out"] != fresh["out"], "the test cannot see the prefix cache"
+    assert reset["out"][0]["tokens"] == fresh["out"][0]["tokens"] and reset["out"][0]["logprobs"] == fresh["out"][0]["logprobs"]
