@@ -84,6 +84,9 @@ class ShardstreamInitInfo(WeightTransferInitInfo):  # type: ignore[misc]
     #: "none": ``update_weights`` pulls the push itself; "host": a thread stages every push in host
     #: buffers while the engine serves, and ``update_weights`` commits a staged version (staging.py)
     staging: str = "none"
+    #: this engine's name as one of several inference replicas fed by one trainer
+    #: (``RefitSession.open(..., replicas=True)``); None: the trainer's only receiver job
+    replica: str | None = None
 
 
 @dataclass
@@ -136,22 +139,29 @@ class ShardstreamWeightTransferEngine(
             self.naming = described.naming_for(src)
             return described.manifests[self.naming]
 
-        self.session = RefitSession.open(described.manifests["per_expert"], "recv",
-                                         rendezvous=init_info.rendezvous, transport=init_info.transport,
-                                         timeout=init_info.timeout,
-                                         options=RefitOptions(verify=init_info.verify, delta=init_info.delta,
-                                                              fp8_block=described.fp8_block),
-                                         choose_manifest=choose, device=self._cuda_device())
-        if init_info.staging == "host":
-            if self.session.options.delta:
+        def open_session() -> Any:
+            session = RefitSession.open(described.manifests["per_expert"], "recv", rendezvous=init_info.rendezvous,
+                                        transport=init_info.transport, timeout=init_info.timeout,
+                                        options=RefitOptions(verify=init_info.verify, delta=init_info.delta,
+                                                             fp8_block=described.fp8_block),
+                                        choose_manifest=choose, device=self._cuda_device(), replica=init_info.replica)
+            if init_info.staging != "none" and session.options.delta:
+                session.close()
                 raise ValueError("shardstream: the trainer asked for a delta session, which staging 'host' does not "
                                  "support yet")
-            import torch
+            return session
 
-            shapes = {t.name: (t.shape, getattr(torch, t.data_type)) for t in self._locals()}
-            self.stager = Stager(self.session, shapes, init_info.timeout)
-            self.session = None  # the staging thread owns it now
-            self.stager.start()
+        if init_info.staging == "none":
+            self.session = open_session()
+            return
+        import torch
+
+        def shapes() -> dict[str, tuple[tuple[int, ...], Any]]:  # once the naming follows the trainer's
+            return {t.name: (t.shape, getattr(torch, t.data_type)) for t in self._locals()}
+
+        # staged: the thread joins the trainer, so this returns at once and the engine serves meanwhile
+        self.stager = Stager(open_session, shapes, init_info.timeout)
+        self.stager.start()
 
     def _cuda_device(self) -> Any:
         """The worker's own device for the nccl transport (None on CPU): vLLM chose it, and it need

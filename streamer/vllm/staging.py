@@ -3,7 +3,8 @@
 With ``init_info={"staging": "host"}`` each worker runs one thread that pulls every push of the
 session into a host staging buffer (one tensor per local tensor, this worker's bytes), while the
 engine goes on serving. The trainer's ``push`` returns once every worker's buffer holds it: it never
-waits for the engine to pause. ``update_weights`` then only *commits* a staged version: it copies
+waits for the engine to pause. The thread also joins the trainer's session, so
+``init_weight_transfer_engine`` returns at once and the engine serves before any trainer is there. ``update_weights`` then only *commits* a staged version: it copies
 the staged bytes into the served tensors (``engine.ShardstreamWeightTransferEngine``).
 
 Two buffers, in rotating roles:
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,12 +48,15 @@ class Staged:
 
 @dataclass
 class Stager:
-    """The staging thread of one worker (see the module docstring). ``shapes``: this worker's local
-    tensors (name -> (shape, torch dtype)); ``session``: its receiving ``RefitSession``."""
+    """The staging thread of one worker (see the module docstring). ``opener``: joins the trainer
+    and returns the receiving ``RefitSession`` (run on the thread: ``init_weight_transfer_engine``
+    returns at once, and the engine serves while the trainer is not there yet); ``shapes``: then
+    this worker's local tensors (name -> (shape, torch dtype))."""
 
-    session: Any
-    shapes: Mapping[str, tuple[tuple[int, ...], Any]]
+    opener: Callable[[], Any]
+    shapes: Callable[[], Mapping[str, tuple[tuple[int, ...], Any]]]
     timeout: float
+    session: Any = None
     buffers: list[Staged] = field(default_factory=list)
     #: the last push failure (one line), cleared by the next complete push
     error: str | None = None
@@ -62,10 +66,6 @@ class Stager:
     received: list[tuple[int, float, int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        import torch
-
-        self.buffers = [Staged({n: torch.empty(s, dtype=dt, device="cpu") for n, (s, dt) in self.shapes.items()})
-                        for _ in range(2)]
         self._cond = threading.Condition()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="shardstream-staging", daemon=True)
@@ -81,9 +81,30 @@ class Stager:
     def _free(self) -> Staged | None:
         return next((b for b in self.buffers if b.role == "free"), None)
 
+    def _join(self) -> bool:
+        """Join the trainer and allocate the buffers; False (the error kept) when that fails."""
+        import torch
+
+        try:
+            session = self.opener()
+            shapes = self.shapes()
+            buffers = [Staged({n: torch.empty(s, dtype=dt, device="cpu") for n, (s, dt) in shapes.items()})
+                       for _ in range(2)]
+        except BaseException as e:  # noqa: BLE001 - reported by the next commit, by name
+            with self._cond:
+                self.error, self.closed = f"joining the trainer failed: {type(e).__name__}: {e}", True
+                self._cond.notify_all()
+            return False
+        with self._cond:
+            self.session, self.buffers = session, buffers
+            self._cond.notify_all()
+        return True
+
     def _run(self) -> None:
         from formats.errors import PeerTimeoutError, PushFailed
 
+        if not self._join():
+            return
         while True:
             with self._cond:
                 while not self._stop and self._free() is None:

@@ -232,6 +232,8 @@ def run(job: dict[str, Any]) -> list[dict[str, Any]]:
             llm.init_weight_transfer_engine({"init_info": init_info})
             entry["init_seconds"] = time.perf_counter() - t1
             entry["before"] = generate(llm, job)
+            if rf.get("ready_file"):  # the engine is up and serving (staged: no trainer needed for that)
+                Path(rf["ready_file"]).write_text("")
             entry["steps"] = []
             if rf.get("commits"):
                 entry["commits"] = staged_commits(llm, rf, job)

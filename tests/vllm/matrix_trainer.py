@@ -11,7 +11,8 @@ way) with its step as the version. One line of JSON per push on stdout. Staging 
 ``"wait_before_push": {"N": PATH}`` (push step N once PATH exists) and ``"done_file": PATH``
 (written once the session is closed); ``"crash_in_push": N`` (SIGKILL after posting the first
 message of step N's push), ``"push_from": N`` (a restarted trainer: train the steps before N
-without pushing them) and ``"bucket_size": BYTES``.
+without pushing them), ``"bucket_size": BYTES`` and ``"replicas": true`` (serve every inference
+replica that joins: ``RefitSession.open(..., replicas=True)``).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def run_case(case: dict[str, Any], timeout: float) -> None:
     manifest = manifest_from_state_dict(model.state_dict(), name=f"matrix-{case['name']}")
     options = RefitOptions(verify=True, **({"bucket_size": case["bucket_size"]} if "bucket_size" in case else {}))
     with RefitSession.open(manifest, "send", rendezvous=case["rendezvous"], timeout=timeout,
-                           options=options) as session:
+                           options=options, replicas=bool(case.get("replicas"))) as session:
         for step in range(case["steps"]):
             loss = model(input_ids=data, labels=data).loss
             loss.backward()
@@ -59,7 +60,8 @@ def run_case(case: dict[str, Any], timeout: float) -> None:
                 crash_midway(session)
             st = session.push(model, version=step)
             line = json.dumps({"case": case["name"], "step": step, "loss": float(loss), "bytes_sent": st.bytes_sent,
-                               "pushed": time.time()})
+                               "pushed": time.time(),
+                               "replicas": {r.name: [r.version, r.error] for r in st.replicas}})
             os.write(1, (line + "\n").encode())
     if case.get("done_file"):  # the session is closed: every push returned
         Path(case["done_file"]).write_text("")

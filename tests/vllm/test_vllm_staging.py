@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -168,3 +169,51 @@ def test_the_prefix_cache_must_be_reset_after_a_commit(tmp_path: Path) -> None:
     assert stale["out"][0]["cached"] >= 64, stale  # the old weights' blocks were hit
     assert stale["out"] != fresh["out"], "the test cannot see the prefix cache"
     assert reset["out"][0]["tokens"] == fresh["out"][0]["tokens"] and reset["out"][0]["logprobs"] == fresh["out"][0]["logprobs"]
+
+
+@pytest.mark.timeout(1500)
+def test_one_trainer_feeds_two_staged_engines_named_replicas(tmp_path: Path) -> None:
+    """Two engines, replica "a" at TP 1 and replica "b" at TP 2, staged: each
+    ``init_weight_transfer_engine`` returns and the engine serves before any trainer exists. Then one
+    trainer (``replicas=True``) pushes two versions to both; each engine commits the newest and
+    serves exactly what a fresh engine of its TP serves on that checkpoint."""
+    initial = tiny_models.make_model("qwen3", tmp_path / "initial")
+    (tmp_path / "hf").mkdir()
+    rdv = str(tmp_path / "rdv")
+    drivers = {}
+    for name, tp in (("a", 1), ("b", 2)):
+        d = tmp_path / name
+        d.mkdir()
+        refit = {"rendezvous": rdv, "timeout": 300, "steps": 0, "commits": [{"version": None}],
+                 "init_info": {"staging": "host", "replica": name, "verify": True}, "ready_file": str(d / "ready"),
+                 "wait_before": {"0": str(tmp_path / "done")}}
+        runs = [{"model": str(initial), "refit": refit}, {"model": str(tmp_path / "hf" / "step-1")}]
+        job = {"tp": tp, "engine_in_process": True, "prompts": PROMPTS, "max_tokens": 6, "logprobs": 5, "runs": runs}
+        (d / "job.json").write_text(json.dumps(job))
+        drivers[name] = Proc([sys.executable, HERE / "engine_driver.py", d / "job.json", d / "out.json"], d, "driver")
+    procs = dict(drivers)
+    try:
+        for name in drivers:  # both engines up and serving, with no trainer anywhere yet
+            t0 = time.monotonic()
+            while not (tmp_path / name / "ready").exists():
+                assert drivers[name].p.poll() is None, drivers[name].err.read_text()[-4000:]
+                assert time.monotonic() - t0 < 600, f"engine {name} did not come up"
+                time.sleep(0.2)
+        case = {"name": "fleet", "initial": str(initial), "rendezvous": rdv, "save_hf": str(tmp_path / "hf"),
+                "steps": 2, "replicas": True, "done_file": str(tmp_path / "done")}
+        (tmp_path / "train.json").write_text(json.dumps({"timeout": 300, "cases": [case]}))
+        procs["trainer"] = Proc([sys.executable, HERE / "matrix_trainer.py", tmp_path / "train.json"], tmp_path,
+                                "trainer")
+        rcs = {n: p.wait(900) for n, p in procs.items()}
+    finally:
+        for p in procs.values():
+            p.kill()
+    assert set(rcs.values()) == {0}, f"{rcs}\n" + "\n".join(f"=== {n}\n{p.err.read_text()[-3000:]}" for n, p in procs.items())
+    pushes = [json.loads(line) for line in procs["trainer"].out.read_text().splitlines() if line.startswith("{")]
+    assert pushes[-1]["replicas"] == {"a": [1, None], "b": [1, None]}, pushes
+    for name in drivers:
+        refit_out, fresh = json.loads((tmp_path / name / "out.json").read_text())
+        (c,) = refit_out["commits"]
+        assert c["error"] is None and c["out"] == fresh["out"], (name, c)
+        assert refit_out["init_seconds"] < 30, refit_out["init_seconds"]  # it did not wait for a trainer
+        assert all(w["version"] == 1 for w in c["last"]), c["last"]
