@@ -133,6 +133,7 @@ class ShardstreamWeightTransferEngine(
             raise ValueError("shardstream: staging 'host' with delta is not supported yet (a delta decodes against "
                              "the served copy); use staging 'none' for delta sessions")
         internals.check()  # a vLLM without what the updates use is refused here, before any push
+        _check_parallel(self.parallel_config)
         self.described = described = manifest_from_vllm(self.model)
 
         def choose(src: Any) -> Any:
@@ -429,6 +430,22 @@ class ShardstreamWeightTransferEngine(
         if self._reloading:
             self._reloading = False
             internals.load().finalize_layerwise_reload(self.model, self.model_config)
+
+
+def _check_parallel(pc: Any) -> None:
+    """Refuse, by name, the vLLM parallel layouts no test has run: pipeline parallelism (each stage
+    would describe only its layers) and data parallelism (each DP rank's workers are a receiver job
+    of their own, which needs one replica name per DP rank)."""
+    problems = []
+    pp = int(getattr(pc, "pipeline_parallel_size", 1) or 1)
+    dp = int(getattr(pc, "data_parallel_size", 1) or 1)
+    if pp > 1:
+        problems.append(f"pipeline_parallel_size {pp} is not supported yet (untested; use tensor parallelism)")
+    if dp > 1:
+        problems.append(f"data_parallel_size {dp} is not supported yet (untested): start one engine per replica "
+                        "instead, each with its own init_info replica name")
+    if problems:
+        raise ValueError("shardstream: " + "; ".join(problems))
 
 
 def _rerun_processing(layer: Any, v: Any) -> Any:

@@ -15,3 +15,15 @@ def test_every_internal_the_backend_uses_exists() -> None:
     internals.check()
     v = internals.load()
     assert callable(v.materialize_layer) and callable(v.place_kernel_tensors)
+
+
+def test_untested_parallel_layouts_are_refused_by_name() -> None:
+    from types import SimpleNamespace
+
+    from streamer.vllm.engine import _check_parallel
+
+    _check_parallel(SimpleNamespace(pipeline_parallel_size=1, data_parallel_size=1))
+    with pytest.raises(ValueError) as e:
+        _check_parallel(SimpleNamespace(pipeline_parallel_size=2, data_parallel_size=2))
+    assert "pipeline_parallel_size 2 is not supported yet" in str(e.value)
+    assert "data_parallel_size 2 is not supported yet" in str(e.value) and "replica" in str(e.value)
