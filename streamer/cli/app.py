@@ -181,7 +181,9 @@ def _add_refit(sub: Any) -> None:
     p = sub.add_parser("refit", help="live refit: push weights from a trainer job to an inference job")
     p.add_argument("role", choices=["send", "recv"])
     p.add_argument("--manifest", required=True, metavar="M", help="this side's manifest (sender: with files)")
-    p.add_argument("--rendezvous", metavar="FILE", help="join a separately launched job through this file")
+    p.add_argument("--rendezvous", metavar="FILE|tcp://HOST:PORT",
+                   help="join a separately launched job through this file, or through receiver rank 0's store at "
+                        "tcp://HOST:PORT (no shared filesystem; docs/refit.md)")
     p.add_argument("--save", metavar="DIR", help="receivers also write what they received (safetensors + manifest)")
     p.add_argument("--replica", metavar="NAME",
                    help="refit recv: join as inference replica NAME of a trainer serving several (store control "

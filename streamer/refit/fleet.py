@@ -70,8 +70,9 @@ def check_fleet_args(role: str, rendezvous: str | None, transport: Any) -> str:
     """The rendezvous path of a trainer serving replicas, or the usage error."""
     if role != "send":
         raise UsageError("replicas=True is for the trainer (send); an inference replica opens with replica=NAME")
-    if rendezvous is None:
-        raise UsageError("replicas=True joins replica jobs through a rendezvous file: pass rendezvous=FILE")
+    if rendezvous is None or str(rendezvous).startswith("tcp://"):
+        raise UsageError("replicas=True joins replica jobs through a rendezvous file: pass rendezvous=FILE "
+                         "(a tcp:// rendezvous serves one pair of jobs, not yet several replicas)")
     if transport is not None and (not isinstance(transport, str) or transport not in ("gloo", "nccl")):
         raise UsageError(f"replicas move over gloo or nccl (the store control plane), not {transport!r}")
     return rendezvous

@@ -758,8 +758,9 @@ def _replica_rendezvous(role: str, name: str, rendezvous: str | None, control: s
 
     if role != "recv":
         raise UsageError("replica=NAME is for an inference replica (recv); the trainer opens with replicas=True")
-    if rendezvous is None:
-        raise UsageError("replica=NAME joins the trainer through a rendezvous file: pass rendezvous=FILE")
+    if rendezvous is None or rendezvous.startswith("tcp://"):
+        raise UsageError("replica=NAME joins the trainer through a rendezvous file: pass rendezvous=FILE "
+                         "(a tcp:// rendezvous serves one pair of jobs, not yet several replicas)")
     if control == "mpi":
         raise UsageError("replicas join and leave on the store control plane only (under MPI a peer's death "
                          "ends the launch): use control='store'")

@@ -32,6 +32,7 @@ from formats.errors import PeerTimeoutError, UsageError
 from formats.manifest.wire import atomic_write_bytes
 from streamer.ops.agree import AgreedRefusal, LocalChecks, Refusal, agree
 from streamer.transport.base import RemoteAbortError, Transport
+from streamer.transport.rendezvous import FileRendezvous, Rendezvous, TcpRendezvous, rendezvous_from
 from streamer.transport.watchdog import Watchdog, abort
 
 __all__ = ["CONTROLS", "Clock", "Group", "Watchdog", "abort", "close_store", "connect", "dial", "launcher_rank", "rank_name",
@@ -39,8 +40,6 @@ __all__ = ["CONTROLS", "Clock", "Group", "Watchdog", "abort", "close_store", "co
 
 ROLES = ("send", "recv")
 CONTROLS = ("auto", "mpi", "store")
-#: rendezvous file content of the store plane
-_TCP = "tcp://"
 #: environment variables by which MPI launchers announce a rank (MPICH/hydra, Open MPI, Slurm PMI)
 _MPI_ENV = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK")
 
@@ -131,21 +130,6 @@ class Group:
                    n_send, n_recv, rendezvous, comm=comm)
 
 
-def _read_rendezvous(path: Path, deadline: float, want_fresh_from: float | None = None) -> str:
-    """The rendezvous file's first line once it exists, or "" at the deadline."""
-    while True:
-        try:
-            if want_fresh_from is None or path.stat().st_mtime >= want_fresh_from:
-                text = path.read_text().strip()
-                if text:
-                    return text
-        except FileNotFoundError:
-            pass
-        if time.monotonic() > deadline:
-            return ""
-        time.sleep(0.05)
-
-
 @dataclass(frozen=True)
 class Clock:
     """A deadline ``timeout`` seconds from its start: every step of one wait shares it."""
@@ -199,7 +183,7 @@ def connect(role: str | None, *, rendezvous: str | None = None, timeout: float =
     try:
         if role not in ROLES:  # only a refused rank (its command line did not parse) has no role
             raise verdict or AgreedRefusal([(launcher_rank()[0], carried or Refusal(2, ("no role",)))])
-        return _connect_rendezvous(role, Path(rendezvous), clock, control, carried, verdict is not None)
+        return _connect_rendezvous(role, rendezvous_from(rendezvous), clock, control, carried, verdict is not None)
     except PeerTimeoutError:
         # the other job never came: this job's verdict stands (torchrun: this rank's own refusal)
         if verdict is not None:
@@ -233,24 +217,23 @@ def _launch_verdict(refusal: Refusal | None, clock: Clock) -> AgreedRefusal | No
     return None
 
 
-def _connect_rendezvous(role: str, path: Path, clock: Clock, control: str, refusal: Refusal | None,
+def _connect_rendezvous(role: str, rdv: Rendezvous, clock: Clock, control: str, refusal: Refusal | None,
                         refused: bool) -> Group:
+    tcp = isinstance(rdv, TcpRendezvous)
+    if tcp and control == "mpi":
+        raise UsageError(f"rendezvous {rdv} joins the jobs over a TCPStore: the MPI control plane takes a rendezvous "
+                         "file (or use --control store)")
     if role == "recv":
-        plane = control if control != "auto" else ("mpi" if launched_by_mpi() else "store")
-        return (_connect_store(role, path, clock, refusal) if plane == "store"
-                else _connect_mpi_port(role, path, clock, refusal, refused))
-    if control == "auto":
-        # follow the receivers: peek at the file (every sender rank reads it; it is written once)
-        text = _read_rendezvous(path, clock.deadline)
-        if not text:
-            raise PeerTimeoutError(f"timed out after {clock.timeout:g} s waiting for the receiver job to write "
-                                   f"the rendezvous file {path}")
-        control = "store" if text.startswith(_TCP) else "mpi"
+        plane = control if control != "auto" else ("mpi" if launched_by_mpi() and not tcp else "store")
+        return (_connect_store(role, rdv, clock, refusal) if plane == "store"
+                else _connect_mpi_port(role, Path(str(rdv)), clock, refusal, refused))
+    if control == "auto":  # follow the receivers (every sender rank reads the file; it is written once)
+        control = rdv.plane(clock.deadline, clock.timeout)
     if control == "mpi" and not launched_by_mpi():
-        raise UsageError(f"the receiver job uses the MPI control plane ({path} holds an MPI port) but this job "
+        raise UsageError(f"the receiver job uses the MPI control plane ({rdv} holds an MPI port) but this job "
                          "was not started by mpiexec: start the receiver job with --control store")
-    return (_connect_store(role, path, clock, refusal) if control == "store"
-            else _connect_mpi_port(role, path, clock, refusal, refused))
+    return (_connect_store(role, rdv, clock, refusal) if control == "store"
+            else _connect_mpi_port(role, Path(str(rdv)), clock, refusal, refused))
 
 
 def _connect_mpmd(role: str | None, clock: Clock, refusal: Refusal | None) -> Group:
@@ -309,7 +292,7 @@ def _connect_mpi_port(role: str, path: Path, clock: Clock, refusal: Refusal | No
         port_s = ""
         clock = clock.restart()  # from here on: waiting for the receiver job
         if role_comm.Get_rank() == 0:
-            port_s = _read_rendezvous(path, clock.deadline)
+            port_s = FileRendezvous(path).read(clock.deadline)
         # tell the other sender ranks, even when it never came
         port_s = MPITransport(role_comm).bcast_bytes(port_s.encode(), 0, clock.left()).decode()
         if not port_s:
@@ -330,14 +313,13 @@ def _connect_mpi_port(role: str, path: Path, clock: Clock, refusal: Refusal | No
 FRESH_SLACK = 60.0
 
 
-def _connect_store(role: str, path: Path, clock: Clock, refusal: Refusal | None, *, epoch: int = 0,
+def _connect_store(role: str, rdv: Rendezvous, clock: Clock, refusal: Refusal | None, *, epoch: int = 0,
                    store: Any = None, address: str = "") -> Group:
-    """Join through a TCPStore served by receiver rank 0 (see the module docstring). ``epoch``
-    (receivers, with their ``store`` and its ``address``): open the session again for a new
-    sender job (``rejoin``); senders read the epoch from the rendezvous file."""
+    """Join through a TCPStore served by receiver rank 0 (see the module docstring and
+    ``transport.rendezvous``). ``epoch`` (receivers, with their ``store`` and its ``address``):
+    open the session again for a new sender job (``rejoin``); senders read the epoch where the
+    rendezvous says it."""
     from streamer.transport.epochs import parse_address
-    from streamer.transport.store import open_store
-    from streamer.transport.torch_dist import free_port, host_address
 
     rank, size = launcher_rank()
     t_start = time.time()
@@ -345,20 +327,18 @@ def _connect_store(role: str, path: Path, clock: Clock, refusal: Refusal | None,
     server = role == "recv" and rank == 0
     if server:
         if store is None:
-            address = f"{host_address()}:{free_port()}"
-            host, port = address.rsplit(":", 1)
-            store = open_store(host, int(port), server=True, timeout=clock.left())
-        suffix = f"/{epoch}" if epoch else ""
-        atomic_write_bytes(path, f"{_TCP}{address}{suffix}\n".encode())
+            store, address = rdv.serve(clock.left())
+        rdv.publish(store, address, epoch)
     elif store is None:
         # receiver ranks wait for the file their rank 0 writes now, not a stale one; "now" with
         # slack: the ranks of one job start seconds apart on a loaded node (CI once saw rank 1
         # start after rank 0 had written it, and wait out its timeout), and a stale file names a
         # dead store that dial reads again (a finished job's rank 0 removes the file)
-        store, text = dial(path, clock, fresh_from=t_start - FRESH_SLACK if role == "recv" else None)
+        store, text = rdv.dial(clock.deadline, clock.timeout, t_start - FRESH_SLACK if role == "recv" else None,
+                               "the receiver job's store")
         address, epoch = parse_address(text)
     try:
-        group = _store_group(store, role, rank, size, path, clock, server, epoch, address)
+        group = _store_group(store, role, rank, size, str(rdv), clock, server, epoch, address)
         try:  # everyone is in; the first collective carries every rank's refusal
             agree(group.control, refusal, clock.left())
         except AgreedRefusal:
@@ -366,11 +346,11 @@ def _connect_store(role: str, path: Path, clock: Clock, refusal: Refusal | None,
             raise
         return group
     finally:
-        if server:  # everyone is in, or this job gives up: the file has served either way
-            path.unlink(missing_ok=True)
+        if server:  # everyone is in, or this job gives up: the rendezvous has served either way
+            rdv.retire(store)
 
 
-def _store_group(store: Any, role: str, rank: int, size: int, path: Path, clock: Clock, server: bool,
+def _store_group(store: Any, role: str, rank: int, size: int, path: str, clock: Clock, server: bool,
                  epoch: int = 0, address: str = "") -> Group:
     """Both jobs' sizes, once each has joined the store (under the epoch's prefix): the group
     over it. Senders beat a heartbeat from now on; receivers watch it (``transport.epochs``)."""
@@ -393,7 +373,7 @@ def _store_group(store: Any, role: str, rank: int, size: int, path: Path, clock:
     if size != sizes[role]:
         raise UsageError(f"two {role} jobs joined through {path}: one rendezvous file serves one pair of jobs")
     group = Group(StoreControl(store, g, n_send + n_recv, f"{p}ss/all", lambda r: rank_name(r, n_send)),
-                  StoreControl(store, rank, size, f"{p}ss/{role}"), role, n_send, n_recv, str(path),
+                  StoreControl(store, rank, size, f"{p}ss/{role}"), role, n_send, n_recv, path,
                   store=store, plane="store", epoch=epoch, prefix=p, address=address)
     if role == "recv":
         # the senders' close or silence ends the receivers' waits on both jobs' plane (their own
@@ -407,25 +387,8 @@ def _store_group(store: Any, role: str, rank: int, size: int, path: Path, clock:
 
 
 def dial(path: Path, clock: Clock, fresh_from: float | None, whose: str = "the receiver job's store") -> tuple[Any, str]:
-    from streamer.transport.store import open_store
-
-    last = ""
-    timeout = clock.timeout
-    while time.monotonic() < clock.deadline:
-        text = _read_rendezvous(path, clock.deadline, fresh_from)
-        if not text:
-            break
-        if not text.startswith(_TCP):
-            raise UsageError(f"{path} holds an MPI port, not a store address: the receiver job uses the MPI control "
-                             "plane; start it with --control store (or launch this job with mpiexec)")
-        host, port = text[len(_TCP):].split("/")[0].rsplit(":", 1)
-        try:
-            return open_store(host, int(port), server=False, timeout=min(5.0, clock.left())), text[len(_TCP):]
-        except Exception as e:  # noqa: BLE001 - a stale file names a dead store: read it again
-            last = str(e).splitlines()[0] if str(e) else type(e).__name__
-            time.sleep(0.2)
-    raise PeerTimeoutError(f"timed out after {timeout:g} s waiting for {whose} through {path}"
-                           + (f" (last error: {last})" if last else ""))
+    """A client of the store whose address the file ``path`` holds (``transport.rendezvous``)."""
+    return FileRendezvous(path).dial(clock.deadline, clock.timeout, fresh_from, whose)
 
 
 def store_wait(store: Any, keys: list[str], deadline: float, what: str) -> None:
@@ -459,12 +422,12 @@ def rejoin(group: Group, timeout: float) -> Group:
     when none comes."""
     if group.plane != "store" or group.rendezvous is None:
         raise UsageError("a session reopens for a new sender job on the store control plane only")
-    path = Path(group.rendezvous)
+    rdv = rendezvous_from(group.rendezvous)
     group.close(timeout)  # our sign-off of the old epoch (no wait on the dead senders)
     try:
-        return _connect_store("recv", path, Clock.start(timeout), None, epoch=group.epoch + 1, store=group.store,
+        return _connect_store("recv", rdv, Clock.start(timeout), None, epoch=group.epoch + 1, store=group.store,
                               address=group.address)
     except BaseException:
         if group.role_rank == 0:  # no sender job may join an epoch the receivers gave up on
-            path.unlink(missing_ok=True)
+            rdv.retire(group.store)
         raise

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -137,3 +138,30 @@ def test_stay_is_refused_where_it_cannot_hold(ckpt: Ckpt, tmp_path: Path) -> Non
                 [*SEND, "--control", "store"]):
         rc, _, err = run([*cmd, "--manifest", ckpt.serve, "--rendezvous", tmp_path / "rdv", "--stay"], 60)
         assert rc == 2 and "--stay is for refit recv on the store control plane" in err, (cmd, rc, err)
+
+
+def test_tcp_rendezvous_needs_no_shared_file(ckpt: Ckpt, mpmd_saved: Saved, tmp_path: Path) -> None:
+    """``--rendezvous tcp://HOST:PORT``: receiver rank 0 serves the store at that address and the
+    trainer dials it, with no file anywhere. The trainer starts first and waits for the receivers;
+    the saved weights equal the MPMD run's."""
+    from mpi_helpers import Background
+
+    from streamer.transport.torch_dist import free_port
+
+    rdv, out = f"tcp://127.0.0.1:{free_port()}", tmp_path / "saved"
+    send = Background(_torchrun(4, "refit", "send", "--manifest", ckpt.train / "manifest.json", "--rendezvous", rdv,
+                                "--timeout", "60", "--steps", "2"), tmp_path, "send")
+    try:
+        time.sleep(1.0)  # the trainer is dialing a store that does not exist yet
+        recv = Background(_torchrun(4, "refit", "recv", "--manifest", ckpt.serve, "--rendezvous", rdv, "--save", out,
+                                    "--timeout", "60", "--json", "--stay"), tmp_path, "recv")
+        try:
+            rc_s, rc_r = send.wait(90), recv.wait(90)
+        finally:
+            recv.close()
+    finally:
+        send.close()
+    assert rc_s == 0 and rc_r == 0, f"send {rc_s} recv {rc_r}\n{send.stderr[-3000:]}\n{recv.stderr[-3000:]}"
+    assert json.loads(recv.stdout.strip().splitlines()[-1])["steps"] == 2
+    assert same_files(out, mpmd_saved.dir) == []
+    assert not any(tmp_path.glob("*rdv*")), "a tcp:// rendezvous writes no file"
