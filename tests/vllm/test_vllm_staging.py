@@ -32,6 +32,24 @@ import tiny_models  # noqa: E402
 from test_vllm_refit import PROMPTS, Proc  # noqa: E402
 
 
+def _driver_and_trainer(tmp: Path, job: dict[str, Any], cases: list[dict[str, Any]],
+                        timeout: float = 1200) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """One engine driver (``job``) and one trainer (``cases``) at once: the driver's results and
+    the trainer's pushes."""
+    (tmp / "job.json").write_text(json.dumps(job))
+    (tmp / "train.json").write_text(json.dumps({"timeout": 300, "cases": cases}))
+    driver = Proc([sys.executable, HERE / "engine_driver.py", tmp / "job.json", tmp / "out.json"], tmp, "driver")
+    trainer = Proc([sys.executable, HERE / "matrix_trainer.py", tmp / "train.json"], tmp, "trainer")
+    try:
+        rcs = {"driver": driver.wait(timeout), "trainer": trainer.wait(60)}
+    finally:
+        driver.kill()
+        trainer.kill()
+    assert set(rcs.values()) == {0}, f"{rcs}\n{driver.err.read_text()[-5000:]}\n{trainer.err.read_text()[-3000:]}"
+    pushes = [json.loads(line) for line in trainer.out.read_text().splitlines() if line.startswith("{")]
+    return json.loads((tmp / "out.json").read_text()), pushes
+
+
 def _run(tmp: Path, tp: int, arch: str) -> tuple[dict[str, Any], list[dict[str, Any]], list[dict[str, Any]]]:
     initial = tiny_models.make_model(arch, tmp / "initial")
     (tmp / "hf").mkdir()
@@ -43,20 +61,9 @@ def _run(tmp: Path, tp: int, arch: str) -> tuple[dict[str, Any], list[dict[str, 
     runs = [{"model": str(initial), "refit": refit}, {"model": str(tmp / "hf" / "step-0")},
             {"model": str(tmp / "hf" / "step-1")}]
     job = {"tp": tp, "engine_in_process": True, "prompts": PROMPTS, "max_tokens": 6, "logprobs": 5, "runs": runs}
-    (tmp / "job.json").write_text(json.dumps(job))
     case = {"name": "staged", "initial": str(initial), "rendezvous": str(tmp / "rdv"), "save_hf": str(tmp / "hf"),
             "steps": 2, "wait_before_push": {"1": str(tmp / "signal" / "committed-0")}, "done_file": str(tmp / "done")}
-    (tmp / "train.json").write_text(json.dumps({"timeout": 300, "cases": [case]}))
-    driver = Proc([sys.executable, HERE / "engine_driver.py", tmp / "job.json", tmp / "out.json"], tmp, "driver")
-    trainer = Proc([sys.executable, HERE / "matrix_trainer.py", tmp / "train.json"], tmp, "trainer")
-    try:
-        rcs = {"driver": driver.wait(1200), "trainer": trainer.wait(60)}
-    finally:
-        driver.kill()
-        trainer.kill()
-    assert set(rcs.values()) == {0}, f"{rcs}\n{driver.err.read_text()[-5000:]}\n{trainer.err.read_text()[-3000:]}"
-    out = json.loads((tmp / "out.json").read_text())
-    pushes = [json.loads(line) for line in trainer.out.read_text().splitlines() if line.startswith("{")]
+    out, pushes = _driver_and_trainer(tmp, job, [case])
     return out[0], out[1:], pushes
 
 
@@ -151,20 +158,9 @@ def test_the_prefix_cache_must_be_reset_after_a_commit(tmp_path: Path) -> None:
     runs = [{"model": str(initial), "refit": refit}, {"model": str(tmp_path / "hf" / "step-0")}]
     job = {"tp": 1, "engine_in_process": True, "prompts": [long], "max_tokens": 6, "logprobs": 5, "runs": runs,
            "block_size": 32}
-    (tmp_path / "job.json").write_text(json.dumps(job))
     case = {"name": "cache", "initial": str(initial), "rendezvous": str(tmp_path / "rdv"),
             "save_hf": str(tmp_path / "hf"), "steps": 1}
-    (tmp_path / "train.json").write_text(json.dumps({"timeout": 300, "cases": [case]}))
-    driver = Proc([sys.executable, HERE / "engine_driver.py", tmp_path / "job.json", tmp_path / "out.json"], tmp_path,
-                  "driver")
-    trainer = Proc([sys.executable, HERE / "matrix_trainer.py", tmp_path / "train.json"], tmp_path, "trainer")
-    try:
-        rcs = {"driver": driver.wait(600), "trainer": trainer.wait(60)}
-    finally:
-        driver.kill()
-        trainer.kill()
-    assert set(rcs.values()) == {0}, f"{rcs}\n{driver.err.read_text()[-5000:]}"
-    refit_out, fresh = json.loads((tmp_path / "out.json").read_text())
+    (refit_out, fresh), _ = _driver_and_trainer(tmp_path, job, [case], timeout=600)
     stale, reset = refit_out["commits"]
     assert stale["out"][0]["cached"] >= 64, stale  # the old weights' blocks were hit
     assert stale["out"] != fresh["out"], "the test cannot see the prefix cache"
