@@ -147,20 +147,24 @@ def test_the_prefix_cache_must_be_reset_after_a_commit(tmp_path: Path) -> None:
     the commit its cached blocks (computed with the old weights) are hit, and the output is stale;
     after vLLM's ``reset_prefix_cache()`` it equals a fresh engine's. The loop is pause ->
     start_weight_update -> update_weights -> finish_weight_update -> reset_prefix_cache -> resume:
-    the backend does not reset the cache itself."""
+    the backend does not reset the cache itself. The two jobs meet at ``tcp://127.0.0.1:PORT``
+    (worker 0 serves the store there): no rendezvous file."""
+    from streamer.transport.torch_dist import free_port
+
+    rdv = f"tcp://127.0.0.1:{free_port()}"
     initial = tiny_models.make_model("qwen3", tmp_path / "initial")
     for d in ("hf", "signal"):
         (tmp_path / d).mkdir()
     long = [(7 * i + 3) % 240 + 1 for i in range(96)]
     commits = [{"version": 0}, {"check_only": True, "reset_prefix_cache": True}]
-    refit = {"rendezvous": str(tmp_path / "rdv"), "timeout": 300, "steps": 0, "commits": commits,
+    refit = {"rendezvous": rdv, "timeout": 300, "steps": 0, "commits": commits,
              "init_info": {"staging": "host"}, "signal": str(tmp_path / "signal")}
     runs = [{"model": str(initial), "refit": refit}, {"model": str(tmp_path / "hf" / "step-0")}]
     job = {"tp": 1, "engine_in_process": True, "prompts": [long], "max_tokens": 6, "logprobs": 5, "runs": runs,
            "block_size": 32}
-    case = {"name": "cache", "initial": str(initial), "rendezvous": str(tmp_path / "rdv"),
-            "save_hf": str(tmp_path / "hf"), "steps": 1}
+    case = {"name": "cache", "initial": str(initial), "rendezvous": rdv, "save_hf": str(tmp_path / "hf"), "steps": 1}
     (refit_out, fresh), _ = _driver_and_trainer(tmp_path, job, [case], timeout=600)
+    assert not list(tmp_path.glob("rdv*")), "a tcp:// rendezvous writes no file"
     stale, reset = refit_out["commits"]
     assert stale["out"][0]["cached"] >= 64, stale  # the old weights' blocks were hit
     assert stale["out"] != fresh["out"], "the test cannot see the prefix cache"
