@@ -31,6 +31,25 @@ __all__ = ["FileRendezvous", "Rendezvous", "TcpRendezvous", "TCP", "rendezvous_f
 TCP = "tcp://"
 #: the store key of a ``tcp://`` rendezvous that names the epoch the receivers wait in
 EPOCH_KEY = "rdv/epoch"
+#: where receiver rank 0 says which host it runs on (a store key; the file's second line)
+HOST_KEY = "rdv/host"
+
+
+def _is_loopback(host: str) -> bool:
+    return host == "localhost" or host.startswith("127.") or host in ("::1", "0:0:0:0:0:0:0:1")
+
+
+def check_reachable(address_host: str, server_host: str, where: str) -> None:
+    """Refuse, by name, a loopback address that receiver rank 0 on another host offers: this rank
+    would reach its own host, not the store (``gethostbyname(hostname)`` is 127.0.1.1 on many
+    machines)."""
+    import socket
+
+    me = socket.gethostname()
+    if _is_loopback(address_host) and server_host and server_host != me:
+        raise UsageError(f"{where}: receiver rank 0 (host {server_host}) offers the loopback address {address_host}, "
+                         f"which this rank (host {me}) cannot reach it at; set SHARDSTREAM_MASTER_ADDR on the "
+                         "receivers to an address of theirs that this host can reach, or give tcp://HOST:PORT")
 
 
 class Rendezvous(Protocol):
@@ -79,9 +98,12 @@ class FileRendezvous:
         return open_store(host, int(port), server=True, timeout=timeout), address
 
     def publish(self, store: Any, address: str, epoch: int) -> None:
+        import socket
+
         from formats.manifest.wire import atomic_write_bytes
 
-        atomic_write_bytes(self.path, f"{TCP}{address}{f'/{epoch}' if epoch else ''}\n".encode())
+        text = f"{TCP}{address}{f'/{epoch}' if epoch else ''}\nhost={socket.gethostname()}\n"
+        atomic_write_bytes(self.path, text.encode())
 
     def retire(self, store: Any) -> None:
         self.path.unlink(missing_ok=True)
@@ -110,10 +132,12 @@ class FileRendezvous:
             if not text.startswith(TCP):
                 raise UsageError(f"{self.path} holds an MPI port, not a store address: the receiver job uses the MPI "
                                  "control plane; start it with --control store (or launch this job with mpiexec)")
-            host, port = text[len(TCP):].split("/")[0].rsplit(":", 1)
+            first, _, rest = text.partition("\n")
+            host, port = first[len(TCP):].split("/")[0].rsplit(":", 1)
+            check_reachable(host, rest.strip().removeprefix("host=") if rest.startswith("host=") else "", str(self.path))
             try:
                 left = max(0.5, deadline - time.monotonic())
-                return open_store(host, int(port), server=False, timeout=min(5.0, left)), text[len(TCP):]
+                return open_store(host, int(port), server=False, timeout=min(5.0, left)), first[len(TCP):]
             except Exception as e:  # noqa: BLE001 - a stale file names a dead store: read it again
                 last = str(e).splitlines()[0] if str(e) else type(e).__name__
                 time.sleep(0.2)
@@ -156,6 +180,9 @@ class TcpRendezvous:
         return store, f"{self.host}:{self.port}"
 
     def publish(self, store: Any, address: str, epoch: int) -> None:
+        import socket
+
+        store.set(HOST_KEY, socket.gethostname())
         store.set(EPOCH_KEY, str(epoch))
 
     def retire(self, store: Any) -> None:
@@ -175,7 +202,10 @@ class TcpRendezvous:
                     left = max(0.5, deadline - time.monotonic())
                     store = open_store(self.host, self.port, server=False, timeout=min(5.0, left))
                 if store.check([EPOCH_KEY]):
+                    check_reachable(self.host, store.get(HOST_KEY).decode() if store.check([HOST_KEY]) else "", str(self))
                     return store, f"{self.host}:{self.port}/{int(store.get(EPOCH_KEY))}"
+            except UsageError:
+                raise
             except Exception as e:  # noqa: BLE001 - the receivers' store is not up (yet): try again
                 last = str(e).splitlines()[0] if str(e) else type(e).__name__
                 store = None
