@@ -66,7 +66,7 @@ def replica_files(rendezvous: str | Path) -> dict[str, str]:
         if not f.name.startswith(prefix) or not _is_name(name):
             continue
         try:
-            text = f.read_text().strip()
+            text = f.read_text().strip().split("\n")[0]  # the address (the host rank 0 names comes after)
         except OSError:  # removed between the listing and the read: it joined someone
             continue
         if text:
