@@ -256,6 +256,7 @@ class ShardstreamWeightTransferEngine(
             self._process_aliases()
         except BaseException as e:
             self._abort()
+            stager.release(buf)
             restored = self._restore(done)
             raise RuntimeError(f"shardstream: committing version {buf.version} failed ({type(e).__name__}: {e}); "
                                + (f"the {len(done)} layers it had written were restored from version {restored}"

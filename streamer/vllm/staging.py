@@ -43,7 +43,7 @@ class Staged:
 
     tensors: dict[str, Any]
     version: int | None = None
-    role: str = "free"  # free | receiving | staged | committed
+    role: str = "free"  # free | receiving | staged | committing | committed
 
 
 @dataclass
@@ -162,7 +162,10 @@ class Stager:
                 staged = [b for b in self.buffers if b.role == "staged"]
                 hit = [b for b in staged if version is None or b.version == version]
                 if hit:
-                    return max(hit, key=lambda b: b.version or 0)
+                    # held for the commit: a push completing meanwhile supersedes nothing the engine reads
+                    buf = max(hit, key=lambda b: b.version or 0)
+                    buf.role = "committing"
+                    return buf
                 done = next((b.version for b in self.buffers if b.role == "committed"), None)
                 if version is not None and done is not None and version <= done:
                     raise RuntimeError(f"shardstream: version {version} is not staged: the engine serves version "
@@ -187,6 +190,13 @@ class Stager:
                 if b is not buf and b.role == "committed":
                     b.role, b.version = "free", None
             buf.role = "committed"
+            self._cond.notify_all()
+
+    def release(self, buf: Staged) -> None:
+        """A commit of ``buf`` failed: it is staged again, unless a newer push was staged meanwhile."""
+        with self._cond:
+            newer = any(b is not buf and b.role == "staged" for b in self.buffers)
+            buf.role, buf.version = ("free", None) if newer else ("staged", buf.version)
             self._cond.notify_all()
 
     def last_committed(self) -> Staged | None:
