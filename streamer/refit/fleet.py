@@ -37,6 +37,7 @@ from formats.errors import (
     ValidationError,
 )
 from streamer.execute.executor import ExecStats
+from streamer.transport.rendezvous import TCP
 from streamer.transport.roster import agree_names, replica_files, replica_path
 
 __all__ = ["Fleet", "ReplicaResult", "check_fleet_args"]
@@ -70,7 +71,7 @@ def check_fleet_args(role: str, rendezvous: str | None, transport: Any) -> str:
     """The rendezvous path of a trainer serving replicas, or the usage error."""
     if role != "send":
         raise UsageError("replicas=True is for the trainer (send); an inference replica opens with replica=NAME")
-    if rendezvous is None or str(rendezvous).startswith("tcp://"):
+    if rendezvous is None or str(rendezvous).startswith(TCP):
         raise UsageError("replicas=True joins replica jobs through a rendezvous file: pass rendezvous=FILE "
                          "(a tcp:// rendezvous serves one pair of jobs, not yet several replicas)")
     if transport is not None and (not isinstance(transport, str) or transport not in ("gloo", "nccl")):

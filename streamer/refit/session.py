@@ -82,6 +82,7 @@ from streamer.refit.rankstart import input_digests, input_problems, plan_own
 from streamer.refit.replicas import replica_digests, replica_problems
 from streamer.transport.base import PeerClosedError, Transport
 from streamer.transport.jobs import Group, connect, rejoin
+from streamer.transport.rendezvous import TCP
 
 __all__ = ["PushFailed", "RefitOptions", "RefitSession", "RefusedError", "ReplicaResult", "StepStats", "make_transport", "transport_kind"]
 
@@ -758,7 +759,7 @@ def _replica_rendezvous(role: str, name: str, rendezvous: str | None, control: s
 
     if role != "recv":
         raise UsageError("replica=NAME is for an inference replica (recv); the trainer opens with replicas=True")
-    if rendezvous is None or rendezvous.startswith("tcp://"):
+    if rendezvous is None or rendezvous.startswith(TCP):
         raise UsageError("replica=NAME joins the trainer through a rendezvous file: pass rendezvous=FILE "
                          "(a tcp:// rendezvous serves one pair of jobs, not yet several replicas)")
     if control == "mpi":

@@ -35,7 +35,7 @@ from streamer.transport.base import RemoteAbortError, Transport
 from streamer.transport.rendezvous import FileRendezvous, Rendezvous, TcpRendezvous, rendezvous_from
 from streamer.transport.watchdog import Watchdog, abort
 
-__all__ = ["CONTROLS", "Clock", "Group", "Watchdog", "abort", "close_store", "connect", "dial", "launcher_rank", "rank_name",
+__all__ = ["CONTROLS", "Clock", "Group", "Watchdog", "abort", "close_store", "connect", "launcher_rank", "rank_name",
            "rejoin", "store_wait"]
 
 ROLES = ("send", "recv")
@@ -384,11 +384,6 @@ def _store_group(store: Any, role: str, rank: int, size: int, path: str, clock: 
         group._closers.append(lambda t: beat.stop())
     group._closers.append(lambda t: close_store(store, g, n_send + n_recv, server, t, p))
     return group
-
-
-def dial(path: Path, clock: Clock, fresh_from: float | None, whose: str = "the receiver job's store") -> tuple[Any, str]:
-    """A client of the store whose address the file ``path`` holds (``transport.rendezvous``)."""
-    return FileRendezvous(path).dial(clock.deadline, clock.timeout, fresh_from, whose)
 
 
 def store_wait(store: Any, keys: list[str], deadline: float, what: str) -> None:

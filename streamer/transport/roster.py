@@ -19,17 +19,16 @@ from pathlib import Path
 from typing import Any
 
 from formats.errors import UsageError
-from formats.manifest.wire import atomic_write_bytes
 from streamer.transport.jobs import (
     FRESH_SLACK,
     Clock,
     Group,
     close_store,
-    dial,
     launcher_rank,
     rank_name,
     store_wait,
 )
+from streamer.transport.rendezvous import FileRendezvous
 
 __all__ = ["replica_files", "replica_path", "trainer_group"]
 
@@ -77,21 +76,19 @@ def replica_files(rendezvous: str | Path) -> dict[str, str]:
 def trainer_group(rendezvous: str | Path, timeout: float) -> Group:
     """The trainer job's own group (every rank a sender, no receiver) over a store served by its
     rank 0, found through ``RENDEZVOUS.trainer`` (written fresh, removed once every rank joined)."""
-    from streamer.transport.store import StoreControl, open_store
-    from streamer.transport.torch_dist import free_port, host_address
+    from streamer.transport.store import StoreControl
 
     p = Path(rendezvous)
     path = p.with_name(f"{p.name}.trainer")
+    rdv = FileRendezvous(path)
     rank, size = launcher_rank()
     clock = Clock.start(timeout)
     t_start = time.time()
     if rank == 0:
-        address = f"{host_address()}:{free_port()}"
-        host, port = address.rsplit(":", 1)
-        store = open_store(host, int(port), server=True, timeout=timeout)
-        atomic_write_bytes(path, f"tcp://{address}\n".encode())
+        store, address = rdv.serve(timeout)
+        rdv.publish(store, address, 0)
     else:
-        store, _ = dial(path, clock, fresh_from=t_start - FRESH_SLACK, whose="trainer rank 0's store")
+        store, _ = rdv.dial(clock.deadline, clock.timeout, t_start - FRESH_SLACK, "trainer rank 0's store")
     try:
         store.add("trainer/joined", 1)
         store.set(f"trainer/in/{rank}", "1")
@@ -99,7 +96,7 @@ def trainer_group(rendezvous: str | Path, timeout: float) -> Group:
                     f"the trainer's {size} ranks to join through {path}")
     finally:
         if rank == 0:
-            path.unlink(missing_ok=True)
+            rdv.retire(store)
 
     def names(r: int) -> str:
         return rank_name(r, size)

@@ -284,19 +284,11 @@ class ShardstreamWeightTransferEngine(
     def _commit_layer(self, layer: Any, path: str, ts: list[VllmTensor], src: Mapping[str, Any]) -> int:
         """One layer: its tensors from ``src`` (host), then vLLM's processing; the bytes it held in
         model format while it was processed (its share of the commit's extra memory)."""
-        v = internals.load()
-        info = v.LAYERWISE_INFO.get(layer)
-        if info is None or not info.can_load() or info.kernel_tensors is None:
-            raise RuntimeError(f"shardstream: {ts[0].module} was not set up for reload (start_weight_update)")
-        if path == "reprocess":
-            v.materialize_layer(layer, info)
-        extra = 0
-        for t in ts:
-            param = getattr(layer, t.param) if path == "reprocess" else info.kernel_tensors[0][t.param]
-            param.data.view(t.shape).copy_(src[t.name])
-            extra += param.nbytes if path == "reprocess" else 0
+        targets = self._open_layer(layer, path, ts)
+        for name, view in targets.items():
+            view.copy_(src[name])
         self._process([(layer, path)])
-        return extra
+        return sum(view.nbytes for view in targets.values()) if path == "reprocess" else 0
 
     def _restore(self, done: list[tuple[Any, str, list[VllmTensor]]]) -> int | None:
         """After a failed commit: the layers it wrote, from the committed host copy; its version
@@ -388,23 +380,26 @@ class ShardstreamWeightTransferEngine(
         return self.base
 
     def _targets(self) -> tuple[dict[str, Any], list[tuple[Any, str]]]:
-        """The tensors the pull writes: kernel tensors of ``inplace`` layers, freshly materialized
-        model-format parameters of ``reprocess`` layers (vLLM's ``materialize_layer``)."""
-        v = internals.load()
+        """The tensors the pull writes, every layer opened at once (``_open_layer``), and the layers."""
         tensors: dict[str, Any] = {}
-        layers: dict[int, tuple[Any, str]] = {}
-        for t in self._locals():
-            layer = self.model.get_submodule(t.module)
-            info = v.LAYERWISE_INFO.get(layer)
-            if info is None or not info.can_load() or info.kernel_tensors is None:
-                raise RuntimeError(f"shardstream: {t.module} was not set up for reload (start_weight_update)")
-            if id(layer) not in layers:
-                layers[id(layer)] = (layer, t.path)
-                if t.path == "reprocess":
-                    v.materialize_layer(layer, info)
-            param = getattr(layer, t.param) if t.path == "reprocess" else info.kernel_tensors[0][t.param]
-            tensors[t.name] = param.data.view(t.shape)
-        return tensors, list(layers.values())
+        layers: list[tuple[Any, str]] = []
+        for layer, path, ts in self._layer_groups():
+            tensors.update(self._open_layer(layer, path, ts))
+            layers.append((layer, path))
+        return tensors, layers
+
+    def _open_layer(self, layer: Any, path: str, ts: list[VllmTensor]) -> dict[str, Any]:
+        """One layer ready to be written: its tensors an update writes, by local name. The kernel
+        tensors of an ``inplace`` layer; freshly materialized model-format parameters of a
+        ``reprocess`` layer (vLLM's ``materialize_layer``)."""
+        v = internals.load()
+        info = v.LAYERWISE_INFO.get(layer)
+        if info is None or not info.can_load() or info.kernel_tensors is None:
+            raise RuntimeError(f"shardstream: {ts[0].module} was not set up for reload (start_weight_update)")
+        if path == "reprocess":
+            v.materialize_layer(layer, info)
+        return {t.name: (getattr(layer, t.param) if path == "reprocess" else info.kernel_tensors[0][t.param])
+                .data.view(t.shape) for t in ts}
 
     def _process(self, layers: list[tuple[Any, str]]) -> None:
         """Per layer, what ``_layerwise_process`` does after its loads: vLLM's processing of the new

@@ -140,7 +140,7 @@ class Stager:
                         b.role, b.version = "free", None
                 buf.role, buf.version = "staged", version
                 self.received.append(stats)  # type: ignore[arg-type]
-            self.error = error if error is not None or version is None else None
+            self.error = error  # a complete push clears the last failure
             self.closed = self.closed or closed
             self._cond.notify_all()
 
