@@ -10,10 +10,14 @@ registered by :mod:`streamer.vllm.plugin`). The calls, from ``LLM`` or ``vllm se
     or the trainer waits for the file up to its timeout). The expert naming (fused or one per expert)
     follows the trainer's manifest. Planning happens here, once.
 ``start_weight_update()``
-    vLLM's layerwise reload is set up (``initialize_layerwise_reload``): every layer is put back in
-    model format on the meta device, its kernel tensors kept aside.
+    opens the update: the state every layer derives from its weights is recorded (for the audit),
+    and the worker starts watching the engine's steps (:mod:`streamer.vllm.steps`). The served
+    tensors are not touched yet.
 ``update_weights({"update_info": {}})``
-    one ``pull``: the trainer's matching ``push`` moves each region straight into the tensor it
+    the whole update, in one call, so that no engine step can run on a half-loaded model: vLLM's
+    layerwise reload is set up (``initialize_layerwise_reload``: every layer back in model format on
+    the meta device, its kernel tensors kept aside), then one ``pull``: the trainer's matching
+    ``push`` moves each region straight into the tensor it
     belongs to. Layers that keep weights as loaded (``inplace``: norms; unquantized linear and
     embedding layers on CUDA) receive into the kernel tensors themselves: same storage, pointers
     unchanged. Layers that transform weights after loading (``reprocess``: the CPU build's packed
@@ -23,10 +27,12 @@ registered by :mod:`streamer.vllm.plugin`). The calls, from ``LLM`` or ``vllm se
     synchronized afterwards on accelerators only (``torch.accelerator.synchronize()`` raises on CPU).
     Tied layers (a ``lm_head`` serving ``embed_tokens.weight``) are then processed again on their
     owner's new bytes, as a fresh load processes them: their derived copies (the CPU build's packed
-    head) are rebuilt.
+    head) are rebuilt. Last, ``finalize_layerwise_reload``: attention layers are processed, the
+    rest restored. If the engine served requests since ``start_weight_update`` (it was not paused),
+    the update is refused before it writes anything, naming vLLM's pause call; the trainer's push
+    is refused with the same reason.
 ``finish_weight_update()``
-    ``finalize_layerwise_reload``: attention layers are processed, the rest restored. Then the
-    audit (:mod:`streamer.vllm.audit`): a layer that still holds state built from the previous
+    the audit (:mod:`streamer.vllm.audit`): a layer that still holds state built from the previous
     weights is named and the call raises, so vLLM does not take the new ``weight_version``.
 
 Block-FP8 layers (``Fp8LinearMethod`` with ``weight_block_size``) take the ``reprocess`` path; the
@@ -65,6 +71,7 @@ from streamer.vllm import internals
 from streamer.vllm.audit import Snapshot, snapshot, stale
 from streamer.vllm.manifest import VllmManifests, VllmTensor, manifest_from_vllm
 from streamer.vllm.staging import Stager
+from streamer.vllm.steps import StepWatch, watch
 
 __all__ = ["ShardstreamInitInfo", "ShardstreamUpdateInfo", "ShardstreamWeightTransferEngine"]
 
@@ -120,6 +127,9 @@ class ShardstreamWeightTransferEngine(
         self._before: Snapshot | None = None
         #: staging "host": the thread that receives pushes while the engine serves (None: not staged)
         self.stager: Stager | None = None
+        #: the worker's steps that served requests (steps.py): an update they fall into is refused
+        self.steps: StepWatch | None = None
+        self._started = False  # between start_weight_update and finish_weight_update
 
     # ------------------------------------------------------------------ joining
     def init_transfer_engine(self, init_info: ShardstreamInitInfo) -> None:
@@ -134,6 +144,7 @@ class ShardstreamWeightTransferEngine(
                              "the served copy); use staging 'none' for delta sessions")
         internals.check()  # a vLLM without what the updates use is refused here, before any push
         _check_parallel(self.parallel_config)
+        self.steps = watch(internals.worker_of(self))
         self.described = described = manifest_from_vllm(self.model)
 
         def choose(src: Any) -> Any:
@@ -173,10 +184,13 @@ class ShardstreamWeightTransferEngine(
 
     # ------------------------------------------------------------------ one update
     def start_weight_update(self) -> None:
+        """Opens the update; the served tensors stay as they are until ``update_weights``, which
+        does the whole update in one call (no engine step can fall inside it)."""
         self._need_session()
         self._before = snapshot(self.model, self._audited())
-        internals.load().initialize_layerwise_reload(self.model)
-        self._reloading = True
+        if self.steps is not None:
+            self.steps.mark()
+        self._started = True
         self._received = False
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
@@ -192,7 +206,7 @@ class ShardstreamWeightTransferEngine(
             self._commit_staged(update_info.version)
             return
         session = self._need_session()
-        if not self._reloading:
+        if not self._started:
             raise RuntimeError("shardstream: update_weights before start_weight_update")
         if self._received:
             # one push is one update: the first pull already rebuilt every layer. vLLM ends an update
@@ -202,6 +216,12 @@ class ShardstreamWeightTransferEngine(
             raise RuntimeError("shardstream: update_weights was already called in this update (one push per update: "
                                "call finish_weight_update, then start_weight_update for the next push); the update "
                                "ends with the first push's weights")
+        running = self._running()
+        if running:
+            self._started = False
+            self._before = None
+            session.refuse([running])  # the trainer's push ends at once, on every rank, with the reason
+        self._begin()
         try:
             t0 = time.perf_counter()
             tensors, layers = self._targets()
@@ -213,6 +233,7 @@ class ShardstreamWeightTransferEngine(
             t2 = time.perf_counter()
             self._process(layers)
             self._process_aliases()
+            self._end()
             t3 = time.perf_counter()
         except BaseException:
             self._abort()
@@ -234,12 +255,17 @@ class ShardstreamWeightTransferEngine(
         there is none: the error says the engine then serves a mix, until the next commit)."""
         stager = self.stager
         assert stager is not None
-        if not self._reloading:
+        if not self._started:
             raise RuntimeError("shardstream: update_weights before start_weight_update")
         if self._received:
             self.finish_weight_update()
             raise RuntimeError("shardstream: update_weights was already called in this update (one version per "
                                "update); the update ends with the first version committed")
+        running = self._running()
+        if running:
+            self._started = False
+            self._before = None
+            raise RuntimeError(running)
         t0 = time.perf_counter()
         try:
             buf = stager.take(version)
@@ -250,10 +276,12 @@ class ShardstreamWeightTransferEngine(
         done: list[tuple[Any, str, list[VllmTensor]]] = []
         peak = 0
         try:
+            self._begin()
             for group in self._layer_groups():
                 peak = max(peak, self._commit_layer(*group, buf.tensors))
                 done.append(group)
             self._process_aliases()
+            self._end()
         except BaseException as e:
             self._abort()
             stager.release(buf)
@@ -296,22 +324,18 @@ class ShardstreamWeightTransferEngine(
         prev = self.stager.last_committed() if self.stager is not None else None
         if prev is None or not done:
             return None if done else (prev.version if prev else None)
-        v = internals.load()
-        v.initialize_layerwise_reload(self.model)
-        self._reloading = True
+        self._begin()
         try:
             for group in done:
                 self._commit_layer(*group, prev.tensors)
             self._process_aliases()
         finally:
-            self._reloading = False
-            v.finalize_layerwise_reload(self.model, self.model_config)
+            self._end()
         return prev.version
 
     def finish_weight_update(self) -> None:
-        if self._reloading:
-            self._reloading = False
-            internals.load().finalize_layerwise_reload(self.model, self.model_config)
+        self._started = False
+        self._end()
         if self._before is not None:
             before, self._before = self._before, None
             left = stale(self.model, before)
@@ -419,13 +443,36 @@ class ShardstreamWeightTransferEngine(
                 v.place_kernel_tensors(layer, info)
             info.reset()
 
+    def _running(self) -> str | None:
+        """Why this update may not write (the engine served requests since ``start_weight_update``:
+        it is not paused), or None. Every worker runs every step, so all of them agree."""
+        n = self.steps.since_mark() if self.steps is not None else 0
+        if not n:
+            return None
+        return (f"shardstream: the engine served requests during this update ({n} steps since start_weight_update), "
+                "so it is not paused: nothing was written and it serves the previous weights. Pause generation "
+                "first (LLM.pause_generation() or POST /pause, mode abort, wait or keep), then start_weight_update, "
+                "update_weights, finish_weight_update, reset_prefix_cache, and resume")
+
+    def _begin(self) -> None:
+        """vLLM's layerwise reload set up: every layer in model format on the meta device, its
+        kernel tensors kept aside. Only inside ``update_weights``: no step runs on meta tensors."""
+        internals.load().initialize_layerwise_reload(self.model)
+        self._reloading = True
+
+    def _end(self) -> None:
+        """``finalize_layerwise_reload``: the layers the update did not process (attention) are
+        processed, the rest restored."""
+        if self._reloading:
+            self._reloading = False
+            internals.load().finalize_layerwise_reload(self.model, self.model_config)
+
     def _abort(self) -> None:
         """Put every layer's kernel tensors back (vLLM's finalize does: nothing was loaded through its
         loaders), so a failed update leaves a model that still serves."""
         self._before = None
-        if self._reloading:
-            self._reloading = False
-            internals.load().finalize_layerwise_reload(self.model, self.model_config)
+        self._started = False
+        self._end()
 
 
 def _check_parallel(pc: Any) -> None:

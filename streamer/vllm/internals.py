@@ -7,6 +7,10 @@ attributes describe each worker's regions. ``USED`` lists each name, this module
 ``streamer/vllm`` that imports them (tests/unit/test_vllm_internals.py), and :func:`check` runs at
 ``init_weight_transfer_engine``: a vLLM that lacks any of them is refused by name, before any push,
 instead of failing half-way through an update.
+
+One more dependency is structural: the engine reaches its worker (:func:`worker_of`) through the
+call that creates the transfer (``Worker.init_weight_transfer_engine``), to watch the model
+runner's steps (``streamer.vllm.steps``).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import importlib
 from types import SimpleNamespace
 from typing import Any
 
-__all__ = ["USED", "VllmInternalsError", "check", "load", "missing"]
+__all__ = ["USED", "VllmInternalsError", "check", "load", "missing", "worker_of"]
 
 #: module -> the names taken from it (the contract; the vLLM tier checks that each resolves)
 USED: dict[str, tuple[str, ...]] = {
@@ -73,3 +77,21 @@ def load() -> Any:
         for n in names:
             setattr(ns, n.lstrip("_"), getattr(mod, n))
     return ns
+
+
+def worker_of(engine: Any) -> Any:
+    """The vLLM worker whose ``weight_transfer_engine`` is ``engine``: the caller of
+    ``init_transfer_engine`` (vLLM's ``Worker.init_weight_transfer_engine``). Refused by name when
+    no caller up the stack holds it (a vLLM that creates the engine some other way)."""
+    import sys
+
+    frame: Any = sys._getframe(1)
+    for _ in range(12):
+        if frame is None:
+            break
+        owner = frame.f_locals.get("self")
+        if getattr(owner, "weight_transfer_engine", None) is engine and hasattr(owner, "model_runner"):
+            return owner
+        frame = frame.f_back
+    raise VllmInternalsError("shardstream: the weight-transfer engine was not joined through a vLLM worker's "
+                             "init_weight_transfer_engine (tested on vLLM 0.32.x): cannot watch its steps")

@@ -28,6 +28,7 @@ a restarted one, with no call on the engine side. It ends when the trainer job c
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -35,6 +36,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["Stager", "Staged"]
+
+#: a child of vLLM's logger: the lines show in the engine's log with its format and level
+_log = logging.getLogger("vllm.shardstream")
 
 
 @dataclass
@@ -118,15 +122,20 @@ class Stager:
             try:
                 st = self.session.pull(buf.tensors)
             except (PushFailed, PeerTimeoutError) as e:
+                _log.warning("shardstream staging: a push failed (%s: %s); the served weights are untouched, "
+                             "waiting for the next push", type(e).__name__, e)
                 self._settle(buf, None, f"{type(e).__name__}: {e}")
                 continue
             except BaseException as e:  # noqa: BLE001 - the thread must not die silently: the commit reports it
+                _log.error("shardstream staging: the staging thread ends (%s: %s); the next commit reports it",
+                           type(e).__name__, e)
                 self._settle(buf, None, f"{type(e).__name__}: {e}", closed=True)
                 break
             if st is None:  # the trainer job closed the session
                 self._settle(buf, None, None, closed=True)
                 break
             self._settle(buf, st.version, None, stats=(st.version, time.perf_counter() - t0, st.bytes_received))
+            _log.info("shardstream staging: version %s staged (%d bytes)", st.version, st.bytes_received)
         self._close_session()
 
     def _settle(self, buf: Staged, version: int | None, error: str | None, *, closed: bool = False,

@@ -45,14 +45,46 @@ def generate(llm: Any, job: dict[str, Any]) -> list[dict[str, Any]]:
     sp = SamplingParams(temperature=0, max_tokens=job["max_tokens"], logprobs=job["logprobs"], detokenize=False,
                         ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in job["prompts"]], sp, use_tqdm=False)
-    got = []
-    for o in outs:
-        c = o.outputs[0]
-        got.append({"tokens": list(c.token_ids),
-                    "logprobs": [{str(t): lp.logprob for t, lp in pos.items()} for pos in c.logprobs]})
-        if job.get("block_size"):  # prefix-caching runs: how many prompt tokens came from the cache
-            got[-1]["cached"] = int(o.num_cached_tokens or 0)
+    return [_record(o, job) for o in outs]
+
+
+def _record(o: Any, job: dict[str, Any]) -> dict[str, Any]:
+    c = o.outputs[0]
+    got = {"tokens": list(c.token_ids), "logprobs": [{str(t): lp.logprob for t, lp in pos.items()} for pos in c.logprobs]}
+    if job.get("block_size"):  # prefix-caching runs: how many prompt tokens came from the cache
+        got["cached"] = int(o.num_cached_tokens or 0)
     return got
+
+
+def update_while_serving(llm: Any, job: dict[str, Any], version: int | None) -> dict[str, Any]:
+    """An update opened while the engine serves (no pause): the prompts are added and stepped by
+    hand (the engine core runs in this process), ``start_weight_update``, one more step that serves
+    them, then ``update_weights``, whose error is recorded; then the requests run to the end."""
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=job["max_tokens"], logprobs=job["logprobs"], detokenize=False,
+                        ignore_eos=True)
+    eng, done = llm.llm_engine, {}
+    for i, p in enumerate(job["prompts"]):
+        eng.add_request(f"running-{i}", {"prompt_token_ids": p}, sp)
+
+    def step() -> None:
+        done.update({o.request_id: o for o in eng.step() if o.finished})
+
+    step()
+    step()
+    llm.start_weight_update()
+    step()  # the engine serves while the update is open
+    try:
+        llm.update_weights({"update_info": {"version": version}})
+        error = None
+    except Exception as e:  # noqa: BLE001 - recorded for the test to read
+        error = f"{type(e).__name__}: {e}"
+    late = _drain(llm, job["tp"]) if error else []
+    while eng.has_unfinished_requests():
+        step()
+    return {"error": error, "late_errors": late, "version": llm.get_weight_version(),
+            "out": [_record(done[f"running-{i}"], job) for i in range(len(job["prompts"]))]}
 
 
 def dump(worker: Any, out: str) -> None:
@@ -105,6 +137,7 @@ def _wait_file(path: str, timeout: float = 600) -> None:
 def staged_commits(llm: Any, rf: dict[str, Any], job: dict[str, Any]) -> list[dict[str, Any]]:
     """Staging "host": commit each ``rf["commits"][i]`` (``{"version": N|null, "fail_at": K}``) in
     turn (``{"check_only": true}``: no update, only what it serves and its staging state;
+``{"while_serving": true}``: the update is opened while requests run (``update_while_serving``);
 ``"reset_prefix_cache": true``: vLLM's ``reset_prefix_cache()`` first), first
 waiting for ``rf["wait_before"][str(i)]`` (a file) when given; after each, write
     ``rf["signal"]/committed-i``. ``fail_at``: that commit's K-th layer raises (in every worker)."""
@@ -118,6 +151,11 @@ waiting for ``rf["wait_before"][str(i)]`` (a file) when given; after each, write
         if c.get("check_only"):  # no update: what the engine serves and what its staging holds now
             out.append({"out": generate(llm, job), "version": llm.get_weight_version(),
                         "staging": llm.collective_rpc(_staging_state)})
+            if rf.get("signal"):
+                Path(rf["signal"], f"committed-{i}").write_text("")
+            continue
+        if c.get("while_serving"):  # an update the engine serves through: refused, nothing written
+            out.append({**update_while_serving(llm, job, c.get("version")), "after": generate(llm, job)})
             if rf.get("signal"):
                 Path(rf["signal"], f"committed-{i}").write_text("")
             continue

@@ -105,21 +105,26 @@ class Server:
         assert sender.wait(120) == 0, sender.tail()
 
 
+def start_server(tmp: Path, model: Path, port: int, *extra: object) -> Proc:
+    """``vllm serve MODEL`` (TP 1) with the shardstream backend and the RL routes mounted."""
+    env_note = os.environ.get("VLLM_SERVER_DEV_MODE")
+    os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # Proc copies os.environ: mounts the RL routes
+    try:
+        return Proc([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", port,
+                     "--dtype", "bfloat16", "--skip-tokenizer-init", "--enforce-eager", "--max-model-len", 128,
+                     "--seed", 0, "--weight-transfer-config", json.dumps({"backend": "shardstream"}), *extra],
+                    tmp, "server")
+    finally:
+        if env_note is None:
+            os.environ.pop("VLLM_SERVER_DEV_MODE")
+
+
 @pytest.mark.timeout(900)
 def test_vllm_serve_refits_over_http(tmp_path: Path) -> None:
     a = tiny_models.make_model("dense", tmp_path / "a", seed=0)
     b = tiny_models.make_model("dense", tmp_path / "b", seed=1)
     port = _free_port()
-    env_note = os.environ.get("VLLM_SERVER_DEV_MODE")
-    os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # Proc copies os.environ: mounts the RL routes
-    try:
-        server = Proc([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", b, "--port", port,
-                       "--dtype", "bfloat16", "--skip-tokenizer-init",
-                       "--enforce-eager", "--max-model-len", 128, "--seed", 0,
-                       "--weight-transfer-config", json.dumps({"backend": "shardstream"})], tmp_path, "server")
-    finally:
-        if env_note is None:
-            os.environ.pop("VLLM_SERVER_DEV_MODE")
+    server = start_server(tmp_path, b, port)
     procs = [server]
     try:
         srv = Server(port)

@@ -6,6 +6,8 @@ pushes). The trainer pushes version 0, and pushes version 1 only once the engine
 it closes its session and exits. Only after that does the engine start its next update: the push
 never waited for the engine. Then, on the engine:
 
+0. an update opened while requests are served (no pause; the engine stepped by hand): refused by
+   name before it writes anything; the requests end exactly as on the initial weights;
 1. commit version 0: it serves exactly what a fresh engine on step 0's checkpoint serves;
 2. commit version 1 with a test hook that makes its third layer fail: the layers it wrote are
    restored from the committed host copy, and it serves exactly version 0 again (``weight_version``
@@ -54,15 +56,16 @@ def _run(tmp: Path, tp: int, arch: str) -> tuple[dict[str, Any], list[dict[str, 
     initial = tiny_models.make_model(arch, tmp / "initial")
     (tmp / "hf").mkdir()
     (tmp / "signal").mkdir()
-    commits = [{"version": 0}, {"version": 1, "fail_at": 3}, {"version": 1}, {"version": 0}]
+    commits = [{"version": 0, "while_serving": True}, {"version": 0}, {"version": 1, "fail_at": 3}, {"version": 1},
+               {"version": 0}]
     refit = {"rendezvous": str(tmp / "rdv"), "timeout": 300, "steps": 0, "commits": commits,
              "init_info": {"staging": "host", "verify": True}, "signal": str(tmp / "signal"),
-             "wait_before": {"1": str(tmp / "done")}}
+             "wait_before": {"2": str(tmp / "done")}}
     runs = [{"model": str(initial), "refit": refit}, {"model": str(tmp / "hf" / "step-0")},
             {"model": str(tmp / "hf" / "step-1")}]
     job = {"tp": tp, "engine_in_process": True, "prompts": PROMPTS, "max_tokens": 6, "logprobs": 5, "runs": runs}
     case = {"name": "staged", "initial": str(initial), "rendezvous": str(tmp / "rdv"), "save_hf": str(tmp / "hf"),
-            "steps": 2, "wait_before_push": {"1": str(tmp / "signal" / "committed-0")}, "done_file": str(tmp / "done")}
+            "steps": 2, "wait_before_push": {"1": str(tmp / "signal" / "committed-1")}, "done_file": str(tmp / "done")}
     out, pushes = _driver_and_trainer(tmp, job, [case])
     return out[0], out[1:], pushes
 
@@ -71,7 +74,12 @@ def _run(tmp: Path, tp: int, arch: str) -> tuple[dict[str, Any], list[dict[str, 
 @pytest.mark.parametrize("tp,arch", [(1, "qwen3"), (2, "qwen3-moe")], ids=["tp1-dense", "tp2-moe"])
 def test_staged_pushes_commit_restore_and_refuse(tmp_path: Path, tp: int, arch: str) -> None:
     refit, fresh, pushes = _run(tmp_path, tp, arch)
-    c = refit["commits"]
+    # an update opened while the engine serves requests: refused before it writes anything, naming
+    # vLLM's pause call; the requests end on the weights they began with, and so does the engine
+    serving, c = refit["commits"][0], refit["commits"][1:]
+    assert serving["error"] and "not paused: nothing was written" in serving["error"], serving
+    assert "pause_generation" in serving["error"], serving
+    assert serving["out"] == refit["before"] and serving["after"] == refit["before"], serving
     assert c[0]["error"] is None and c[0]["out"] == fresh[0]["out"], c[0]
     assert refit["before"] != fresh[0]["out"]
     # the failed commit: version 0 restored exactly, and vLLM keeps its weight_version

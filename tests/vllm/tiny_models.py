@@ -59,9 +59,12 @@ MATRIX["gpt-oss"] = "expects parameters w13_weight and w2_weight, has ['w13_bias
 
 
 def config(kind: str) -> Any:
-    """``kind``: "dense" (Qwen3), "moe" (Qwen3-MoE) or a name of ``ARCHS``."""
+    """``kind``: "dense" (Qwen3), "dense-long" (the same, 4096 positions: long requests), "moe"
+    (Qwen3-MoE) or a name of ``ARCHS``."""
     from transformers import AutoConfig, Qwen3Config, Qwen3MoeConfig
 
+    if kind == "dense-long":
+        return Qwen3Config(**{**DENSE, "max_position_embeddings": 4096})
     if kind in ARCHS:
         model_type, fields = ARCHS[kind]
         return AutoConfig.for_model(model_type, **fields)
