@@ -218,8 +218,7 @@ class ShardstreamWeightTransferEngine(
                                "ends with the first push's weights")
         running = self._running()
         if running:
-            self._started = False
-            self._before = None
+            self._abort()
             session.refuse([running])  # the trainer's push ends at once, on every rank, with the reason
         self._begin()
         try:
@@ -263,8 +262,7 @@ class ShardstreamWeightTransferEngine(
                                "update); the update ends with the first version committed")
         running = self._running()
         if running:
-            self._started = False
-            self._before = None
+            self._abort()
             raise RuntimeError(running)
         t0 = time.perf_counter()
         try:
@@ -334,8 +332,7 @@ class ShardstreamWeightTransferEngine(
         return prev.version
 
     def finish_weight_update(self) -> None:
-        self._started = False
-        self._end()
+        self._started = False  # update_weights ended vLLM's reload already
         if self._before is not None:
             before, self._before = self._before, None
             left = stale(self.model, before)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["StepWatch"]
+__all__ = ["StepWatch", "watch"]
 
 
 class StepWatch:
@@ -30,7 +30,6 @@ class StepWatch:
         self.steps = 0
         self._mark = 0
         inner = runner.execute_model
-        self._inner = inner
 
         def execute_model(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
             if getattr(scheduler_output, "total_num_scheduled_tokens", 0):

@@ -46,10 +46,14 @@ LONG = [(11 * i + 5) % 240 + 1 for i in range(24)]
 N = 4000  # generated tokens per long request: seconds of decoding, against a sub-second push
 
 
-def complete(srv: Server, model: str, n: int = N) -> dict[str, Any]:
-    r = srv.post("/v1/completions", {"model": model, "prompt": LONG, "max_tokens": n, "temperature": 0,
-                                     "logprobs": 1, "return_tokens_as_token_ids": True, "ignore_eos": True})
-    lp = r["choices"][0]["logprobs"]
+def body(model: str, prompt: list[int] = LONG, n: int = N, **extra: Any) -> dict[str, Any]:
+    """A greedy completion request of ``n`` tokens, token ids and top-1 logprobs returned."""
+    return {"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0, "logprobs": 1,
+            "return_tokens_as_token_ids": True, "ignore_eos": True, **extra}
+
+
+def complete(srv: Server, model: str) -> dict[str, Any]:
+    lp = srv.post("/v1/completions", body(model))["choices"][0]["logprobs"]
     return {"tokens": lp["tokens"], "logprobs": lp["top_logprobs"]}
 
 
@@ -70,9 +74,7 @@ class Background:
             time.sleep(0.01)
 
     def _run(self, srv: Server, model: str) -> None:
-        body = {"model": model, "prompt": LONG, "max_tokens": N, "temperature": 0, "logprobs": 1, "stream": True,
-                "return_tokens_as_token_ids": True, "ignore_eos": True}
-        req = urllib.request.Request(srv.base + "/v1/completions", data=json.dumps(body).encode(),
+        req = urllib.request.Request(srv.base + "/v1/completions", data=json.dumps(body(model, stream=True)).encode(),
                                      headers={"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(req, timeout=300) as r:
@@ -115,8 +117,7 @@ def continued(srv: Server, model: str, kept: dict[str, Any], before: dict[str, A
     if j == N:
         return j, []
     prompt = LONG + [int(t.split(":")[1]) for t in kept["tokens"][:j]]
-    r = srv.post("/v1/completions", {"model": model, "prompt": prompt, "max_tokens": N - j, "temperature": 0,
-                                     "logprobs": 0, "return_tokens_as_token_ids": True, "ignore_eos": True})
+    r = srv.post("/v1/completions", body(model, prompt, N - j, logprobs=0))
     return j, r["choices"][0]["logprobs"]["tokens"]
 
 
