@@ -70,6 +70,7 @@ from vllm.distributed.weight_transfer.base import (
 from streamer.vllm import internals
 from streamer.vllm.audit import Snapshot, snapshot, stale
 from streamer.vllm.manifest import VllmManifests, VllmTensor, manifest_from_vllm
+from streamer.vllm.stage_proc import ProcessReceiver
 from streamer.vllm.staging import Stager
 from streamer.vllm.steps import StepWatch, watch
 
@@ -133,8 +134,6 @@ class ShardstreamWeightTransferEngine(
 
     # ------------------------------------------------------------------ joining
     def init_transfer_engine(self, init_info: ShardstreamInitInfo) -> None:
-        from streamer import RefitOptions, RefitSession
-
         if self.session is not None or self.stager is not None:
             self.shutdown()
         if init_info.staging not in ("none", "host"):
@@ -147,33 +146,41 @@ class ShardstreamWeightTransferEngine(
         self.steps = watch(internals.worker_of(self))
         self.described = described = manifest_from_vllm(self.model)
 
+        opts = {"rendezvous": init_info.rendezvous, "transport": init_info.transport, "timeout": init_info.timeout,
+                "verify": init_info.verify, "delta": init_info.delta, "fp8_block": described.fp8_block,
+                "replica": init_info.replica}
+        if init_info.staging == "none":
+            self.session = self._open_session(opts)
+            return
+        import torch
+
+        def joined(naming: str) -> dict[str, tuple[tuple[int, ...], Any]]:
+            self.naming = naming  # the trainer's manifest chose it: the local tensors follow
+            return {t.name: (t.shape, getattr(torch, t.data_type)) for t in self._locals()}
+
+        # staged: a process of its own joins the trainer and receives (stage_proc: no GIL shared with the
+        # engine), so this returns at once and the engine serves meanwhile
+        device = self._cuda_device()
+        receiver = ProcessReceiver({**opts, "manifests": dict(described.manifests),
+                                    "device": None if device is None else str(device)}, joined, init_info.timeout)
+        self.stager = Stager(receiver, init_info.timeout)
+        self.stager.start()
+
+    def _open_session(self, opts: dict[str, Any]) -> Any:
+        from streamer import RefitOptions, RefitSession
+
+        described = self.described
+        assert described is not None
+
         def choose(src: Any) -> Any:
             self.naming = described.naming_for(src)
             return described.manifests[self.naming]
 
-        def open_session() -> Any:
-            session = RefitSession.open(described.manifests["per_expert"], "recv", rendezvous=init_info.rendezvous,
-                                        transport=init_info.transport, timeout=init_info.timeout,
-                                        options=RefitOptions(verify=init_info.verify, delta=init_info.delta,
-                                                             fp8_block=described.fp8_block),
-                                        choose_manifest=choose, device=self._cuda_device(), replica=init_info.replica)
-            if init_info.staging != "none" and session.options.delta:
-                session.close()
-                raise ValueError("shardstream: the trainer asked for a delta session, which staging 'host' does not "
-                                 "support yet")
-            return session
-
-        if init_info.staging == "none":
-            self.session = open_session()
-            return
-        import torch
-
-        def shapes() -> dict[str, tuple[tuple[int, ...], Any]]:  # once the naming follows the trainer's
-            return {t.name: (t.shape, getattr(torch, t.data_type)) for t in self._locals()}
-
-        # staged: the thread joins the trainer, so this returns at once and the engine serves meanwhile
-        self.stager = Stager(open_session, shapes, init_info.timeout)
-        self.stager.start()
+        return RefitSession.open(described.manifests["per_expert"], "recv", rendezvous=opts["rendezvous"],
+                                 transport=opts["transport"], timeout=opts["timeout"],
+                                 options=RefitOptions(verify=opts["verify"], delta=opts["delta"],
+                                                      fp8_block=opts["fp8_block"]),
+                                 choose_manifest=choose, device=self._cuda_device(), replica=opts["replica"])
 
     def _cuda_device(self) -> Any:
         """The worker's own device for the nccl transport (None on CPU): vLLM chose it, and it need

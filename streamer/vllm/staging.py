@@ -1,11 +1,14 @@
 """Staged receive for the vLLM backend: pushes land in host buffers while the engine serves.
 
-With ``init_info={"staging": "host"}`` each worker runs one thread that pulls every push of the
-session into a host staging buffer (one tensor per local tensor, this worker's bytes), while the
-engine goes on serving. The trainer's ``push`` returns once every worker's buffer holds it: it never
-waits for the engine to pause. The thread also joins the trainer's session, so
-``init_weight_transfer_engine`` returns at once and the engine serves before any trainer is there. ``update_weights`` then only *commits* a staged version: it copies
-the staged bytes into the served tensors (``engine.ShardstreamWeightTransferEngine``).
+With ``init_info={"staging": "host"}`` each worker runs one thread that has every push of the
+session pulled into a host staging buffer (one tensor per local tensor, this worker's bytes), while
+the engine goes on serving. The pulls happen in a process of the worker's own
+(:mod:`streamer.vllm.stage_proc`, buffers in shared memory): a thread in the worker would share the
+GIL with the engine's busy loop and crawl. The trainer's ``push`` returns once every worker's
+buffer holds it: it never waits for the engine to pause. The staging process also joins the
+trainer's session, so ``init_weight_transfer_engine`` returns at once and the engine serves before
+any trainer is there. ``update_weights`` then only *commits* a staged version: it copies the staged
+bytes into the served tensors (``engine.ShardstreamWeightTransferEngine``).
 
 Two buffers, in rotating roles:
 
@@ -31,17 +34,17 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
-__all__ = ["Stager", "Staged"]
+__all__ = ["Received", "Receiver", "StageFailed", "Stager", "Staged"]
 
 #: a child of vLLM's logger: the lines show in the engine's log with its format and level
 _log = logging.getLogger("vllm.shardstream")
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: the roles move between these two objects
 class Staged:
     """One host buffer and what it holds: ``version`` (None: nothing complete)."""
 
@@ -51,16 +54,43 @@ class Staged:
 
 
 @dataclass
-class Stager:
-    """The staging thread of one worker (see the module docstring). ``opener``: joins the trainer
-    and returns the receiving ``RefitSession`` (run on the thread: ``init_weight_transfer_engine``
-    returns at once, and the engine serves while the trainer is not there yet); ``shapes``: then
-    this worker's local tensors (name -> (shape, torch dtype))."""
+class Received:
+    """One complete push in a buffer: its version, the seconds the pull took, the bytes received."""
 
-    opener: Callable[[], Any]
-    shapes: Callable[[], Mapping[str, tuple[tuple[int, ...], Any]]]
+    version: int
+    seconds: float
+    nbytes: int
+
+
+class StageFailed(Exception):
+    """A push broke off (``PushFailed``, a timeout between pushes): the next pull waits for the next."""
+
+
+class Receiver(Protocol):
+    """Where the staging thread's pulls happen (:class:`ProcessReceiver` in the engine)."""
+
+    def open(self) -> Mapping[str, tuple[tuple[int, ...], Any]]:
+        """Join the trainer; this worker's local tensors (name -> (shape, torch dtype))."""
+
+    def buffers(self, n: int) -> list[dict[str, Any]]:
+        """``n`` host buffers the pulls fill, shaped as ``open`` said."""
+
+    def pull(self, index: int) -> Received | None:
+        """The next push into buffer ``index``; None once the trainer closed the session. Raises
+        :class:`StageFailed` for a push that broke off."""
+
+    def close(self) -> None:
+        """Leave the session; also ends a pull in flight."""
+
+
+@dataclass
+class Stager:
+    """The staging thread of one worker (see the module docstring), pulling through ``receiver``
+    (joined on the thread: ``init_weight_transfer_engine`` returns at once, and the engine serves
+    while the trainer is not there yet)."""
+
+    receiver: Receiver
     timeout: float
-    session: Any = None
     buffers: list[Staged] = field(default_factory=list)
     #: the last push failure (one line), cleared by the next complete push
     error: str | None = None
@@ -87,27 +117,22 @@ class Stager:
 
     def _join(self) -> bool:
         """Join the trainer and allocate the buffers; False (the error kept) when that fails."""
-        import torch
-
         try:
-            session = self.opener()
-            shapes = self.shapes()
-            buffers = [Staged({n: torch.empty(s, dtype=dt, device="cpu") for n, (s, dt) in shapes.items()})
-                       for _ in range(2)]
+            self.receiver.open()
+            buffers = [Staged(t) for t in self.receiver.buffers(2)]
         except BaseException as e:  # noqa: BLE001 - reported by the next commit, by name
             with self._cond:
                 self.error, self.closed = f"joining the trainer failed: {type(e).__name__}: {e}", True
                 self._cond.notify_all()
             return False
         with self._cond:
-            self.session, self.buffers = session, buffers
+            self.buffers = buffers
             self._cond.notify_all()
         return True
 
     def _run(self) -> None:
-        from formats.errors import PeerTimeoutError, PushFailed
-
         if not self._join():
+            self.receiver.close()
             return
         while True:
             with self._cond:
@@ -118,25 +143,25 @@ class Stager:
                 buf = self._free()
                 assert buf is not None
                 buf.role, buf.version = "receiving", None
-            t0 = time.perf_counter()
             try:
-                st = self.session.pull(buf.tensors)
-            except (PushFailed, PeerTimeoutError) as e:
-                _log.warning("shardstream staging: a push failed (%s: %s); the served weights are untouched, "
-                             "waiting for the next push", type(e).__name__, e)
-                self._settle(buf, None, f"{type(e).__name__}: {e}")
+                got = self.receiver.pull(self.buffers.index(buf))
+            except StageFailed as e:
+                _log.warning("shardstream staging: a push failed (%s); the served weights are untouched, "
+                             "waiting for the next push", e)
+                self._settle(buf, None, str(e))
                 continue
             except BaseException as e:  # noqa: BLE001 - the thread must not die silently: the commit reports it
-                _log.error("shardstream staging: the staging thread ends (%s: %s); the next commit reports it",
-                           type(e).__name__, e)
+                if not self._stop:
+                    _log.error("shardstream staging: the staging thread ends (%s: %s); the next commit reports it",
+                               type(e).__name__, e)
                 self._settle(buf, None, f"{type(e).__name__}: {e}", closed=True)
                 break
-            if st is None:  # the trainer job closed the session
+            if got is None:  # the trainer job closed the session
                 self._settle(buf, None, None, closed=True)
                 break
-            self._settle(buf, st.version, None, stats=(st.version, time.perf_counter() - t0, st.bytes_received))
-            _log.info("shardstream staging: version %s staged (%d bytes)", st.version, st.bytes_received)
-        self._close_session()
+            self._settle(buf, got.version, None, stats=(got.version, got.seconds, got.nbytes))
+            _log.info("shardstream staging: version %s staged (%d bytes)", got.version, got.nbytes)
+        self.receiver.close()
 
     def _settle(self, buf: Staged, version: int | None, error: str | None, *, closed: bool = False,
                 stats: tuple[int, float, int] | None = None) -> None:
@@ -152,14 +177,6 @@ class Stager:
             self.error = error  # a complete push clears the last failure
             self.closed = self.closed or closed
             self._cond.notify_all()
-
-    def _close_session(self) -> None:
-        session, self.session = self.session, None
-        if session is not None:
-            try:
-                session.close()
-            except Exception:  # noqa: BLE001 - closing after the trainer left: nothing to tell
-                pass
 
     # ------------------------------------------------------------------ the engine's side
     def take(self, version: int | None) -> Staged:
@@ -218,6 +235,5 @@ class Stager:
         with self._cond:
             self._stop = True
             self._cond.notify_all()
+        self.receiver.close()  # ends a pull in flight
         self._thread.join(self.timeout)
-        if not self._thread.is_alive():
-            self._close_session()

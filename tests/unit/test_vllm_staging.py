@@ -1,44 +1,49 @@
 """``streamer.vllm.staging.Stager`` without vLLM: the buffer roles a staged engine relies on, driven
-by a scripted session (each ``pull`` takes the next scripted push)."""
+by a scripted receiver (each ``pull`` takes the next scripted push). The process that receives in
+the engine (``stage_proc.ProcessReceiver``) is tested in test_vllm_stage_proc.py."""
 
 from __future__ import annotations
 
 import queue
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
 from formats.errors import PushFailed
-from streamer.vllm.staging import Stager
-
-
-@dataclass
-class _Stats:
-    version: int
-    bytes_received: int = 8
+from streamer.vllm.staging import Received, StageFailed, Stager
 
 
 class _Session:
-    """``pull`` blocks until the test scripts a push: a version (the buffers get it as values), "fail"
-    (``PushFailed``) or "close" (the trainer closed: None)."""
+    """A scripted receiver: ``pull`` blocks until the test scripts a push: a version (the buffer gets
+    it as values), "fail" (a ``PushFailed``) or "close" (the trainer closed: None)."""
 
     def __init__(self) -> None:
         self.pushes: queue.Queue[Any] = queue.Queue()
         self.pulling = 0
         self.closed = False
+        self.bufs: list[dict[str, Any]] = []
 
-    def pull(self, tensors: dict[str, Any]) -> _Stats | None:
+    def open(self) -> dict[str, Any]:
+        import torch
+
+        return {"w": ((4,), torch.float32)}
+
+    def buffers(self, n: int) -> list[dict[str, Any]]:
+        import torch
+
+        self.bufs = [{"w": torch.empty(4)} for _ in range(n)]
+        return self.bufs
+
+    def pull(self, index: int) -> Received | None:
         self.pulling += 1
         what = self.pushes.get(timeout=30)
         if what == "fail":
-            raise PushFailed("the trainer died half-way", what)
+            raise StageFailed(f"PushFailed: {PushFailed('the trainer died half-way', what)}")
         if what == "close":
             return None
-        for t in tensors.values():
-            t.fill_(what)
-        return _Stats(what)
+        self.bufs[index]["w"].fill_(what)
+        return Received(what, 0.0, 8)
 
     def close(self) -> None:
         self.closed = True
@@ -53,10 +58,8 @@ def _until(cond: Any, what: str) -> None:
 
 @pytest.fixture
 def staged() -> Any:
-    import torch
-
     session = _Session()
-    stager = Stager(lambda: session, lambda: {"w": ((4,), torch.float32)}, timeout=5)
+    stager = Stager(session, timeout=5)
     stager.start()
     yield stager, session
     session.pushes.put("close")
