@@ -89,8 +89,9 @@ class ShardstreamInitInfo(WeightTransferInitInfo):  # type: ignore[misc]
     transport: str | None = None
     verify: bool = False
     delta: bool = False
-    #: "none": ``update_weights`` pulls the push itself; "host": a thread stages every push in host
-    #: buffers while the engine serves, and ``update_weights`` commits a staged version (staging.py)
+    #: "none": ``update_weights`` pulls the push itself; "host": a process of each worker's own stages
+    #: every push in shared host buffers while the engine serves, and ``update_weights`` commits a
+    #: staged version (staging.py, stage_proc.py)
     staging: str = "none"
     #: this engine's name as one of several inference replicas fed by one trainer
     #: (``RefitSession.open(..., replicas=True)``); None: the trainer's only receiver job

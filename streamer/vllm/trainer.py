@@ -103,6 +103,11 @@ class _Call:
 
 
 class ShardstreamTrainerEngine(TrainerWeightTransferEngine[ShardstreamTrainerInitInfo]):  # type: ignore[misc]
+    """The trainer side of the ``shardstream`` backend, built by vLLM's
+    ``WeightTransferTrainerFactory.trainer_init(init_info, client=..., source=model)``: every
+    trainer rank holds one, rank 0 (``is_sender``) also drives the engine through ``client``
+    (``VLLMWeightSyncClient``: HTTP or Ray)."""
+
     init_info_cls = ShardstreamTrainerInitInfo
 
     def __init__(self, *, client: Any, source: Any, is_sender: bool, session: Any, module: Any,
@@ -115,6 +120,9 @@ class ShardstreamTrainerEngine(TrainerWeightTransferEngine[ShardstreamTrainerIni
     @classmethod
     def trainer_init(cls, init_info: ShardstreamTrainerInitInfo, *, client: Any,
                      source: Any = None) -> ShardstreamTrainerEngine:
+        """Open the trainer's session on ``source`` (an ``nn.Module``, or an object holding one)
+        while rank 0 asks the engine to join (``client.init_weight_transfer_engine`` on a thread:
+        the two block on each other)."""
         from streamer import RefitOptions, RefitSession, manifest_from_state_dict
 
         if not init_info.rendezvous:
@@ -151,6 +159,7 @@ class ShardstreamTrainerEngine(TrainerWeightTransferEngine[ShardstreamTrainerIni
             self.client.finish_weight_update(weight_version=str(st.version))
 
     def shutdown(self) -> None:
+        """Close the session (the engine's pulls end) and, on rank 0, the engine's backend."""
         if self.session is not None:
             session, self.session = self.session, None
             session.close()
