@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from formats.files.outdir import STATE_DIR, Lock, open_output, remove_state
+from formats.integrity.sidecar import sidecar_name
 from formats.manifest.wire import atomic_write_bytes
 
 __all__ = ["MANIFEST", "STATE_DIR", "Lock", "Records", "mark_incomplete", "open_output", "remove_state"]
@@ -43,7 +44,8 @@ def mark_incomplete(out: Path, rel_paths: Iterable[str]) -> None:
     atomic_write_bytes'; ``rel_paths``: what is written through temp files). No live writer owns
     them: the lock is ours."""
     (out / MANIFEST).unlink(missing_ok=True)
-    paths = [out / r for r in rel_paths] + [out / MANIFEST]
+    # the checksum sidecar is written through a temp file too, just before the manifest
+    paths = [out / r for r in rel_paths] + [out / MANIFEST, out / sidecar_name(MANIFEST)]
     dirs = {out / STATE_DIR} | {p.parent for p in paths}
     names = {p.name for p in paths}
     for d in dirs:
