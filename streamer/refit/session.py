@@ -461,11 +461,15 @@ class RefitSession:
         self.steps.append(st)
         return st
 
-    def pull(self, tensors: Any) -> StepStats | None:
+    def pull(self, tensors: Any, *, holds_last: bool = False) -> StepStats | None:
         """Receive into this inference rank's existing local tensors, in place. Returns None once
         the sender job closed the session. On the store control plane a push that breaks off
         raises ``PushFailed`` and the session stays open: the next call waits for the next push,
-        from this sender job or a new one (``docs/resilience.md``)."""
+        from this sender job or a new one (``docs/resilience.md``).
+
+        ``holds_last``: ``tensors`` are other memory than the last pull's, holding a byte copy of
+        what it received (a receiver that rotates buffers): in a delta session they are its base,
+        so the push sends changes instead of full bytes. Without it, other memory means full bytes."""
         if self.role != "recv":
             raise UsageError("pull() is for the receiving side; senders call push()")
         if self._closed:
@@ -473,7 +477,7 @@ class RefitSession:
         try:
             if self._broken:
                 self._reopen()
-            st = self._step(tensors)
+            st = self._step(tensors, adopt=holds_last)
             if self._replica is not None:
                 self._post_receipt(st.version)
             return st
@@ -566,7 +570,7 @@ class RefitSession:
         self._agree(problems or ["refused"], {})
         raise AssertionError("unreachable: the agreement raises")  # pragma: no cover
 
-    def _step(self, tensors: Any) -> StepStats:
+    def _step(self, tensors: Any, adopt: bool = False) -> StepStats:
         self.start()
         local, problems = collect_local(tensors)
         key = _memory_key(local)
@@ -581,6 +585,8 @@ class RefitSession:
             digests = replica_digests(self.src, self.local_rank, local)
         if self._send_quant is not None:
             self._send_quant.new_push()
+        if adopt and self._synced is not None:
+            self._synced_ptrs = key  # the caller copied the last version's bytes here
         es = self._versioned_step(local, problems, digests, key)
         quantize_s = self._recv_quant.finish(local) if self._recv_quant is not None else 0.0
         if self._send_quant is not None:

@@ -43,8 +43,9 @@ Delta sessions (``RefitOptions(delta=True)`` on the trainer, or ``"delta": true`
 the pull writes into a host base that the engine keeps per session (one model-format copy of the
 worker's parameters), the XOR deltas apply to it, and it is copied into the update's tensors.
 
-Staged updates (``"staging": "host"`` in ``init_info``, :mod:`streamer.vllm.staging`): a thread
-receives every push into host buffers while the engine serves; ``update_weights`` commits a staged
+Staged updates (``"staging": "host"`` in ``init_info``, :mod:`streamer.vllm.staging`): a process of
+each worker's own (:mod:`streamer.vllm.stage_proc`) receives every push into shared host buffers
+while the engine serves (delta sessions too: each buffer first takes a copy of the last push); ``update_weights`` commits a staged
 version (``{"version": N}`` or the newest) layer by layer, and a commit that fails puts back the
 layers it wrote from the committed host copy.
 
@@ -139,9 +140,9 @@ class ShardstreamWeightTransferEngine(
             self.shutdown()
         if init_info.staging not in ("none", "host"):
             raise ValueError(f"shardstream: init_info staging must be 'none' or 'host', got {init_info.staging!r}")
-        if init_info.staging == "host" and init_info.delta:
-            raise ValueError("shardstream: staging 'host' with delta is not supported yet (a delta decodes against "
-                             "the served copy); use staging 'none' for delta sessions")
+        if init_info.staging == "host" and init_info.transport in ("nccl", "cuda-ipc"):
+            raise ValueError(f"shardstream: staging 'host' receives into host buffers, which the {init_info.transport} "
+                             "transport cannot write: use transport 'gloo' with staging 'host'")
         internals.check()  # a vLLM without what the updates use is refused here, before any push
         _check_parallel(self.parallel_config)
         self.steps = watch(internals.worker_of(self))

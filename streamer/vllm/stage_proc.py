@@ -100,12 +100,19 @@ def _open(args: dict[str, Any], conn: Connection) -> Any:
                                 options=RefitOptions(verify=args["verify"], delta=args["delta"],
                                                      fp8_block=args["fp8_block"]),
                                 choose_manifest=choose, device=args["device"], replica=args["replica"])
-    if session.options.delta:
-        session.close()
-        raise ValueError("shardstream: the trainer asked for a delta session, which staging 'host' does not "
-                         "support yet")
     conn.send(("joined", chosen[-1] if chosen else "per_expert"))
     return session
+
+
+def _pull(session: Any, buffers: list[dict[str, Any]], index: int, last: int | None) -> Any:
+    """One push into ``buffers[index]``. In a delta session the buffer first takes a copy of the
+    last complete push, the base the trainer's deltas apply to (the two buffers rotate, and the
+    last one stays as it is: staged or committed, the worker reads it)."""
+    if not session.options.delta or last is None or last == index:
+        return session.pull(buffers[index])
+    for name, t in buffers[index].items():
+        t.copy_(buffers[last][name])
+    return session.pull(buffers[index], holds_last=True)
 
 
 def _serve(conn: Connection) -> None:
@@ -113,6 +120,7 @@ def _serve(conn: Connection) -> None:
 
     session = None
     buffers: list[dict[str, Any]] = []
+    last: int | None = None  # the buffer the last complete push landed in (the worker never reuses it next)
     try:
         while True:
             try:
@@ -120,7 +128,11 @@ def _serve(conn: Connection) -> None:
             except EOFError:
                 return  # the worker closed the pipe (or died)
             if cmd == "open":
-                session = _open(arg, conn)
+                try:
+                    session = _open(arg, conn)
+                except PeerTimeoutError as e:  # no trainer yet: the worker starts a new process to wait again
+                    conn.send(("join-timeout", f"{type(e).__name__}: {e}"))
+                    return
             elif cmd == "buffers":
                 buffers = [map_buffer(path, arg["size"], arg["slots"]) for path in arg["paths"]]
                 conn.send(("ready", None))
@@ -128,13 +140,14 @@ def _serve(conn: Connection) -> None:
                 assert session is not None
                 t0 = time.perf_counter()
                 try:
-                    st = session.pull(buffers[arg])
+                    st = _pull(session, buffers, arg, last)
                 except (PushFailed, PeerTimeoutError) as e:
                     conn.send(("failed", f"{type(e).__name__}: {e}"))
                     continue
                 if st is None:
                     conn.send(("closed", None))
                     return
+                last = arg
                 conn.send(("staged", (st.version, time.perf_counter() - t0, st.bytes_received)))
             elif cmd == "stop":
                 return
@@ -168,8 +181,12 @@ class ProcessReceiver:
         self._closed = False
 
     def open(self) -> Mapping[str, tuple[tuple[int, ...], Any]]:
+        """Start the staging process and join the trainer; raises :class:`StageFailed` when no
+        trainer came within the timeout (the caller opens again)."""
         from streamer.transport.jobs import launcher_rank
 
+        self.close()  # the process of an earlier try
+        self._closed = False
         mine, theirs = socket.socketpair()
         rank, size = launcher_rank()  # the worker's rank in the engine: the child has no process group
         env = {k: v for k, v in os.environ.items() if k not in _PINNING}
@@ -180,7 +197,12 @@ class ProcessReceiver:
         self.conn = Connection(mine.detach())
         self.conn.send(("open", self.args))
         # the child starts (imports torch), then waits for the trainer up to the session's timeout
-        self._shapes = self.on_join(self._expect("joined", self.timeout + 120))
+        kind, arg = self._event(self.timeout + 120)
+        if kind == "join-timeout":
+            raise StageFailed(arg)
+        if kind != "joined":
+            raise RuntimeError(f"the staging process: {arg}" if kind == "fatal" else f"the staging process sent {kind}")
+        self._shapes = self.on_join(arg)
         return self._shapes
 
     def buffers(self, n: int) -> list[dict[str, Any]]:
@@ -246,14 +268,17 @@ class ProcessReceiver:
             try:
                 if self.conn.poll(1.0):
                     return self.conn.recv()  # type: ignore[no-any-return]
-            except (EOFError, OSError):
-                pass
-            else:
-                if self.proc.poll() is None and (deadline is None or time.monotonic() < deadline):
-                    continue
+            except (EOFError, OSError):  # the pipe closed: the process ended, or is ending
+                try:
+                    code = self.proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    code = None
+                raise RuntimeError(f"the staging process ended (exit code {code})") from None
             code = self.proc.poll()
-            raise RuntimeError("the staging process " + (f"ended (exit code {code})" if code is not None
-                                                          else f"did not answer within {timeout:.0f} s"))
+            if code is not None:
+                raise RuntimeError(f"the staging process ended (exit code {code})")
+            if deadline is not None and time.monotonic() > deadline:
+                raise RuntimeError(f"the staging process did not answer within {timeout:.0f} s")
 
     def _expect(self, kind: str, timeout: float) -> Any:
         got, arg = self._event(timeout)

@@ -25,8 +25,8 @@ Committing a version frees the older committed buffer.
 After a failed push (``PushFailed``) or a wait for a push that timed out, the thread goes back to
 pulling: the session, on the store control plane, waits for the next push from this trainer job or
 a restarted one, with no call on the engine side. It ends when the trainer job closes the session
-(``pull`` returns None) or the engine shuts the backend down. Delta sessions are not staged yet
-(their base is the served copy, see ``engine``): refused at init.
+(``pull`` returns None) or the engine shuts the backend down. In a delta session the buffer about to
+receive first takes a copy of the last complete push, which the deltas apply to (``stage_proc``).
 """
 
 from __future__ import annotations
@@ -94,8 +94,9 @@ class Stager:
     buffers: list[Staged] = field(default_factory=list)
     #: the last push failure (one line), cleared by the next complete push
     error: str | None = None
-    #: the trainer job closed the session: nothing more will be staged
+    #: nothing more will be staged, and why (the trainer job closed the session, a join that failed)
     closed: bool = False
+    why_closed: str = ""
     #: per complete push: (version, seconds it took, bytes received)
     received: list[tuple[int, float, int]] = field(default_factory=list)
 
@@ -116,14 +117,20 @@ class Stager:
         return next((b for b in self.buffers if b.role == "free"), None)
 
     def _join(self) -> bool:
-        """Join the trainer and allocate the buffers; False (the error kept) when that fails."""
+        """Join the trainer and allocate the buffers; False when that fails: for good (``closed``,
+        the error kept), or because no trainer came within the timeout (tried again by ``_run``)."""
         try:
             self.receiver.open()
             buffers = [Staged(t) for t in self.receiver.buffers(2)]
+        except StageFailed as e:
+            _log.info("shardstream staging: no trainer joined (%s); waiting again", e)
+            return False
         except BaseException as e:  # noqa: BLE001 - reported by the next commit, by name
             with self._cond:
-                self.error, self.closed = f"joining the trainer failed: {type(e).__name__}: {e}", True
+                self.error = f"joining the trainer failed: {type(e).__name__}: {e}"
+                self.closed, self.why_closed = True, "the staging process could not join the trainer"
                 self._cond.notify_all()
+            _log.error("shardstream staging: %s", self.error)
             return False
         with self._cond:
             self.buffers = buffers
@@ -131,9 +138,10 @@ class Stager:
         return True
 
     def _run(self) -> None:
-        if not self._join():
-            self.receiver.close()
-            return
+        while not self._join():  # an engine outlives a trainer that has not come yet: wait again
+            if self._stop or self.closed:
+                self.receiver.close()
+                return
         while True:
             with self._cond:
                 while not self._stop and self._free() is None:
@@ -154,16 +162,16 @@ class Stager:
                 if not self._stop:
                     _log.error("shardstream staging: the staging thread ends (%s: %s); the next commit reports it",
                                type(e).__name__, e)
-                self._settle(buf, None, f"{type(e).__name__}: {e}", closed=True)
+                self._settle(buf, None, f"{type(e).__name__}: {e}", closed="the staging process ended")
                 break
             if got is None:  # the trainer job closed the session
-                self._settle(buf, None, None, closed=True)
+                self._settle(buf, None, None, closed="the trainer closed the session")
                 break
             self._settle(buf, got.version, None, stats=(got.version, got.seconds, got.nbytes))
             _log.info("shardstream staging: version %s staged (%d bytes)", got.version, got.nbytes)
         self.receiver.close()
 
-    def _settle(self, buf: Staged, version: int | None, error: str | None, *, closed: bool = False,
+    def _settle(self, buf: Staged, version: int | None, error: str | None, *, closed: str = "",
                 stats: tuple[int, float, int] | None = None) -> None:
         with self._cond:
             if version is None:
@@ -175,7 +183,8 @@ class Stager:
                 buf.role, buf.version = "staged", version
                 self.received.append(stats)  # type: ignore[arg-type]
             self.error = error  # a complete push clears the last failure
-            self.closed = self.closed or closed
+            if closed and not self.closed:
+                self.closed, self.why_closed = True, closed
             self._cond.notify_all()
 
     # ------------------------------------------------------------------ the engine's side
@@ -202,8 +211,7 @@ class Stager:
                 left = deadline - time.monotonic()
                 if self.closed or left <= 0:
                     have = sorted(b.version or 0 for b in staged)
-                    why = ("the trainer closed the session" if self.closed
-                           else f"none arrived within {self.timeout:.0f} s")
+                    why = self.why_closed if self.closed else f"none arrived within {self.timeout:.0f} s"
                     raise RuntimeError(f"shardstream: no staged version{'' if version is None else f' {version}'} to "
                                        f"commit ({why}; staged: {have or 'none'}"
                                        f"{f'; last push failure: {self.error}' if self.error else ''})")

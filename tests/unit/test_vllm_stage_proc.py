@@ -22,7 +22,8 @@ def _state(v: int) -> dict[str, Any]:
             "b.bias": torch.randn(7, generator=g), "c.idx": torch.arange(5, dtype=torch.int64) * v}
 
 
-def _receiver(sd: dict[str, Any], rdv: str, timeout: float = 60) -> tuple[ProcessReceiver, list[str]]:
+def _receiver(sd: dict[str, Any], rdv: str, timeout: float = 60,
+              delta: bool = False) -> tuple[ProcessReceiver, list[str]]:
     from streamer import manifest_from_state_dict
 
     m = manifest_from_state_dict(sd, name="staged")
@@ -33,20 +34,21 @@ def _receiver(sd: dict[str, Any], rdv: str, timeout: float = 60) -> tuple[Proces
         return {k: (tuple(t.shape), t.dtype) for k, t in sd.items()}
 
     args = {"manifests": {"per_expert": m, "fused": m}, "rendezvous": rdv, "transport": "gloo", "timeout": timeout,
-            "verify": True, "delta": False, "fp8_block": None, "device": None, "replica": None}
+            "verify": True, "delta": delta, "fp8_block": None, "device": None, "replica": None}
     return ProcessReceiver(args, joined, timeout), names
 
 
-def _open_both(sd: dict[str, Any], timeout: float = 60) -> tuple[Any, ProcessReceiver, list[str]]:
-    from streamer import RefitSession, manifest_from_state_dict
+def _open_both(sd: dict[str, Any], timeout: float = 60, delta: bool = False) -> tuple[Any, ProcessReceiver, list[str]]:
+    from streamer import RefitOptions, RefitSession, manifest_from_state_dict
     from streamer.transport.torch_dist import free_port
 
     rdv = f"tcp://127.0.0.1:{free_port()}"
-    recv, names = _receiver(sd, rdv, timeout)
+    recv, names = _receiver(sd, rdv, timeout, delta)
     opened: list[Any] = []
     t = threading.Thread(target=lambda: opened.append(recv.open()))
     t.start()
-    send = RefitSession.open(manifest_from_state_dict(sd, name="staged"), "send", rendezvous=rdv, timeout=timeout)
+    send = RefitSession.open(manifest_from_state_dict(sd, name="staged"), "send", rendezvous=rdv, timeout=timeout,
+                             options=RefitOptions(delta=delta, link_gbps=0.01 if delta else None))
     t.join(120)
     assert opened, "the staging process did not join"
     return send, recv, names
@@ -100,3 +102,59 @@ def test_the_layout_aligns_every_tensor_and_a_full_staging_dir_is_named(tmp_path
     with pytest.raises(RuntimeError, match=r"staging needs 2 buffers of 1099511627776 bytes in .*SHARDSTREAM_STAGING_DIR"):
         recv.buffers(2)
     assert list(tmp_path.iterdir()) == []  # nothing left behind
+
+
+def test_a_delta_session_rotates_buffers_and_still_sends_only_changes() -> None:
+    """Each buffer takes a copy of the last push before the next one lands, so the trainer's deltas
+    apply to the right base although the buffers alternate; a complete push holds exact bytes."""
+    pytest.importorskip("numcodecs")
+    g = torch.Generator().manual_seed(7)
+    big = {"w": torch.randn(256, 256, generator=g), "b": torch.randn(256, generator=g)}
+    send, recv, _ = _open_both(big, delta=True)
+    try:
+        bufs = recv.buffers(2)
+        state = {k: v.clone() for k, v in big.items()}
+        sizes = []
+        for v in range(1, 5):
+            if v > 1:
+                state["w"][v, :8] += 1.0  # a few elements change per push
+            pushed: list[Any] = []
+            t = threading.Thread(target=lambda v=v: pushed.append(send.push(state, version=v)))
+            t.start()
+            got = recv.pull((v - 1) % 2)
+            t.join(60)
+            assert got is not None and got.version == v
+            sizes.append(got.nbytes)
+            for k, x in state.items():
+                assert torch.equal(bufs[(v - 1) % 2][k], x), (v, k)
+        full = sum(x.nbytes for x in big.values())
+        assert sizes[0] == full and all(n < full // 10 for n in sizes[1:]), sizes  # changes only, after the first
+    finally:
+        send.close()
+        recv.close()
+
+
+def test_a_trainer_that_comes_after_the_timeout_is_joined_by_a_new_try() -> None:
+    """The staged engine outlives a trainer that has not come yet: the staging process that found
+    none within the timeout is replaced by one that waits again, with no call on the engine side."""
+    import time
+
+    from streamer import RefitSession, manifest_from_state_dict
+    from streamer.transport.torch_dist import free_port
+    from streamer.vllm.staging import Stager
+
+    sd = _state(1)
+    rdv = f"tcp://127.0.0.1:{free_port()}"
+    recv, _ = _receiver(sd, rdv, timeout=3)
+    stager = Stager(recv, timeout=60)
+    stager.start()
+    try:
+        time.sleep(6)  # past the first process's join timeout
+        assert not stager.closed and stager.error is None
+        with RefitSession.open(manifest_from_state_dict(sd, name="staged"), "send", rendezvous=rdv, timeout=60) as send:
+            send.push(_state(2), version=2)
+            buf = stager.take(None)
+            assert buf.version == 2 and torch.equal(buf.tensors["a.weight"], _state(2)["a.weight"])
+            stager.committed(buf)
+    finally:
+        stager.stop()

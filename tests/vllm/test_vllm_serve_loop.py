@@ -18,7 +18,9 @@ throughout, and each one is compared with the same request served on a known ver
    the pause drains it (it equals the previous version's run of the same request), and after the
    loop the server serves the new version (B's exactly when it is B), with ``/weight_info`` naming it.
 
-Versions alternate between A (odd) and B (even). An update opened while requests run is refused:
+Versions alternate between A (odd) and B (even), in a delta session (``"delta": true``, a link
+stated slow so that every push after the first sends XOR deltas): the staging process decodes
+each against a copy of the last push, and every version served is exact. An update opened while requests run is refused:
 tests/vllm/test_vllm_staging.py steps an in-process engine by hand to show it deterministically.
 """
 
@@ -157,7 +159,7 @@ def test_the_update_loop_through_vllm_serve(tmp_path: Path, monkeypatch: pytest.
                  {"init_info": {"rendezvous": rdv, "timeout": 240, "staging": "host", "verify": True}})
         init_s = time.monotonic() - t0
         (tmp_path / "sender.json").write_text(json.dumps({
-            "rendezvous": rdv, "timeout": 240, "stop": str(tmp_path / "stop"),
+            "rendezvous": rdv, "timeout": 240, "stop": str(tmp_path / "stop"), "delta": True, "link_gbps": 0.05,
             "pushes": [{"model": str(m), "version": v, "wait": str(go[v])} for v, m in models.items()]}))
         sender = Proc([sys.executable, HERE / "loop_sender.py", tmp_path / "sender.json"], tmp_path, "sender")
         procs.append(sender)
@@ -201,6 +203,10 @@ def test_the_update_loop_through_vllm_serve(tmp_path: Path, monkeypatch: pytest.
     finally:
         for p in procs:
             p.kill()
+    # a delta session: after the first (full) push every push sends XOR deltas, decoded in the staging
+    # process against a copy of the last push (the two buffers rotate), and served exactly below
+    lines = [json.loads(x) for x in sender.out.read_text().splitlines() if x.startswith('{"version"')]
+    assert not lines[0]["encodings"] and all(x["encodings"] for x in lines[1:]), lines
     assert init_s < 30, init_s  # staged: the engine does not wait for a trainer to join
     assert pushed["pushed"] < first_req.ended, "the push waited for the engine's request to end"
     assert during_push == long_b, "staging changed what the engine served during the push"
