@@ -292,21 +292,3 @@ def test_every_command_has_a_page() -> None:
 
 
 #: a repository path named in prose or code spans: ``formats/...``, ``streamer/...``, ``scripts/...``
-NAMED_PATH = re.compile(r"(?<![\w/.-])((?:\.\./)*(?:formats|streamer|scripts|tests|examples|docs|benchmarks|workloads|"
-                        r"shared|\.ci)/[\w./-]*[\w/])")
-PAGES = sorted({*DOCS, REPO / "ARCHITECTURE.md", REPO / "BENCHMARKS.md"})
-
-
-@pytest.mark.parametrize("doc", PAGES, ids=[str(d.relative_to(REPO)) for d in PAGES])
-def test_named_paths_exist(doc: Path) -> None:
-    """Every repository path a page names exists in a clone (issue 35: pages named moved modules and
-    a folder beside the repository, which a clone does not have). Paths with placeholders (``DIR``, ``N``, ``*``)
-    and the example runs' own outputs are not repository paths."""
-    problems = []
-    for n, ln in enumerate(doc.read_text(encoding="utf-8").splitlines(), 1):
-        for path in NAMED_PATH.findall(ln):
-            if path.startswith(("../", "shared/")):
-                problems.append(f"{doc.relative_to(REPO)}:{n}: names {path}, outside the repository")
-            elif not re.search(r"[A-Z]{2,}|\*", path) and not (REPO / path).exists():
-                problems.append(f"{doc.relative_to(REPO)}:{n}: names {path}, which does not exist")
-    assert not problems, "\n".join(problems)

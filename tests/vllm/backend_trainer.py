@@ -1,5 +1,6 @@
 """An FSDP2 trainer that feeds ``vllm serve`` through vLLM's own trainer-side API, picking the
-``shardstream`` backend by name (streamer/vllm/trainer.py).
+``shardstream`` backend by name (streamer/vllm/trainer.py): the model and the connection are
+examples/vllm/trainer.py's own ``build`` and ``connect``.
 
     torchrun --nproc-per-node 2 backend_trainer.py URL RENDEZVOUS MODEL_A MODEL_B DIR
 
@@ -22,9 +23,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
-from transformers import AutoModelForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "vllm"))
+from trainer import build, connect  # noqa: E402  # the example's pieces, tested here
 
 GATHERS = [0]
 _full_tensor = DTensor.full_tensor
@@ -47,22 +49,9 @@ def load_weights(model: torch.nn.Module, ckpt: str) -> None:
 def main(url: str, rdv: str, model_a: str, model_b: str, out: Path) -> int:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    from vllm.distributed.weight_transfer.base import ModuleSource
-    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
-    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-    from vllm.plugins import load_general_plugins
-
-    from streamer.vllm.trainer import ShardstreamTrainerInitInfo
-
-    load_general_plugins()  # registers shardstream's trainer engine by name
-    model = AutoModelForCausalLM.from_pretrained(model_a, dtype=torch.float32)
-    for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+    model = build(model_a)
     DTensor.full_tensor = counted_full_tensor  # type: ignore[method-assign]
-    engine = WeightTransferTrainerFactory.trainer_init(
-        ShardstreamTrainerInitInfo(rendezvous=rdv, timeout=240, verify=True, rank=rank),
-        client=HTTPVLLMWeightSyncClient(url, timeout=240), source=ModuleSource(model))
+    engine = connect(url, rdv, model, timeout=240, verify=True)
     engine.send_weights()
     report(out, 1, engine.version, rank)
     if rank == 0:
