@@ -5,8 +5,8 @@ device-to-device copy. Any CUDA storage can be exposed (torch's CUDA IPC: the ha
 allocation and its offset, ``UntypedStorage._share_cuda_``), so large regions go straight from
 the trainer's tensors and packed ones from the bucket they were packed in: no staging copy. A
 receiver opens each storage's handle once per session (``_new_shared_cuda``) and copies with
-``copy_`` into its own tensors, in place (same data pointers, so captured CUDA graphs stay
-valid), on its current stream.
+``copy_`` into its own tensors, in place (same data pointers, which captured CUDA graphs need;
+never run on a GPU yet), on its current stream.
 
 Completion: the sender records an event after its writes (packing) and sends the header once
 the event completed; the receiver records an event after its copy and acks once it completed,
