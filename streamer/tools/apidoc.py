@@ -53,6 +53,7 @@ SECTIONS: tuple[tuple[str, str, tuple[Entry, ...]], ...] = (
         Entry("streamer.vllm.trainer", "ShardstreamTrainerInitInfo", ("engine_init_info",)),
         Entry("streamer.vllm.trainer", "ShardstreamTrainerEngine", ("trainer_init", "send_weights", "shutdown")),
         Entry("streamer.vllm.manifest", "manifest_from_vllm"),
+        Entry("streamer.vllm.lora", "adapter_names"),
     )),
 )
 

@@ -97,6 +97,10 @@ class ShardstreamInitInfo(WeightTransferInitInfo):  # type: ignore[misc]
     #: this engine's name as one of several inference replicas fed by one trainer
     #: (``RefitSession.open(..., replicas=True)``); None: the trainer's only receiver job
     replica: str | None = None
+    #: an adapter session: the PEFT config of the LoRA adapters the trainer pushes (r, lora_alpha,
+    #: target_modules, ...); each push is registered as a LoRA adapter (lora.py), the base weights
+    #: are not touched. Needs an engine started with enable_lora=True
+    adapter: dict[str, Any] | None = None
 
 
 @dataclass
@@ -106,6 +110,9 @@ class ShardstreamUpdateInfo(WeightTransferUpdateInfo):  # type: ignore[misc]
     what moves and ``version`` is not read."""
 
     version: int | None = None
+    #: adapter sessions: the name and id the pushed adapter is registered under (``LoRARequest``)
+    lora_name: str | None = None
+    lora_id: int | None = None
 
 
 class ShardstreamWeightTransferEngine(
@@ -130,6 +137,8 @@ class ShardstreamWeightTransferEngine(
         self._before: Snapshot | None = None
         #: staging "host": the thread that receives pushes while the engine serves (None: not staged)
         self.stager: Stager | None = None
+        #: an adapter session's receiving side (init_info ``adapter``, lora.py)
+        self.adapter: Any = None
         #: the worker's steps that served requests (steps.py): an update they fall into is refused
         self.steps: StepWatch | None = None
         self._started = False  # between start_weight_update and finish_weight_update
@@ -145,7 +154,11 @@ class ShardstreamWeightTransferEngine(
                              "transport cannot write: use transport 'gloo' with staging 'host'")
         internals.check()  # a vLLM without what the updates use is refused here, before any push
         _check_parallel(self.parallel_config)
-        self.steps = watch(internals.worker_of(self))
+        worker = internals.worker_of(self)
+        if init_info.adapter is not None:
+            self._open_adapter_session(init_info, worker)
+            return
+        self.steps = watch(worker)
         self.described = described = manifest_from_vllm(self.model)
 
         opts = {"rendezvous": init_info.rendezvous, "transport": init_info.transport, "timeout": init_info.timeout,
@@ -167,6 +180,49 @@ class ShardstreamWeightTransferEngine(
                                     "device": None if device is None else str(device)}, joined, init_info.timeout)
         self.stager = Stager(receiver, init_info.timeout)
         self.stager.start()
+
+    def _open_adapter_session(self, init_info: ShardstreamInitInfo, worker: Any) -> None:
+        from formats.manifest.spec import Manifest
+        from streamer import RefitOptions, RefitSession
+        from streamer.transport.jobs import launcher_rank
+        from streamer.vllm.lora import AdapterReceiver
+
+        if init_info.staging != "none":
+            raise ValueError("shardstream: adapter sessions are not staged yet: use staging 'none'")
+        assert init_info.adapter is not None
+        import torch.distributed as dist
+
+        group = internals.load().get_world_group().cpu_group if dist.is_initialized() else None
+        self.adapter = receiver = AdapterReceiver(worker, init_info.adapter, group)
+        size = launcher_rank()[1]
+        self.session = RefitSession.open(Manifest(world_size=size, arrays={}), "recv",
+                                         rendezvous=init_info.rendezvous, transport=init_info.transport,
+                                         timeout=init_info.timeout, options=RefitOptions(verify=init_info.verify),
+                                         choose_manifest=lambda src: receiver.choose(src, size),
+                                         replica=init_info.replica)
+
+    def _receive_adapter(self, update_info: ShardstreamUpdateInfo) -> None:
+        """One adapter push: refused before any byte moves when it cannot be registered; registered
+        on every worker only once every worker holds all of it."""
+        receiver, session = self.adapter, self._need_session()
+        assert receiver is not None
+        problems = receiver.refusals(update_info.lora_id, update_info.lora_name)
+        if problems:
+            session.refuse(problems)
+        tensors = receiver.buffers()
+        error: BaseException | None = None
+        try:
+            st = session.pull(tensors)
+        except BaseException as e:  # noqa: BLE001 - every worker learns it before anyone registers
+            error = e
+        if not receiver.agreed(error is None and st is not None):
+            if error is not None:
+                raise error
+            raise RuntimeError("shardstream: another worker did not receive the whole adapter: nothing was registered")
+        assert update_info.lora_id is not None
+        receiver.register(tensors, update_info.lora_id)
+        self.last = {"adapter": update_info.lora_name, "lora_id": update_info.lora_id,
+                     "bytes_received": st.bytes_received, "version": st.version}
 
     def _open_session(self, opts: dict[str, Any]) -> Any:
         from streamer import RefitOptions, RefitSession
@@ -196,6 +252,9 @@ class ShardstreamWeightTransferEngine(
         """Opens the update; the served tensors stay as they are until ``update_weights``, which
         does the whole update in one call (no engine step can fall inside it)."""
         self._need_session()
+        if self.adapter is not None:  # an adapter push touches no served weight: nothing to audit
+            self._started = True
+            return
         self._before = snapshot(self.model, self._audited())
         if self.steps is not None:
             self.steps.mark()
@@ -211,6 +270,9 @@ class ShardstreamWeightTransferEngine(
             torch.accelerator.synchronize()
 
     def receive_weights(self, update_info: ShardstreamUpdateInfo) -> None:
+        if self.adapter is not None:
+            self._receive_adapter(update_info)
+            return
         if self.stager is not None:
             self._commit_staged(update_info.version)
             return
@@ -342,6 +404,11 @@ class ShardstreamWeightTransferEngine(
 
     def finish_weight_update(self) -> None:
         self._started = False  # update_weights ended vLLM's reload already
+        if self.adapter is not None:
+            from streamer.vllm.lora import keep_adapters_once
+
+            keep_adapters_once(self.adapter.worker.model_runner)
+            return
         if self._before is not None:
             before, self._before = self._before, None
             left = stale(self.model, before)
@@ -352,6 +419,7 @@ class ShardstreamWeightTransferEngine(
 
     def shutdown(self) -> None:
         self.base = None
+        self.adapter = None
         if self.stager is not None:
             stager, self.stager = self.stager, None
             stager.stop()

@@ -1,0 +1,167 @@
+"""LoRA adapters pushed straight into a running vLLM engine's adapter manager: no disk, no merge.
+
+A trainer pushes a PEFT adapter's tensors (``base_model.model.<module>.lora_A.weight`` /
+``lora_B.weight``, PEFT's saved names; ``adapter_names`` turns a live PEFT model's
+``...lora_A.default.weight`` keys into them) through an adapter session: ``init_info`` with
+``"adapter": {PEFT config: r, lora_alpha, target_modules, use_rslora, ...}``. Each worker receives
+the whole adapter: vLLM keeps an unsliced CPU copy of every adapter on every rank (``LoRAModel``,
+the copy its GPU slots are refilled from when an adapter is evicted and used again), and its own
+``set_lora`` slices that copy into the slots by its tensor-parallel rules. So the adapter is
+received replicated (every worker holds every array; the planner sends each byte once per
+holder), then handed to vLLM's own ``LoRAModel.from_lora_tensors``: the same cast, packing of
+``qkv``/``gate_up`` and ``alpha/r`` folding into B (in the adapter dtype, after the cast) as an
+adapter vLLM loads from a directory. ``update_weights({"update_info": {"lora_name": N, "lora_id":
+I}})`` registers it under id ``I`` once every worker holds all of it; requests name it with
+``LoRARequest(N, I, path)`` (the path is not read while the adapter stays registered: the
+adapter is pinned in vLLM's CPU cache, so it never needs reloading). A version is a new id: the
+previous one stays registered until the caller removes it (``LLM.remove_lora``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from formats.manifest.box import Box
+from formats.manifest.spec import ArraySpec, Chunk, Manifest
+
+__all__ = ["AdapterReceiver", "adapter_names", "check_adapter", "keep_adapters_once", "replicated"]
+
+#: PEFT's saved name of one LoRA tensor: the module, then lora_A / lora_B
+_NAME = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
+
+
+def adapter_names(state: Mapping[str, Any], adapter: str = "default") -> dict[str, Any]:
+    """A live PEFT model's LoRA tensors under PEFT's saved names (``...lora_A.default.weight`` ->
+    ``...lora_A.weight``); the base weights (``...base_layer.weight``, every non-LoRA key) are
+    not part of an adapter push and are left out.
+
+    >>> sorted(adapter_names({"base_model.model.l.q_proj.lora_A.default.weight": 1,
+    ...                       "base_model.model.l.q_proj.base_layer.weight": 2}))
+    ['base_model.model.l.q_proj.lora_A.weight']
+    """
+    out = {}
+    for name, t in state.items():
+        for ab in ("A", "B"):
+            tag = f".lora_{ab}.{adapter}.weight"
+            if name.endswith(tag):
+                out[name[: -len(tag)] + f".lora_{ab}.weight"] = t
+    return out
+
+
+def check_adapter(src: Manifest, targets: set[str]) -> list[str]:
+    """One line per array of the trainer's adapter that this engine cannot take: a name that is
+    not a PEFT LoRA tensor, a module whose last name is not one of ``targets`` (the modules vLLM
+    wraps with LoRA, packed ones by their parts), or a module with lora_A and no lora_B (or the
+    reverse)."""
+    problems = []
+    halves: dict[str, set[str]] = {}
+    for name in sorted(src.arrays):
+        m = _NAME.match(name)
+        if m is None:
+            problems.append(f"{name}: not a LoRA tensor (expected base_model.model.MODULE.lora_A.weight or lora_B)")
+            continue
+        module = m["module"]
+        if module.rsplit(".", 1)[-1] not in targets:
+            problems.append(f"{name}: module {module} has no LoRA slot in this engine (it wraps: "
+                            f"{', '.join(sorted(targets))})")
+        halves.setdefault(module, set()).add(m["ab"])
+    problems += [f"base_model.model.{mod}: lora_{'B' if have == {'A'} else 'A'}.weight is missing"
+                 for mod, have in sorted(halves.items()) if have != {"A", "B"}]
+    return problems
+
+
+def replicated(src: Manifest, world_size: int, name: str = "vllm-adapter") -> Manifest:
+    """The receiving job's manifest: every array of ``src``, whole, on each of ``world_size``
+    ranks."""
+    arrays = {}
+    for fqn, spec in src.arrays.items():
+        box = Box((0,) * len(spec.shape), tuple(spec.shape))
+        arrays[fqn] = ArraySpec(tuple(spec.shape), spec.data_type, (Chunk(box, tuple(range(world_size))),))
+    return Manifest(world_size=world_size, arrays=arrays, name=name)
+
+
+def keep_adapters_once(runner: Any) -> None:
+    """vLLM's worker drops every LoRA adapter after ``finish_weight_update`` (its
+    ``reset_lora_state``: new base weights invalidate adapters). An adapter push changes no base
+    weight, so the next reset (the one right after this finish) is skipped, once: a later base
+    update still resets as vLLM intends."""
+    reset = runner.reset_lora_state
+
+    def skip_once() -> None:
+        runner.reset_lora_state = reset
+
+    runner.reset_lora_state = skip_once
+
+
+class AdapterReceiver:
+    """One engine worker's side of an adapter session (the module docstring): picks the receiving
+    manifest from the trainer's, receives each push whole, and registers it with the worker's
+    LoRA manager once every worker holds all of it."""
+
+    def __init__(self, worker: Any, config: Mapping[str, Any], group: Any) -> None:
+        wm = getattr(getattr(worker, "model_runner", None), "lora_manager", None)
+        if wm is None:
+            raise ValueError("shardstream: an adapter session needs an engine started with enable_lora=True")
+        self.worker, self.worker_manager, self.config, self.group = worker, wm, dict(config), group
+        for key in ("r", "lora_alpha", "target_modules"):
+            if key not in self.config:
+                raise ValueError(f"shardstream: init_info adapter lacks {key!r} (the adapter's PEFT config)")
+        mgr = wm._adapter_manager
+        packed = mgr.packed_modules_mapping
+        self.targets = {p for m in mgr.supported_lora_modules for p in packed.get(m, [m])}
+        self.manifest: Manifest | None = None
+        self.problems: list[str] = []
+
+    def choose(self, src: Manifest, world_size: int) -> Manifest:
+        self.problems = check_adapter(src, self.targets)
+        self.manifest = replicated(src, world_size)
+        return self.manifest
+
+    def refusals(self, lora_id: int | None, name: str | None) -> list[str]:
+        """What refuses this push before any byte moves (every worker finds the same)."""
+        problems = list(self.problems)
+        if lora_id is None or not name:
+            problems.append("update_info needs lora_name and lora_id for an adapter push")
+        mgr = self.worker_manager._adapter_manager
+        if lora_id is not None and lora_id in set(mgr.list_adapters()):
+            problems.append(f"LoRA id {lora_id} is registered already: a new version takes a new id (remove the "
+                            "old one with LLM.remove_lora once no request uses it)")
+        elif len(mgr) >= mgr.capacity:
+            problems.append(f"the engine's CPU LoRA cache is full ({mgr.capacity} adapters, max_cpu_loras): remove one "
+                            "first (LLM.remove_lora)")
+        return problems
+
+    def buffers(self) -> dict[str, Any]:
+        import torch
+
+        assert self.manifest is not None
+        return {n: torch.empty(a.shape, dtype=getattr(torch, a.data_type)) for n, a in self.manifest.arrays.items()}
+
+    def agreed(self, ok: bool) -> bool:
+        """Every worker's verdict on its pull: True only when all received the whole adapter."""
+        import torch.distributed as dist
+
+        if self.group is None:
+            return ok
+        got: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(got, ok, group=self.group)
+        return all(got)
+
+    def register(self, tensors: dict[str, Any], lora_id: int) -> None:
+        """vLLM's own loading from tensors, as from a directory; pinned in the CPU cache."""
+        from vllm.lora.peft_helper import PEFTHelper
+
+        wm = self.worker_manager
+        peft = PEFTHelper.from_dict({**self.config, "vllm_max_position_embeddings": wm.max_position_embeddings})
+        peft.validate_legal(wm.lora_config)
+        model = wm._adapter_manager.model
+        mapper = getattr(model, "hf_to_vllm_mapper", None)
+        lora = wm._lora_model_cls.from_lora_tensors(
+            lora_model_id=lora_id, tensors=tensors, peft_helper=peft, device="cpu", dtype=wm.lora_config.lora_dtype,
+            model_vocab_size=wm.vocab_size, weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
+            skip_prefixes=getattr(model, "lora_skip_prefixes", None))
+        mgr = wm._adapter_manager
+        mgr.add_adapter(lora)
+        mgr._registered_adapters.pin(lora_id)  # never evicted from the CPU cache: nothing to reload it from

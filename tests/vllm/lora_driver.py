@@ -1,0 +1,110 @@
+"""One vLLM engine with LoRA on (``enable_lora=True``, 2 slots, rank up to 16) fed LoRA adapters by
+a trainer stand-in through the ``shardstream`` backend's adapter session; prints what it served.
+
+    python lora_driver.py MODEL ADAPTER_1 ADAPTER_2 RENDEZVOUS OUT.json [TP]
+
+ADAPTER_N: PEFT adapter directories (adapter_config.json, adapter_model.safetensors) of the same
+config. A thread pushes ADAPTER_1's tensors as version 1, then ADAPTER_2's as version 2, while the
+engine registers them as ``policy-v1`` (id 1) and ``policy-v2`` (id 2). Then id 1 is pushed again
+(refused by name: a version is a new id). OUT gets, per prompt, the greedy tokens and top-2
+logprobs of: the base model, each pushed adapter, and each adapter loaded by vLLM from its
+directory (ids 11, 12), and the refusal both sides saw.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+PROMPTS = [[(7 * i + 3 * p) % 200 + 1 for i in range(8)] for p in range(3)]
+
+
+def _served(llm: Any, lora: Any = None) -> list[Any]:
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=6, logprobs=2, detokenize=False, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False, lora_request=lora)
+    return [{"tokens": list(o.outputs[0].token_ids),
+             "logprobs": [{str(k): round(v.logprob, 4) for k, v in step.items()} for step in o.outputs[0].logprobs]}
+            for o in outs]
+
+
+def _trainer(rdv: str, adapters: list[Path], log: dict[str, Any], go: threading.Event) -> None:
+    """The trainer stand-in: pushes each adapter as a version, then version 1's id again."""
+    try:
+        _push(rdv, adapters, log, go)
+    except BaseException as e:  # noqa: BLE001 - the driver's output says why
+        import traceback
+
+        log["trainer_error"] = f"{type(e).__name__}: {e}"
+        traceback.print_exc()
+
+
+def _push(rdv: str, adapters: list[Path], log: dict[str, Any], go: threading.Event) -> None:
+    from safetensors.torch import load_file
+
+    from streamer import RefitSession, RefusedError, manifest_from_state_dict
+
+    first = load_file(str(adapters[0] / "adapter_model.safetensors"))
+    with RefitSession.open(manifest_from_state_dict(first, name="adapter"), "send", rendezvous=rdv, timeout=120) as s:
+        for v, a in enumerate(adapters, 1):
+            go.wait(120)
+            go.clear()
+            log.setdefault("pushed", []).append(s.push(load_file(str(a / "adapter_model.safetensors")), version=v).version)
+        go.wait(120)
+        try:
+            s.push(first, version=len(adapters) + 1)
+        except RefusedError as e:
+            log["trainer_refused"] = str(e)
+
+
+def main(model: str, a1: str, a2: str, rdv: str, out: str, tp: int = 1) -> None:
+    from vllm import LLM
+    from vllm.lora.request import LoRARequest
+
+    adapters = [Path(a1), Path(a2)]
+    config = json.loads((adapters[0] / "adapter_config.json").read_text())
+    llm = LLM(model=model, dtype="bfloat16", skip_tokenizer_init=True, enforce_eager=True, max_model_len=128,
+              tensor_parallel_size=tp, seed=0, enable_lora=True, max_loras=2, max_lora_rank=16, max_cpu_loras=4,
+              weight_transfer_config={"backend": "shardstream"},
+              **({"distributed_executor_backend": "uni"} if tp == 1 else {}))
+    log: dict[str, Any] = {}
+    go = threading.Event()
+    trainer = threading.Thread(target=_trainer, args=(rdv, adapters, log, go), daemon=True)
+    trainer.start()
+    llm.init_weight_transfer_engine({"init_info": {"rendezvous": rdv, "timeout": 120, "verify": True,
+                                                   "adapter": config}})
+    result: dict[str, Any] = {"base": _served(llm)}
+    for v in (1, 2):
+        go.set()
+        llm.start_weight_update()
+        llm.update_weights({"update_info": {"lora_name": f"policy-v{v}", "lora_id": v}})
+        llm.finish_weight_update(weight_version=str(v))
+        result[f"pushed-{v}"] = _served(llm, LoRARequest(f"policy-v{v}", v, "/nonexistent/shardstream"))
+    # version 1 again, both still registered: the older version serves on while the caller keeps it
+    result["pushed-1-again"] = _served(llm, LoRARequest("policy-v1", 1, "/nonexistent/shardstream"))
+    result["registered"] = sorted(llm.llm_engine.list_loras())
+    go.set()
+    llm.start_weight_update()
+    try:
+        llm.update_weights({"update_info": {"lora_name": "policy-v1", "lora_id": 1}})
+    except Exception as e:  # noqa: BLE001 - recorded: the test checks the message
+        result["engine_refused"] = str(e)
+    trainer.join(120)
+    result.update(log)
+    for i, a in enumerate(adapters, 1):
+        result[f"disk-{i}"] = _served(llm, LoRARequest(f"disk-{i}", 10 + i, str(a)))
+    Path(out).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    import os
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if len(sys.argv) > 6 and int(sys.argv[6]) > 1:  # CPU workers, one core each (engine_driver.py does the same)
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(int(sys.argv[6]))))
+        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    main(*sys.argv[1:6], *(int(x) for x in sys.argv[6:7]))

@@ -1,0 +1,72 @@
+"""LoRA adapters pushed into a running vLLM engine (``init_info["adapter"]``, streamer/vllm/lora.py),
+against the same adapters loaded by vLLM from PEFT directories (the vllm tier).
+
+One engine (TP 1, then TP 2; ``enable_lora=True``, 2 slots, ``max_lora_rank=16``) on a tiny dense Qwen3; two
+adapters of rank 8 on q/k/v/o and gate/up/down (``lora_alpha=12``: a scale of 1.5, folded into B
+in bf16 by vLLM's own loader on both paths). lora_driver.py pushes adapter 1 as ``policy-v1``
+(id 1), then adapter 2 as ``policy-v2`` (id 2), through a rendezvous file, and generates with each
+``LoRARequest`` (whose path does not exist: nothing is read from disk). Checked: each pushed
+adapter serves exactly what vLLM serves from that adapter's directory (greedy tokens and top-2
+logprobs), differs from the base model and from the other adapter; version 1 still serves after
+version 2 arrived; pushing id 1 again is refused by name on both sides.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import tiny_models  # noqa: E402
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def make_adapter(model_dir: Path, out: Path, seed: int, r: int = 8, alpha: int = 12) -> Path:
+    """A PEFT adapter directory: lora_A [r, in] and lora_B [out, r] per target module, seeded."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, mod in model.named_modules():
+        if name.rsplit(".", 1)[-1] in TARGETS:
+            base = f"base_model.model.{name}"
+            tensors[f"{base}.lora_A.weight"] = (torch.randn(r, mod.in_features, generator=g) * 0.2).to(torch.bfloat16)
+            tensors[f"{base}.lora_B.weight"] = (torch.randn(mod.out_features, r, generator=g) * 0.2).to(torch.bfloat16)
+    out.mkdir(parents=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps({
+        "r": r, "lora_alpha": alpha, "target_modules": TARGETS, "bias": "none", "peft_type": "LORA",
+        "task_type": "CAUSAL_LM", "use_rslora": False, "use_dora": False}))
+    return out
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("tp", [1, 2])
+def test_pushed_adapters_serve_what_vllm_serves_from_their_directories(tmp_path: Path, tp: int) -> None:
+    model = tiny_models.make_model("dense", tmp_path / "model", seed=0)
+    a1 = make_adapter(model, tmp_path / "adapter-1", seed=1)
+    a2 = make_adapter(model, tmp_path / "adapter-2", seed=2)
+    out = tmp_path / "out.json"
+    p = subprocess.run([sys.executable, str(HERE / "lora_driver.py"), str(model), str(a1), str(a2),
+                        str(tmp_path / "rdv"), str(out), str(tp)], capture_output=True, text=True, timeout=540)
+    assert p.returncode == 0, p.stderr[-4000:]
+    got = json.loads(out.read_text())
+    assert got["pushed"] == [1, 2]
+    assert got["registered"] == [1, 2]
+    assert got["pushed-1"] == got["disk-1"], "the pushed adapter 1 does not serve what vLLM serves from its directory"
+    assert got["pushed-2"] == got["disk-2"], "the pushed adapter 2 does not serve what vLLM serves from its directory"
+    assert got["pushed-1-again"] == got["disk-1"], "version 1 changed when version 2 arrived"
+    assert got["pushed-1"] != got["base"] and got["pushed-2"] != got["pushed-1"]
+    assert "LoRA id 1 is registered already" in got["engine_refused"], got["engine_refused"]
+    assert "LoRA id 1 is registered already" in got["trainer_refused"], got["trainer_refused"]
