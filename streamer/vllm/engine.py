@@ -309,7 +309,8 @@ class ShardstreamWeightTransferEngine(
             self._abort()
             raise
         self._received = True
-        self.last = {"materialize_seconds": t1 - t0, "pull_seconds": t2 - t1, "process_seconds": t3 - t2,
+        self.last = {"version": st.version, "materialize_seconds": t1 - t0, "pull_seconds": t2 - t1,
+                     "process_seconds": t3 - t2,
                      "bytes_received": st.bytes_received, "naming": self.naming,
                      "reprocessed_layers": sum(1 for _, p in layers if p == "reprocess"),
                      "tied_layers": len(self._aliases()),
