@@ -126,6 +126,8 @@ class Stager:
             _log.info("shardstream staging: no trainer joined (%s); waiting again", e)
             return False
         except BaseException as e:  # noqa: BLE001 - reported by the next commit, by name
+            if self._stop:  # the engine shut the backend down while joining: nothing to report
+                return False
             with self._cond:
                 self.error = f"joining the trainer failed: {type(e).__name__}: {e}"
                 self.closed, self.why_closed = True, "the staging process could not join the trainer"
