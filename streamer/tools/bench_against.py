@@ -1,7 +1,7 @@
 """``bench refit --against FILE``: rerun a committed reference configuration and print each ratio
 next to its reference figure, so that a change to the schedule, the executor or a transport is
 held against the last known-good figures (not a timed test: machines are noisy, so it prints and
-the reader judges; record the output in BENCHMARKS.md)."""
+the reader judges; record the output in CHANGELOG.md)."""
 
 from __future__ import annotations
 
