@@ -2,8 +2,8 @@
 
 The weight-transfer engine base class and its factory are vLLM's public contract. The rest is not:
 the layerwise reload machinery (its per-layer records, ``materialize_layer``, the kernel-tensor
-copy), which vLLM 0.33/0.34 rework (``VLLM_RELOAD_MODE=direct``), and the layer classes whose
-attributes describe each worker's regions. ``USED`` lists each name, this module is the only one of
+copy), which vLLM 0.33/0.34 rework (``VLLM_RELOAD_MODE=direct``), the layer classes whose
+attributes describe each worker's regions, and the LoRA manager that adapter sessions register with. ``USED`` lists each name, this module is the only one of
 ``streamer/vllm`` that imports them (tests/unit/test_vllm_internals.py), and :func:`check` runs at
 ``init_weight_transfer_engine``: a vLLM that lacks any of them is refused by name, before any push,
 instead of failing half-way through an update.
@@ -37,6 +37,10 @@ USED: dict[str, tuple[str, ...]] = {
         "RowParallelLinear", "UnquantizedLinearMethod"),
     "vllm.model_executor.layers.vocab_parallel_embedding": ("UnquantizedEmbeddingMethod", "VocabParallelEmbedding"),
     "vllm.distributed.parallel_state": ("get_world_group",),
+    # adapter sessions (lora.py): an adapter's PEFT config, as vLLM reads it from a directory; also
+    # used there, as attributes of the worker's LoRA manager: _adapter_manager, _lora_model_cls,
+    # _registered_adapters (its CPU cache) and the model runner's reset_lora_state
+    "vllm.lora.peft_helper": ("PEFTHelper",),
 }
 
 

@@ -151,10 +151,10 @@ class AdapterReceiver:
 
     def register(self, tensors: dict[str, Any], lora_id: int) -> None:
         """vLLM's own loading from tensors, as from a directory; pinned in the CPU cache."""
-        from vllm.lora.peft_helper import PEFTHelper
+        from streamer.vllm import internals
 
         wm = self.worker_manager
-        peft = PEFTHelper.from_dict({**self.config, "vllm_max_position_embeddings": wm.max_position_embeddings})
+        peft = internals.load().PEFTHelper.from_dict({**self.config, "vllm_max_position_embeddings": wm.max_position_embeddings})
         peft.validate_legal(wm.lora_config)
         model = wm._adapter_manager.model
         mapper = getattr(model, "hf_to_vllm_mapper", None)
