@@ -47,7 +47,15 @@ from streamer.execute.delta import (
 )
 from streamer.execute.schedule import Message, build_schedule, is_contiguous
 from streamer.execute.staging import Part, Program, Stager, build_program, device_ops_for
-from streamer.ops.buffers import _copy, _xor_into, byte_view, host_bytes, region_view, torch_byte_view
+from streamer.ops.buffers import (
+    _copy,
+    _copy_host,
+    _xor_into,
+    byte_view,
+    host_bytes,
+    region_view,
+    torch_byte_view,
+)
 from streamer.ops.cast import cast_into
 from streamer.ops.cast_view import cast_view
 from streamer.ops.device_ops import DeviceOps
@@ -347,8 +355,8 @@ class Executor:
         """Decode a delta message and apply it to this rank's tensors ("" or what went wrong)."""
         t0 = time.thread_time()
         why = ""
-        if enc == RAW:
-            self._unpack(m, payload)
+        if enc == RAW:  # the new bytes themselves; a staged payload is a host copy (numpy)
+            self._unpack(m, host_array(payload), _copy_host)
         elif enc != SAME:
             x = delta.state.xor_buffer(m.nbytes)
             try:

@@ -59,6 +59,17 @@ def _copy(dst: Any, src: Any) -> None:
         dst.copy_(src)
 
 
+def _copy_host(dst: Any, src: np.ndarray) -> None:
+    """``dst[...] = src``: ``src`` host bytes (a decoded or staged delta), ``dst`` a numpy or CPU
+    torch byte view (a torch transport's regions are torch views, and ``copy_`` takes no numpy)."""
+    if isinstance(dst, np.ndarray):
+        np.copyto(dst, src)
+    else:
+        import torch
+
+        dst.copy_(torch.from_numpy(np.ascontiguousarray(src)))
+
+
 def _xor_into(dst: Any, src: np.ndarray) -> None:
     """``dst ^= src`` in place (a numpy or CPU torch byte view; ``src`` host bytes)."""
     if isinstance(dst, np.ndarray):

@@ -140,3 +140,23 @@ def test_the_jobs_agree_on_the_slower_stated_link() -> None:
     for bad in (0.0, -1.0, float("inf"), float("nan")):
         with pytest.raises(UsageError, match="link_gbps must be a positive"):
             RefitOptions(link_gbps=bad)
+
+
+def test_a_raw_delta_lands_in_torch_region_views() -> None:
+    """A RAW delta (the new bytes themselves) arrives as host bytes (numpy), while a torch
+    transport's regions are torch views, often strided (a head's rows of a fused tensor): the
+    copy converts. ``_copy`` refused it (``copy_`` takes no numpy): the staged delta push of the
+    vllm tier's serve loop died on it."""
+    import numpy as np
+    import torch
+
+    from streamer.ops.buffers import _copy_host, torch_byte_view
+
+    whole = torch.zeros(4, 6, dtype=torch.bfloat16)
+    view = torch_byte_view(whole)[1:3, 2:5]  # strided: rows 1-2, columns 2-4, as bytes
+    new = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)
+    _copy_host(view, torch_byte_view(new).numpy().copy())
+    assert torch.equal(whole[1:3, 2:5], new) and whole.sum() == new.sum()
+    out = np.zeros((2, 3, 2), dtype=np.uint8)
+    _copy_host(out, torch_byte_view(new).numpy())
+    assert out.tobytes() == torch_byte_view(new).numpy().tobytes()

@@ -38,7 +38,8 @@ def _receiver(sd: dict[str, Any], rdv: str, timeout: float = 60,
     return ProcessReceiver(args, joined, timeout), names
 
 
-def _open_both(sd: dict[str, Any], timeout: float = 60, delta: bool = False) -> tuple[Any, ProcessReceiver, list[str]]:
+def _open_both(sd: dict[str, Any], timeout: float = 60, delta: bool = False,
+               link_gbps: float = 0.01) -> tuple[Any, ProcessReceiver, list[str]]:
     from streamer import RefitOptions, RefitSession, manifest_from_state_dict
     from streamer.transport.torch_dist import free_port
 
@@ -48,7 +49,7 @@ def _open_both(sd: dict[str, Any], timeout: float = 60, delta: bool = False) -> 
     t = threading.Thread(target=lambda: opened.append(recv.open()))
     t.start()
     send = RefitSession.open(manifest_from_state_dict(sd, name="staged"), "send", rendezvous=rdv, timeout=timeout,
-                             options=RefitOptions(delta=delta, link_gbps=0.01 if delta else None))
+                             options=RefitOptions(delta=delta, link_gbps=link_gbps if delta else None))
     t.join(120)
     assert opened, "the staging process did not join"
     return send, recv, names
