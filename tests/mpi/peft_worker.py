@@ -6,17 +6,18 @@
 trainer: a tiny Qwen3 (transformers, from a config) wrapped by PEFT (LoRA rank 8 on q/k/v/o and
 gate/up/down, B drawn non-zero so that the adapter matters), every layer and the model sharded
 with ``fully_shard``. Its LoRA tensors (fp32 DTensors, ``lora_A`` split along the rank dim) go
-through ``adapter_names`` and ``manifest_from_state_dict`` and are pushed as version 1. Rank 0
-writes what PEFT itself would save (``get_peft_model_state_dict`` of the gathered tensors) to
-OUT_DIR/expected.pt. receiver: an engine stand-in whose every rank holds the whole adapter (the
+through ``adapter_names`` and ``manifest_from_state_dict`` and are pushed as version 1, then, after
+one AdamW step on a next-token loss, as version 2. Rank 0 writes what PEFT itself would save
+(``get_peft_model_state_dict`` of the gathered tensors) to OUT_DIR/expected-V.pt. receiver: an engine stand-in whose every rank holds the whole adapter (the
 manifest ``replicated`` builds from the trainer's, as vLLM's adapter session does); each rank
-writes what it received to OUT_DIR/received-RANK.pt.
+writes what it received to OUT_DIR/received-RANK-V.pt.
 """
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -45,17 +46,27 @@ def trainer(rdv: str, out: Path) -> None:
     for layer in model.base_model.model.model.layers:
         fully_shard(layer)
     fully_shard(model)
-    adapter = adapter_names(model.state_dict())
-    assert adapter and all(isinstance(t, DTensor) for t in adapter.values())
-    full = {k: t.full_tensor() for k, t in adapter.items()}  # the reference only: the push gathers nothing
-    if dist.get_rank() == 0:
-        # what PEFT saves for this model: the names vLLM loads from an adapter directory
-        expected = get_peft_model_state_dict(model, state_dict={k.replace(".weight", ".default.weight"): v
-                                                                for k, v in full.items()})
-        torch.save({k: v.clone() for k, v in expected.items()}, out / "expected.pt")
+    def expected(version: int) -> dict[str, Any]:
+        """The adapter's tensors as the push sends them, and (rank 0) what PEFT saves for them."""
+        adapter = adapter_names(model.state_dict())
+        assert adapter and all(isinstance(t, DTensor) for t in adapter.values())
+        full = {k: t.full_tensor() for k, t in adapter.items()}  # the reference only: the push gathers nothing
+        if dist.get_rank() == 0:
+            # what PEFT saves for this model: the names vLLM loads from an adapter directory
+            saved = get_peft_model_state_dict(model, state_dict={k.replace(".weight", ".default.weight"): v
+                                                                 for k, v in full.items()})
+            torch.save({k: v.clone() for k, v in saved.items()}, out / f"expected-{version}.pt")
+        return adapter
+
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    adapter = expected(1)
     with RefitSession.open(manifest_from_state_dict(adapter, name="adapter"), "send", rendezvous=rdv,
                            timeout=120) as s:
         s.push(adapter, version=1)
+        tokens = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+        model(input_ids=tokens, labels=tokens).loss.backward()  # one real step: every A and B moves
+        opt.step()
+        s.push(expected(2), version=2)
 
 
 def receiver(rdv: str, out: Path) -> None:
@@ -73,9 +84,10 @@ def receiver(rdv: str, out: Path) -> None:
     with RefitSession.open(Manifest(world_size=size, arrays={}), "recv", rendezvous=rdv, timeout=120,
                            choose_manifest=choose) as s:
         bufs = {n: torch.empty(a.shape, dtype=getattr(torch, a.data_type)) for n, a in chosen[-1].arrays.items()}
-        st = s.pull(bufs)
-        assert st is not None and st.version == 1
-    torch.save(bufs, out / f"received-{dist.get_rank()}.pt")
+        for version in (1, 2):
+            st = s.pull(bufs)
+            assert st is not None and st.version == version
+            torch.save({k: v.clone() for k, v in bufs.items()}, out / f"received-{dist.get_rank()}-{version}.pt")
 
 
 if __name__ == "__main__":
