@@ -71,7 +71,7 @@ from vllm.distributed.weight_transfer.base import (
 from streamer.vllm import internals
 from streamer.vllm.audit import Snapshot, snapshot, stale
 from streamer.vllm.manifest import VllmManifests, VllmTensor, manifest_from_vllm
-from streamer.vllm.stage_proc import ProcessReceiver
+from streamer.vllm.stage_proc import ProcessReceiver, open_receiver
 from streamer.vllm.staging import Stager
 from streamer.vllm.steps import StepWatch, watch
 
@@ -225,20 +225,10 @@ class ShardstreamWeightTransferEngine(
                      "bytes_received": st.bytes_received, "version": st.version}
 
     def _open_session(self, opts: dict[str, Any]) -> Any:
-        from streamer import RefitOptions, RefitSession
-
-        described = self.described
-        assert described is not None
-
-        def choose(src: Any) -> Any:
-            self.naming = described.naming_for(src)
-            return described.manifests[self.naming]
-
-        return RefitSession.open(described.manifests["per_expert"], "recv", rendezvous=opts["rendezvous"],
-                                 transport=opts["transport"], timeout=opts["timeout"],
-                                 options=RefitOptions(verify=opts["verify"], delta=opts["delta"],
-                                                      fp8_block=opts["fp8_block"]),
-                                 choose_manifest=choose, device=self._cuda_device(), replica=opts["replica"])
+        assert self.described is not None
+        session, self.naming = open_receiver({**opts, "manifests": self.described.manifests,
+                                              "device": self._cuda_device()})
+        return session
 
     def _cuda_device(self) -> Any:
         """The worker's own device for the nccl transport (None on CPU): vLLM chose it, and it need

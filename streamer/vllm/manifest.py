@@ -115,9 +115,6 @@ class VllmManifests:
     #: ``model.embed_tokens``); reprocessed after their owner on every update
     aliases: Mapping[str, str] = field(default_factory=dict)
 
-    def naming_for(self, src: Manifest) -> str:
-        return choose_naming(self.manifests, src)
-
 
 # ---------------------------------------------------------------- one worker (no communication)
 

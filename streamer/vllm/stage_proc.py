@@ -34,7 +34,7 @@ from typing import Any
 
 from streamer.vllm.staging import Received, StageFailed
 
-__all__ = ["ProcessReceiver", "Slot", "layout", "map_buffer"]
+__all__ = ["ProcessReceiver", "Slot", "layout", "map_buffer", "open_receiver"]
 
 #: (tensor name, byte offset, shape, torch dtype name): one tensor's place in a buffer file
 Slot = tuple[str, int, tuple[int, ...], str]
@@ -84,12 +84,16 @@ def _die_with_parent() -> None:
     threading.Thread(target=watch, name="shardstream-stage-parent", daemon=True).start()
 
 
-def _open(args: dict[str, Any], conn: Connection) -> Any:
+def open_receiver(args: Mapping[str, Any]) -> tuple[Any, str]:
+    """A worker's receiving session and the expert naming the trainer's manifest chose, from
+    ``args`` (manifests under each naming, rendezvous, transport, timeout, verify, delta,
+    fp8_block, device, replica): what the staging process opens, and the engine itself without
+    staging."""
     from streamer import RefitOptions, RefitSession
     from streamer.vllm.manifest import choose_naming
 
     manifests = args["manifests"]
-    chosen: list[str] = []
+    chosen = ["per_expert"]
 
     def choose(src: Any) -> Any:
         chosen.append(choose_naming(manifests, src))
@@ -100,8 +104,7 @@ def _open(args: dict[str, Any], conn: Connection) -> Any:
                                 options=RefitOptions(verify=args["verify"], delta=args["delta"],
                                                      fp8_block=args["fp8_block"]),
                                 choose_manifest=choose, device=args["device"], replica=args["replica"])
-    conn.send(("joined", chosen[-1] if chosen else "per_expert"))
-    return session
+    return session, chosen[-1]
 
 
 def _pull(session: Any, buffers: list[dict[str, Any]], index: int, last: int | None) -> Any:
@@ -129,7 +132,8 @@ def _serve(conn: Connection) -> None:
                 return  # the worker closed the pipe (or died)
             if cmd == "open":
                 try:
-                    session = _open(arg, conn)
+                    session, naming = open_receiver(arg)
+                    conn.send(("joined", naming))
                 except PeerTimeoutError as e:  # no trainer yet: the worker starts a new process to wait again
                     conn.send(("join-timeout", f"{type(e).__name__}: {e}"))
                     return
