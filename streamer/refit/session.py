@@ -65,6 +65,7 @@ from formats.manifest.wire import (
     without_checksums,
 )
 from streamer.execute.delta import DeltaChecksumError, DeltaPush, DeltaState
+from streamer.execute.codec import codec_threads
 from streamer.execute.executor import ExecStats, Executor, bucket_slots
 from streamer.execute.quant import ReceiverQuant, RefitQuant, SenderQuant, refit_quant, refit_quant_report
 from streamer.execute.schedule import SCHEDULE_VERSION
@@ -613,6 +614,13 @@ class RefitSession:
             return [f"{who}: {what} with --strategy broadcast: the baseline moves host memory (use reshard)"]
         return []
 
+    def _codec_threads(self) -> int:
+        """This rank's delta codec threads: its share of its host's cores among its job's ranks."""
+        me, n = self._t.rank, self.group.n_send
+        mine = range(n) if self.role == "send" else range(n, len(self.hostnames))
+        local = sum(1 for r in mine if self.hostnames and self.hostnames[r] == self.hostnames[me])
+        return codec_threads(local)
+
     def _versioned_step(self, local: Mapping[str, Any], problems: list[str], digests: Mapping[str, int],
                         ptrs: tuple[Any, ...]) -> ExecStats:
         """One push: the agreement also exchanges each rank's versions, so every rank takes the
@@ -631,7 +639,7 @@ class RefitSession:
                 self._delta_state = DeltaState()
             ex = self._exec(local, ptrs)
             delta = DeltaPush(self._delta_state, version, stale, base, hosts=self.hostnames,
-                              link_gbps=self.options.link_gbps)
+                              link_gbps=self.options.link_gbps, threads=self._codec_threads())
             # staged (transactional) only when every message this rank receives is a delta: full
             # bytes (a stale peer, or a link where a copy beats the codec) land in place as they come
             delta.stage = (self.role == "recv" and base is not None and self._t.rank not in stale
