@@ -140,6 +140,13 @@ def _bench_refit(args: argparse.Namespace, work: str) -> tuple[dict[str, Any], s
     if args.replicas is not None:
         from streamer.tools.bench_replicas import bench_replicas_cli
         return bench_replicas_cli(work, args)
+    if args.codec and not args.delta:
+        raise UsageError("bench refit --codec measures the delta codec: pass --delta with it")
+    if args.delta and args.codec:
+        from streamer.tools.bench_codec import bench_codec, codec_table
+
+        r = bench_codec(size=args.size, steps=args.repeats or 3)
+        return r, codec_table(r)
     if args.delta:
         from streamer.tools.bench_delta import bench_refit_delta, delta_table
 
@@ -248,6 +255,9 @@ def _add_bench(sub: Any) -> None:
                         "bench vllm: megatron = a live megatron-core trainer (--train-mesh tp=N[,pp=N]) pushes first")
     p.add_argument("--delta", action="store_true",
                    help="bench refit: full vs delta pushes after real AdamW steps of a small Llama (--repeats steps)")
+    p.add_argument("--codec", action="store_true",
+                   help="bench refit --delta: the delta codec on one core against every core, next to a full push "
+                        "(one sender, one receiver, --size bytes of bf16, --repeats steps)")
     p.add_argument("--lr", type=float, nargs="+", default=[1e-6, 1e-5], metavar="LR",
                    help="bench refit --delta: the AdamW learning rates, one run each (default 1e-6 1e-5)")
     p.add_argument("--replicas", type=_positive_int, metavar="N",
@@ -259,7 +269,7 @@ def _add_bench(sub: Any) -> None:
     p.add_argument("--transport", choices=["shm", "cuda-ipc", "mpi", "gloo", "nccl"], default="shm",
                    help="bench ipc: the transport (cuda-ipc: both ranks on one GPU; shm: its CPU twin)")
     p.add_argument("--size", type=parse_size, default=256 << 20, metavar="SIZE",
-                   help="bench ipc: bytes per push; bench refit --replicas: bytes of weights")
+                   help="bench ipc: bytes per push; bench refit --replicas and --delta --codec: bytes of weights")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench)
 

@@ -346,9 +346,9 @@ class DeltaState:
 class DeltaPush:
     """One push of a delta session: its version, the version its deltas apply to (``base``; None:
     every message full), and the ranks not at ``base`` (they send and receive full bytes: a delta
-    is never applied to, or computed from, a wrong base). ``stage``: a receiver keeps the deltas
-    it receives and applies them only once every message arrived intact (a transactional push:
-    one that breaks off leaves the tensors at ``base``)."""
+    is never applied to, or computed from, a wrong base). ``stage``: a transactional push, one
+    that breaks off leaves the receiver's tensors at ``base``: XOR deltas are applied as they
+    arrive and undone (applied again) if it breaks off, RAW ones only once every message arrived."""
 
     state: DeltaState
     version: int

@@ -156,8 +156,10 @@ class _Run:
     done: set[int] = field(default_factory=set)
     in_use: int = 0
     problems: list[str] = field(default_factory=list)
-    #: a staged delta push: (message, encoding, payload) received, applied once all arrived
+    #: a transactional delta push: RAW payloads (message, encoding, payload), applied once all
+    #: arrived; and the XOR deltas applied on arrival, kept to undo them if the push breaks off
     staged: list[tuple[Message, int, Any]] = field(default_factory=list)
+    applied: list[tuple[Message, int, Any]] = field(default_factory=list)
 
 
 class Executor:
@@ -369,16 +371,39 @@ class Executor:
         return why
 
     def _delta_recv(self, m: Message, r: DeltaRecv, delta: DeltaPush, run: _Run) -> None:
-        """A delta arrived: apply it now, or (``delta.stage``) keep a copy of its payload until
-        every message of the push has arrived (the bucket slot it sits in is reused)."""
+        """A delta arrived: apply it now. In a transactional push (``delta.stage``) keep a copy of
+        its payload (its bucket slot is reused): an XOR delta is its own inverse, so one applied
+        on arrival can be undone if the push breaks off; a RAW one overwrites, so it waits until
+        every message of the push arrived. Decoding on arrival overlaps with the senders' encoding."""
         why = self._delta_check(m, r, delta, run.st)
         if not why and delta.stage:
             t0 = time.process_time()
-            run.staged.append((m, r.encoding, host_array(r.payload).copy()))
+            kept = (m, r.encoding, host_array(r.payload).copy())
             run.st.decode_seconds += time.process_time() - t0
-            return
-        why = why or self._delta_apply(m, r.encoding, r.payload, delta, run.st)
+            if r.encoding == RAW:
+                run.staged.append(kept)
+                return
+            why = self._delta_apply(m, r.encoding, kept[2], delta, run.st)
+            if not why:
+                run.applied.append(kept)
+        else:
+            why = why or self._delta_apply(m, r.encoding, r.payload, delta, run.st)
         run.problems += self._delta_problems(m, why)
+
+    def _undo(self, run: _Run, delta: DeltaPush) -> None:
+        """Apply the deltas applied so far once more: XOR twice is the identity, so this rank's
+        tensors hold the push's base again. Should that fail, the base is unknown: raised as a
+        ``DeltaChecksumError``, which sends the next push full bytes."""
+        try:
+            for m, enc, payload in reversed(run.applied):
+                why = self._delta_apply(m, enc, payload, delta, run.st)
+                if why:
+                    raise ValueError(why)
+        except Exception as e:
+            raise DeltaChecksumError(problems=[f"rank {self.rank}: a push broke off and undoing its applied deltas "
+                                               f"failed ({e}): the next push sends full bytes"]) from e
+        finally:
+            run.applied.clear()
 
     def _delta_problems(self, m: Message, why: str) -> list[str]:
         return [f"{tr.fqn}: region {tr.region} received by rank {self.rank} from rank {m.src}: the delta {why}"
@@ -428,6 +453,35 @@ class Executor:
         t0 = time.perf_counter()
         self._local_copies(run.st)
         staged0 = self._begin_staging(delta)  # after the local copies: forwards may read their bytes
+        try:
+            self._drive(run, delta)
+        except BaseException:
+            if run.applied:  # a transactional push broke off: back to its base
+                assert delta is not None
+                self._undo(run, delta)
+            raise
+        st = run.st
+        if run.applied and run.problems:  # a delta that did not decode: the others go back too
+            assert delta is not None
+            self._undo(run, delta)
+        if delta is not None and delta.stage and not run.problems:
+            self._apply_staged(run, delta)
+        run.applied.clear()
+        if self._stager is not None:
+            st.staged_bytes = self._stager.staged_bytes - staged0
+        if self.verify:
+            t1 = time.perf_counter()
+            st.verified_regions, bad = self._verify()
+            run.problems += bad
+            st.verify_seconds = time.perf_counter() - t1
+        st.seconds = time.perf_counter() - t0
+        if run.problems:
+            # after a delta push a wrong region is wrong data (exit 1), else a transport failure
+            raise (TransportError if delta is None else DeltaChecksumError)(problems=run.problems)
+        return st
+
+    def _drive(self, run: _Run, delta: DeltaPush | None) -> None:
+        """Post this rank's messages in order and complete them as they finish (the push's loop)."""
         i = 0
         last = time.monotonic()
         sleep = 0.0
@@ -460,21 +514,6 @@ class Executor:
             if sleep:
                 time.sleep(sleep)
             sleep = min(nap, sleep + 2e-5)
-        st = run.st
-        if delta is not None and delta.stage and not run.problems:
-            self._apply_staged(run, delta)
-        if self._stager is not None:
-            st.staged_bytes = self._stager.staged_bytes - staged0
-        if self.verify:
-            t1 = time.perf_counter()
-            st.verified_regions, bad = self._verify()
-            run.problems += bad
-            st.verify_seconds = time.perf_counter() - t1
-        st.seconds = time.perf_counter() - t0
-        if run.problems:
-            # after a delta push a wrong region is wrong data (exit 1), else a transport failure
-            raise (TransportError if delta is None else DeltaChecksumError)(problems=run.problems)
-        return st
 
     def _begin_staging(self, delta: DeltaPush | None) -> int:
         """Device tensors: the staging stream waits for the caller's work on them; returns the

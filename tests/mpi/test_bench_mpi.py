@@ -62,3 +62,23 @@ def test_bench_refit_delta_tiny(tmp_path: Path) -> None:
     assert run["encode_gbps_per_core"] > 0 and run["decode_gbps_per_core"] > 0 and r["base_bytes"] == r["full_bytes"]
     assert later["delta_wire_bytes"] == later["delta_full_bytes"] == r["full_bytes"]  # auto: full bytes
     assert 0 < run["break_even_gbps"] < 10 and run["delta_vs_full"] > 0 and run["encoded_vs_full"] > 0
+
+
+def test_bench_refit_codec_tiny(tmp_path: Path) -> None:
+    """bench refit --delta --codec at 64 MiB: both delta sessions deliver the same bytes as the full
+    one (the bench checks every array), in framed Zstd, with a fraction of the full bytes."""
+    import json
+
+    p = subprocess.run([sys.executable, "-m", "streamer", "bench", "refit", "--delta", "--codec", "--size", "64MiB",
+                        "--repeats", "1", "--json"], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(p.stdout)
+    assert r["encodings"].get("zstd-frames", 0) > 0, r["encodings"]
+    assert 0 < r["delta-all_wire_ratio"] < 0.2 and r["full_wire_ratio"] == 1.0
+    assert r["all_vs_one"] > 0 and len(r["recv"]) == 2
+
+
+def test_bench_refit_codec_needs_delta() -> None:
+    p = subprocess.run([sys.executable, "-m", "streamer", "bench", "refit", "--codec"], capture_output=True, text=True,
+                       timeout=120, cwd=REPO)
+    assert p.returncode == 2 and "pass --delta with it" in p.stderr and "Traceback" not in p.stderr
