@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 from formats.errors import UsageError
 
-__all__ = ["ENV", "FRAME", "codec_threads", "pmap"]
+__all__ = ["ENV", "FRAME", "codec_threads", "job_threads", "pmap"]
 
 #: raw bytes per Zstd frame of a framed delta: large enough that Zstd's level-1 window (1 MiB)
 #: loses nothing at the seams, small enough that a 64 MiB bucket gives 16 pieces to share out
@@ -48,6 +48,13 @@ def codec_threads(local_ranks: int = 1) -> int:
     except AttributeError:  # not Linux
         cores = os.cpu_count() or 1
     return max(1, cores // max(1, local_ranks))
+
+
+def job_threads(hosts: tuple[str, ...], rank: int, n_send: int) -> int:
+    """``codec_threads`` of ``rank`` in a session whose ranks run on ``hosts`` (senders first,
+    ``n_send`` of them): its job's ranks on its host share the cores."""
+    job = range(n_send) if rank < n_send else range(n_send, len(hosts))
+    return codec_threads(sum(1 for r in job if hosts[r] == hosts[rank]) if hosts else 1)
 
 
 def pmap(fn: Callable[[Any], T], items: Sequence[Any], threads: int) -> list[T]:

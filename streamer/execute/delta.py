@@ -325,6 +325,8 @@ class DeltaState:
 
     bases: dict[int, np.ndarray] = field(default_factory=dict)
     scratch: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.uint8))
+    #: this rank's codec threads (``codec.job_threads``)
+    threads: int = 1
 
     def base(self, uid: int, nbytes: int) -> np.ndarray:
         b = self.bases.get(uid)
@@ -359,8 +361,6 @@ class DeltaPush:
     #: every rank's host name (``pair_link``) and the link the jobs stated (GB/s; None: measured)
     hosts: tuple[str, ...] = ()
     link_gbps: float | None = None
-    #: codec threads of this rank (``codec.codec_threads``)
-    threads: int = 1
 
     def link(self, src: int, dst: int) -> float | None:
         return pair_link(self.hosts, self.link_gbps, src, dst)

@@ -328,10 +328,10 @@ class Executor:
         if base is None:  # is_delta promised the previous push recorded it
             raise UsageError(f"rank {self.rank}: no base for a delta to rank {m.dst} (a bug: please report)")
         x = delta.state.xor_buffer(m.nbytes)
-        elements, changed = xor_scan(new, base, x, [(tr.nbytes, tr.itemsize) for tr in m.transfers], delta.threads)
+        elements, changed = xor_scan(new, base, x, [(tr.nbytes, tr.itemsize) for tr in m.transfers], delta.state.threads)
         st.changed_elements += elements
         st.delta_elements += sum(tr.nbytes // tr.itemsize for tr in m.transfers)
-        enc, n = encode(x, new, changed=changed, link_gbps=delta.link(m.src, m.dst), threads=delta.threads)
+        enc, n = encode(x, new, changed=changed, link_gbps=delta.link(m.src, m.dst), threads=delta.state.threads)
         st.encodings[ENCODINGS[enc]] = st.encodings.get(ENCODINGS[enc], 0) + 1
         st.encode_seconds += time.process_time() - t0
         assert delta.base is not None  # is_delta
@@ -362,7 +362,7 @@ class Executor:
         elif enc != SAME:
             x = delta.state.xor_buffer(m.nbytes)
             try:
-                decode_into(enc, host_array(payload), x, delta.threads)
+                decode_into(enc, host_array(payload), x, delta.state.threads)
             except ValueError as e:
                 why = f"does not decode ({e})"
             else:

@@ -19,9 +19,8 @@ dtypes, shapes; with ``verify``, the checksums of replicated regions) and all ra
 their findings. A refusal anywhere is then raised on every rank of both jobs with the same
 message, before any byte moves, so receivers are never left half-updated by a refused push.
 
-Quantize on refit (``streamer.execute.quant``): an FP8 destination array with a scale sibling, fed
-from a bf16/fp32 trainer array, is quantized by the senders when their shards are whole blocks,
-else by the receivers after the push (``fp8_block``, ``ue8m0``: the scheme, agreed by both jobs).
+Quantize on refit (``streamer.execute.quant``): FP8 arrays with a scale sibling, fed from bf16/fp32, are quantized
+by the senders (whole blocks) or else the receivers; ``fp8_block`` and ``ue8m0``, the scheme, agreed by both jobs.
 
 Versions: every push carries one (``push(state, version=N)``, else one more than the last). The
 agreement round also carries each rank's version (the one its tensors, or a sender's delta bases,
@@ -29,7 +28,7 @@ hold completely, or unknown), so every rank takes the same decision: in a delta 
 ranks at the senders' base version exchanges encoded changes (``streamer.execute.delta``); any other
 pair moves full bytes, which the sender keeps as its next base. A receiver's ``version`` is the
 version its tensors hold completely: None while a full push is under way and after one broke off;
-a delta push is staged and applied only once it all arrived, so a broken one leaves it unchanged.
+a delta push is transactional (``DeltaPush.stage``): a broken one leaves it unchanged.
 
 On the store control plane the receivers outlive the trainer (``docs/resilience.md``): a push
 that breaks off raises ``PushFailed`` from ``pull()`` and the session stays open; the next
@@ -64,8 +63,8 @@ from formats.manifest.wire import (
     loads_manifest,
     without_checksums,
 )
+from streamer.execute.codec import job_threads
 from streamer.execute.delta import DeltaChecksumError, DeltaPush, DeltaState
-from streamer.execute.codec import codec_threads
 from streamer.execute.executor import ExecStats, Executor, bucket_slots
 from streamer.execute.quant import ReceiverQuant, RefitQuant, SenderQuant, refit_quant, refit_quant_report
 from streamer.execute.schedule import SCHEDULE_VERSION
@@ -614,13 +613,6 @@ class RefitSession:
             return [f"{who}: {what} with --strategy broadcast: the baseline moves host memory (use reshard)"]
         return []
 
-    def _codec_threads(self) -> int:
-        """This rank's delta codec threads: its share of its host's cores among its job's ranks."""
-        me, n = self._t.rank, self.group.n_send
-        mine = range(n) if self.role == "send" else range(n, len(self.hostnames))
-        local = sum(1 for r in mine if self.hostnames and self.hostnames[r] == self.hostnames[me])
-        return codec_threads(local)
-
     def _versioned_step(self, local: Mapping[str, Any], problems: list[str], digests: Mapping[str, int],
                         ptrs: tuple[Any, ...]) -> ExecStats:
         """One push: the agreement also exchanges each rank's versions, so every rank takes the
@@ -636,10 +628,10 @@ class RefitSession:
         if self.options.delta:
             stale = frozenset(r for r, g in enumerate(got) if base is None or g["synced"] != base)
             if self._delta_state is None:
-                self._delta_state = DeltaState()
+                self._delta_state = DeltaState(threads=job_threads(self.hostnames, self._t.rank, self.group.n_send))
             ex = self._exec(local, ptrs)
             delta = DeltaPush(self._delta_state, version, stale, base, hosts=self.hostnames,
-                              link_gbps=self.options.link_gbps, threads=self._codec_threads())
+                              link_gbps=self.options.link_gbps)
             # staged (transactional) only when every message this rank receives is a delta: full
             # bytes (a stale peer, or a link where a copy beats the codec) land in place as they come
             delta.stage = (self.role == "recv" and base is not None and self._t.rank not in stale

@@ -647,7 +647,7 @@ GOLDEN = {
         '--rendezvous', '--replica', '--replicas', '--save', '--src-domain-size', '--stay', '--steps', '--strategy{reshard,broadcast}',
         '--timeout', '--transport{mpi,gloo,nccl,shm,cuda-ipc}', '--verify', '<role>{send,recv}',
         '--control{auto,mpi,store}', '--fp8-block', '--ue8m0'],
-    'bench': ['--against', '--bucket-size', '--chunks', '--delta', '--dst-tp', '--json', '--lr', '--memory-limit', '--model',
+    'bench': ['--against', '--bucket-size', '--chunks', '--codec', '--delta', '--dst-tp', '--json', '--lr', '--memory-limit', '--model',
         '--replicas',
         '--no-dcp', '--plot',
         '--preset{qwen3-tiny,qwen3-small,qwen3-2g}', '--receivers', '--repeats', '--senders',

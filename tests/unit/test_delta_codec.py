@@ -108,3 +108,13 @@ def test_codec_threads_share_the_cores_and_read_the_environment(monkeypatch: pyt
         monkeypatch.setenv(ENV, bad)
         with pytest.raises(Exception, match=ENV):
             codec_threads()
+
+
+def test_a_jobs_ranks_on_one_host_share_its_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    from streamer.execute.codec import job_threads
+
+    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)))
+    hosts = ("a", "a", "a", "a", "b", "b", "a")  # 4 senders on host a; receivers: 2 on b, 1 on a
+    assert [job_threads(hosts, r, 4) for r in range(7)] == [4, 4, 4, 4, 8, 8, 16]
+    assert job_threads((), 0, 1) == 16
