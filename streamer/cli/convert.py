@@ -40,14 +40,15 @@ def _convert(args: argparse.Namespace, comm: Any) -> int:
         workers = MPITransport(comm)
     with agreed(workers, args.timeout):  # a refusal on one worker is every worker's
         src, dst = _convert_inputs(args, comm)
+        src, store, extra = _adapter_inputs(args, src)
     out = Path(args.out) / ".staging" if torch_dist else Path(args.out)
     opts = ConvertOptions(memory_limit=args.memory_limit, resume=args.resume, max_shard_size=args.max_shard_size,
                           allow_extra=args.allow_extra, progress=None if not args.json else False,
                           cast=args.cast, format="safetensors" if torch_dist else args.format,
                           zarr_compressor=args.zarr_compressor or "none", fp8_block=args.fp8_block, ue8m0=args.ue8m0,
-                          manifest_version=args.format_version, timeout=args.timeout)
+                          manifest_version=args.format_version, timeout=args.timeout, extra_files=extra)
     rep = convert(src, dst, out, opts, comm=comm, control=workers, src_where=where(args.src),
-                  dst_where=where(args.dst))
+                  dst_where=where(args.dst), store=store)
     if torch_dist:  # a Megatron save root: the one-rank megatron layout packed into torch_dist chunks
         from streamer.convert.megatron_export import pack_torch_dist
 
@@ -76,6 +77,30 @@ def _convert(args: argparse.Namespace, comm: Any) -> int:
             f"({gbps:.2f} GB/s, {rep.workers} worker(s))")
     _out(args, obj, "\n".join([text, *fmt_quantized(rep.quantized)]))
     return 0
+
+
+#: the files beside an HF checkpoint's weights that a merged checkpoint needs to be loaded and served
+HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja")
+
+
+def _adapter_inputs(args: argparse.Namespace, src: Manifest) -> tuple[Manifest, Any, tuple[tuple[str, bytes], ...]]:
+    """``--merge-lora``: the source with the adapter merged in, and the store that reads it. A
+    PEFT adapter as the source: its adapter_config.json goes with the output, which PEFT and vLLM
+    need to load it (not into a merged checkpoint, which is no adapter)."""
+    from formats.store import SourceStore
+    from streamer.convert.merge_lora import ADAPTER_CONFIG, MergingStore, load_adapter, merged_source
+
+    if args.merge_lora is None:
+        cfg = src.base_dir / ADAPTER_CONFIG if src.base_dir is not None else None
+        return src, SourceStore, ((ADAPTER_CONFIG, cfg.read_bytes()),) if cfg is not None and cfg.is_file() else ()
+    if args.format == "torch_dist":
+        raise UsageError("--merge-lora writes safetensors or zarr, not --format torch_dist")
+    pairs = load_adapter(args.merge_lora)
+    merged = merged_source(src, pairs, where(args.src))
+    # a merged HF checkpoint is served as one: it keeps the base's config and tokenizer files
+    side = [src.base_dir / n for n in HF_SIDE_FILES] if src.base_dir is not None else []
+    return merged, lambda m: MergingStore(m, src, pairs), tuple((f.name, f.read_bytes()) for f in side if f.is_file())
 
 
 def _convert_inputs(args: argparse.Namespace, comm: Any) -> tuple[Manifest, Manifest]:
@@ -119,6 +144,9 @@ def add_convert(sub: Any) -> None:
                    help="store floating-point arrays as DTYPE (e.g. fp32 master weights -> bfloat16)")
     add_quant_flags(p)
     p.add_argument("--allow-extra", action="store_true")
+    p.add_argument("--merge-lora", metavar="ADAPTER",
+                   help="merge this PEFT LoRA adapter directory into the weights: W + scale B A in float32, then "
+                        "cast to DST's dtype once (docs/cli/convert.md#merging-a-lora-adapter)")
     p.add_argument("--format-version", type=int, choices=(1, 2), default=2,
                    help="the output manifest: 2 compact, chunk checksums in manifest.checksums beside it "
                         "(default); 1 lists every chunk with its checksum")

@@ -43,6 +43,9 @@ class ConvertOptions:
     #: under mpiexec: seconds a worker waits for the others in an agreement round (checks, plan,
     #: preflight, opening the output), before it gives up with exit 3
     timeout: float = 300.0
+    #: small files written into the output before its manifest, as (name, bytes): a PEFT
+    #: adapter's adapter_config.json, without which PEFT and vLLM cannot load the adapter
+    extra_files: tuple[tuple[str, bytes], ...] = ()
 
     @property
     def buffer_bytes(self) -> int:

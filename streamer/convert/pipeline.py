@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
 from formats.errors import FormatError, PlanError, ShardstreamError, UsageError, ValidationError
-from formats.manifest.wire import Manifest, load_manifest, save_manifest
+from formats.manifest.wire import Manifest, atomic_write_bytes, load_manifest, save_manifest
 from formats.store import SourceStore
 from formats.validate.manifest import validate_manifest
 from streamer.convert.fill import Filler
@@ -68,14 +68,15 @@ class _Workers:
 
 def convert(src: Manifest, dst: Manifest, out_dir: str | os.PathLike[str], opts: ConvertOptions | None = None,
             *, comm: Any = None, control: Any = None, log: Any = None, src_where: str = "SRC",
-            dst_where: str = "DST") -> ConvertReport:
+            dst_where: str = "DST", store: Callable[[Manifest], SourceStore] = SourceStore) -> ConvertReport:
     """Convert the checkpoint ``src`` describes into ``dst``'s layout under ``out_dir``.
 
     Raises ``ValidationError`` / ``PlanError`` / ``FormatError`` (nothing written) for bad input,
     ``OutputLockedError`` when another convert holds ``out_dir``. ``src_where`` / ``dst_where``
     name the manifests in problem lines (the CLI passes their paths). Several workers: ``comm``
     (mpi4py) and ``control``, their collectives with timeouts (``MPITransport(comm)``); a refusal
-    on one worker is then an ``AgreedRefusal`` on all of them (``ops.agree``).
+    on one worker is then an ``AgreedRefusal`` on all of them (``ops.agree``). ``store``: what
+    reads ``src`` (``merge_lora.MergingStore`` merges an adapter on the way).
     """
     opts = opts or ConvertOptions()
     t0 = time.perf_counter()
@@ -92,9 +93,9 @@ def convert(src: Manifest, dst: Manifest, out_dir: str | os.PathLike[str], opts:
         except PlanError as e:
             raise PlanError(problems=[f"{dst_where}: {ln}" for ln in e.problems]) from e
         sink = _sink(dst, planned_destination(dst, targets, asked), targets, opts, dst_where)
-        plan = _checked_plan(src, sink.target, opts, workers.rank, src_where, dst_where)
+        plan = _checked_plan(src, sink.target, opts, workers.rank, src_where, dst_where, store)
         jobs = sink.layout(plan)
-    rep = _run(src, sink, jobs, Path(out_dir), opts, workers)
+    rep = _run(src, sink, jobs, Path(out_dir), opts, workers, store)
     rep.seconds = time.perf_counter() - t0
     rep.plan_stats = plan.stats().to_dict()
     rep.quantized = quant_report(dst, targets, "by convert") if targets else {}
@@ -122,17 +123,19 @@ def _check_inputs(src: Manifest, dst: Manifest, src_where: str, dst_where: str) 
 
 
 def _run(src: Manifest, sink: Sink[J], jobs: Sequence[J], out: Path, opts: ConvertOptions,
-         workers: _Workers) -> ConvertReport:
+         workers: _Workers, store: Callable[[Manifest], SourceStore]) -> ConvertReport:
     # ---- from here on we write; bad input has been ruled out
     lock: Lock | None = None
     try:
         with workers.agreed():  # rank 0 opens the output (lock, not empty): every worker learns how it went
             if workers.rank == 0:
                 lock = _open(out, opts, sink, jobs)
-        rep, checksums = _run_jobs(src, out, sink, jobs, opts, workers)
+        rep, checksums = _run_jobs(src, out, sink, jobs, opts, workers, store)
         if lock is not None:
             final = sink.manifest(checksums)
             sink.finish(out, final, jobs)
+            for name, data in opts.extra_files:
+                atomic_write_bytes(out / name, data)
             save_manifest(final, out / MANIFEST, format_version=opts.manifest_version)  # v2: + checksum sidecar
             remove_state(out, lock)  # every worker is past _gather: all records are written
         if workers.control is not None:
@@ -146,25 +149,25 @@ def _run(src: Manifest, sink: Sink[J], jobs: Sequence[J], out: Path, opts: Conve
 # ------------------------------------------------------------------ 1. plan and preflight
 
 def _checked_plan(src: Manifest, dst: Manifest, opts: ConvertOptions, rank: int, src_where: str,
-                  dst_where: str) -> Plan:
+                  dst_where: str, store: Callable[[Manifest], SourceStore]) -> Plan:
     """The plan, after every source tensor it reads has been opened (rank 0; the caller's
     agreement round shares the verdict)."""
     try:
         plan = plan_transfers(src, dst, allow_extra=opts.allow_extra)
     except PlanError as e:  # its lines name the array; say which manifests were being matched
         raise PlanError(problems=[f"{dst_where}: {ln}; source manifest {src_where}" for ln in e.problems]) from e
-    problems = _preflight(src, plan) if rank == 0 else []
+    problems = _preflight(src, plan, store) if rank == 0 else []
     if problems:
         raise FormatError(problems=problems)
     return plan
 
 
-def _preflight(src: Manifest, plan: Plan) -> list[str]:
+def _preflight(src: Manifest, plan: Plan, open_store: Callable[[Manifest], SourceStore]) -> list[str]:
     """Open every source tensor the plan reads, before anything is written."""
     problems: list[str] = []
     reported: set[str] = set()
     seen: set[tuple[str, int, int]] = set()
-    with SourceStore(src) as store:
+    with open_store(src) as store:
         for t in plan.transfers:
             if (t.fqn, t.src_chunk, t.src_rank) in seen:
                 continue
@@ -243,7 +246,7 @@ def _assign(jobs: Sequence[J], workers: int) -> list[list[J]]:
 
 
 def _run_jobs(src: Manifest, out: Path, sink: Sink[J], jobs: Sequence[J], opts: ConvertOptions,
-              workers: _Workers) -> tuple[ConvertReport, dict[str, str]]:
+              workers: _Workers, open_store: Callable[[Manifest], SourceStore]) -> tuple[ConvertReport, dict[str, str]]:
     """This worker's share of ``jobs``; then every worker's report and checksums."""
     mine = _assign(jobs, workers.size)[workers.rank]
     rep = ConvertReport(workers=workers.size)
@@ -251,7 +254,7 @@ def _run_jobs(src: Manifest, out: Path, sink: Sink[J], jobs: Sequence[J], opts: 
     records = Records(out)
     progress = Progress(sum(j.nbytes for j in mine), "convert", enabled=opts.progress if workers.rank == 0 else False)
     error: str | None = None
-    store = SourceStore(src)
+    store = open_store(src)
     store.read_budget = opts.buffer_bytes
     try:
         filler = Filler(src, store)

@@ -642,7 +642,7 @@ GOLDEN = {
     'convert': ['--allow-extra', '--cast{float16,bfloat16,float32,float64}',
         '--format{safetensors,zarr,torch_dist}', '--format-version{1,2}', '--fp8-block', '--json', '--max-shard-size',
         '--megatron-tp',
-        '--memory-limit', '--out!', '--resume', '--timeout', '--ue8m0', '--zarr-compressor{zstd,none}', '<dst>', '<src>'],
+        '--memory-limit', '--merge-lora', '--out!', '--resume', '--timeout', '--ue8m0', '--zarr-compressor{zstd,none}', '<dst>', '<src>'],
     'refit': ['--allow-extra', '--bucket-size', '--delta', '--dst-domain-size', '--json', '--link-gbps', '--manifest!',
         '--rendezvous', '--replica', '--replicas', '--save', '--src-domain-size', '--stay', '--steps', '--strategy{reshard,broadcast}',
         '--timeout', '--transport{mpi,gloo,nccl,shm,cuda-ipc}', '--verify', '<role>{send,recv}',
