@@ -73,6 +73,7 @@ from streamer.vllm.audit import Snapshot, snapshot, stale
 from streamer.vllm.manifest import VllmManifests, VllmTensor, manifest_from_vllm
 from streamer.vllm.stage_proc import ProcessReceiver, open_receiver
 from streamer.vllm.staging import Stager
+from streamer.vllm.replies import one_reply
 from streamer.vllm.steps import StepWatch, watch
 
 __all__ = ["ShardstreamInitInfo", "ShardstreamUpdateInfo", "ShardstreamWeightTransferEngine"]
@@ -144,6 +145,7 @@ class ShardstreamWeightTransferEngine(
         self._started = False  # between start_weight_update and finish_weight_update
 
     # ------------------------------------------------------------------ joining
+    @one_reply
     def init_transfer_engine(self, init_info: ShardstreamInitInfo) -> None:
         if self.session is not None or self.stager is not None:
             self.shutdown()
@@ -238,6 +240,7 @@ class ShardstreamWeightTransferEngine(
         return device if getattr(device, "type", None) == "cuda" else None
 
     # ------------------------------------------------------------------ one update
+    @one_reply
     def start_weight_update(self) -> None:
         """Opens the update; the served tensors stay as they are until ``update_weights``, which
         does the whole update in one call (no engine step can fall inside it)."""
@@ -251,6 +254,7 @@ class ShardstreamWeightTransferEngine(
         self._started = True
         self._received = False
 
+    @one_reply
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # the base class calls torch.accelerator.synchronize() unconditionally, which raises on CPU
         self.receive_weights(self.parse_update_info(update_info))
@@ -393,6 +397,7 @@ class ShardstreamWeightTransferEngine(
             self._end()
         return prev.version
 
+    @one_reply
     def finish_weight_update(self) -> None:
         self._started = False  # update_weights ended vLLM's reload already
         if self.adapter is not None:

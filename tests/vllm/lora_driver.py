@@ -8,7 +8,8 @@ config. A thread pushes ADAPTER_1's tensors as version 1, then ADAPTER_2's as ve
 engine registers them as ``policy-v1`` (id 1) and ``policy-v2`` (id 2). Then id 1 is pushed again
 (refused by name: a version is a new id). OUT gets, per prompt, the greedy tokens and top-2
 logprobs of: the base model, each pushed adapter, and each adapter loaded by vLLM from its
-directory (ids 11, 12), and the refusal both sides saw.
+directory (ids 11, 12), each pushed adapter again after those took both slots (reloaded into a
+slot from vLLM's CPU copy), and the refusal both sides saw.
 """
 
 from __future__ import annotations
@@ -97,13 +98,29 @@ def main(model: str, a1: str, a2: str, rdv: str, out: str, tp: int = 1) -> None:
     result.update(log)
     for i, a in enumerate(adapters, 1):
         result[f"disk-{i}"] = _served(llm, LoRARequest(f"disk-{i}", 10 + i, str(a)))
+    # the two directory adapters took both slots: the pushed ones come back from vLLM's CPU copy
+    result["slots-after-disk"] = sorted(_active(llm))
+    for v in (1, 2):
+        result[f"pushed-{v}-reloaded"] = _served(llm, LoRARequest(f"policy-v{v}", v, "/nonexistent/shardstream"))
     Path(out).write_text(json.dumps(result))
+
+
+def _slot_ids(worker: Any) -> list[int]:
+    """The adapter ids in this worker's LoRA slots (vLLM's slot table, read through collective_rpc)."""
+    return sorted(i for i in worker.model_runner.lora_manager._adapter_manager.lora_index_to_id if i is not None)
+
+
+def _active(llm: Any) -> list[int]:
+    """The ids in the LoRA slots, the same on every worker (else every worker's lists)."""
+    got = llm.collective_rpc(_slot_ids)
+    return got[0] if all(g == got[0] for g in got) else got
 
 
 if __name__ == "__main__":
     import os
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(_slot_ids): a test's probe
     if len(sys.argv) > 6 and int(sys.argv[6]) > 1:  # CPU workers, one core each (engine_driver.py does the same)
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(int(sys.argv[6]))))
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")

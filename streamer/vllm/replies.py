@@ -1,0 +1,72 @@
+"""One failure per vLLM call, raised where vLLM's executor reads it last.
+
+vLLM 0.32's ``MultiprocExecutor.collective_rpc`` reads its workers' replies in rank order and
+raises at the first failed one, so the replies of the workers after it stay queued, and the next
+call reads them as its own replies. A refusal that every worker raised (a refused push at TP 2)
+would come back again from the next call. ``one_reply`` keeps the replies in step: after the
+wrapped method returns or raises, the workers of the engine exchange their outcomes over vLLM's
+world CPU group. When any of them failed, only the last rank raises (its own error, else one
+that names the first failed worker's); the others return. vLLM then reads every reply of the call, and the caller gets
+one error. With one worker, or no process group, the error is raised as it is.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+__all__ = ["WorkerFailed", "one_reply"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class WorkerFailed(RuntimeError):
+    """Another worker of the engine failed this call (this worker's reply carries its error)."""
+
+
+def _group() -> Any:
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return None
+    from streamer.vllm import internals
+
+    return internals.load().get_world_group().cpu_group
+
+
+def one_reply(method: F) -> F:
+    """Wrap a worker-side entry point of the backend (see the module docstring)."""
+
+    @functools.wraps(method)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        error: BaseException | None = None
+        result = None
+        try:
+            result = method(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - every worker learns it before any reply is sent
+            error = e
+        group = _group()
+        if group is None:
+            if error is not None:
+                raise error
+            return result
+        import torch.distributed as dist
+
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        if size == 1:
+            if error is not None:
+                raise error
+            return result
+        outcomes: list[Any] = [None] * size
+        dist.all_gather_object(outcomes, None if error is None else f"{type(error).__name__}: {error}", group=group)
+        failed = [(r, o) for r, o in enumerate(outcomes) if o is not None]
+        if not failed or rank != size - 1:
+            return result  # the last rank's reply carries the failure, read after every other reply
+        if error is not None:  # every worker's agreed refusal reads the same: this one's is as good
+            raise error
+        first, why = failed[0]
+        raise WorkerFailed(f"shardstream: worker {first} of {size} failed: {why}"
+                           + (f" ({len(failed) - 1} more workers failed)" if len(failed) > 1 else ""))
+
+    return wrapper  # type: ignore[return-value]

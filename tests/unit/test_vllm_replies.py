@@ -1,0 +1,68 @@
+"""``one_reply`` (streamer/vllm/replies.py): after a failed call, only the engine's last worker
+raises, so that vLLM's executor reads every worker's reply of the call and none is left for the
+next call. The process group is faked: each case says what every worker's call did."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from streamer.vllm import replies  # noqa: E402
+
+
+def _as_rank(monkeypatch: pytest.MonkeyPatch, rank: int, outcomes: list[str | None]) -> None:
+    """This worker is ``rank``; the exchange returns ``outcomes`` (None: that worker succeeded)."""
+    import torch.distributed as dist
+
+    monkeypatch.setattr(replies, "_group", lambda: object())
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: len(outcomes))
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: rank)
+
+    def gather(out: list[Any], mine: Any, group: Any = None) -> None:
+        assert mine == outcomes[rank]  # what this worker sends is its own outcome
+        out[:] = outcomes
+
+    monkeypatch.setattr(dist, "all_gather_object", gather)
+
+
+def _call(fail: bool) -> Any:
+    @replies.one_reply
+    def method() -> str:
+        if fail:
+            raise ValueError("LoRA id 1 is registered already")
+        return "done"
+
+    return method()
+
+
+def test_when_every_worker_failed_only_the_last_raises_its_own_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    every = ["ValueError: LoRA id 1 is registered already"] * 3
+    for rank in (0, 1):
+        _as_rank(monkeypatch, rank, every)
+        assert _call(True) is None  # its reply is a success: vLLM reads on to the last worker
+    _as_rank(monkeypatch, 2, every)
+    with pytest.raises(ValueError, match="registered already"):
+        _call(True)
+
+
+def test_a_failure_of_another_worker_is_raised_by_the_last_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    outcomes = [None, "ValueError: LoRA id 1 is registered already", None]
+    _as_rank(monkeypatch, 0, outcomes)
+    assert _call(False) == "done"
+    _as_rank(monkeypatch, 1, outcomes)
+    assert _call(True) is None
+    _as_rank(monkeypatch, 2, outcomes)
+    with pytest.raises(replies.WorkerFailed, match="worker 1 of 3 failed: ValueError: LoRA id 1 is registered"):
+        _call(False)
+
+
+def test_without_failures_or_a_group_results_pass_through(monkeypatch: pytest.MonkeyPatch) -> None:
+    _as_rank(monkeypatch, 1, [None, None])
+    assert _call(False) == "done"
+    monkeypatch.setattr(replies, "_group", lambda: None)
+    assert _call(False) == "done"
+    with pytest.raises(ValueError):
+        _call(True)
