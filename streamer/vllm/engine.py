@@ -71,9 +71,9 @@ from vllm.distributed.weight_transfer.base import (
 from streamer.vllm import internals
 from streamer.vllm.audit import Snapshot, snapshot, stale
 from streamer.vllm.manifest import VllmManifests, VllmTensor, manifest_from_vllm
+from streamer.vllm.replies import one_reply
 from streamer.vllm.stage_proc import ProcessReceiver, open_receiver
 from streamer.vllm.staging import Stager
-from streamer.vllm.replies import one_reply
 from streamer.vllm.steps import StepWatch, watch
 
 __all__ = ["ShardstreamInitInfo", "ShardstreamUpdateInfo", "ShardstreamWeightTransferEngine"]
