@@ -57,6 +57,7 @@ failed push). ``shutdown_weight_transfer_engine`` closes the session; a later
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -70,6 +71,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from streamer.vllm import internals
 from streamer.vllm.audit import Snapshot, snapshot, stale
+from streamer.vllm.loadweights import LoadWeightsReceiver, reload_mode
 from streamer.vllm.manifest import VllmManifests, VllmTensor, manifest_from_vllm
 from streamer.vllm.replies import one_reply
 from streamer.vllm.stage_proc import ProcessReceiver, open_receiver
@@ -77,6 +79,8 @@ from streamer.vllm.staging import Stager
 from streamer.vllm.steps import StepWatch, watch
 
 __all__ = ["ShardstreamInitInfo", "ShardstreamUpdateInfo", "ShardstreamWeightTransferEngine"]
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -98,6 +102,10 @@ class ShardstreamInitInfo(WeightTransferInitInfo):  # type: ignore[misc]
     #: this engine's name as one of several inference replicas fed by one trainer
     #: (``RefitSession.open(..., replicas=True)``); None: the trainer's only receiver job
     replica: str | None = None
+    #: "fast" (vLLM's layerwise-reload internals), "load_weights" (vLLM's public reload and
+    #: ``model.load_weights``, every array received whole: loadweights.py), or "auto": fast where
+    #: this vLLM has every internal the fast path uses, else load_weights
+    reload: str = "auto"
     #: an adapter session: the PEFT config of the LoRA adapters the trainer pushes (r, lora_alpha,
     #: target_modules, ...); each push is registered as a LoRA adapter (lora.py), the base weights
     #: are not touched. Needs an engine started with enable_lora=True
@@ -140,6 +148,8 @@ class ShardstreamWeightTransferEngine(
         self.stager: Stager | None = None
         #: an adapter session's receiving side (init_info ``adapter``, lora.py)
         self.adapter: Any = None
+        #: the public-API path's receiving side (init_info ``reload``, loadweights.py); None: fast path
+        self.loader: LoadWeightsReceiver | None = None
         #: the worker's steps that served requests (steps.py): an update they fall into is refused
         self.steps: StepWatch | None = None
         self._started = False  # between start_weight_update and finish_weight_update
@@ -154,6 +164,10 @@ class ShardstreamWeightTransferEngine(
         if init_info.staging == "host" and init_info.transport in ("nccl", "cuda-ipc"):
             raise ValueError(f"shardstream: staging 'host' receives into host buffers, which the {init_info.transport} "
                              "transport cannot write: use transport 'gloo' with staging 'host'")
+        mode = reload_mode(init_info.reload, internals.missing())
+        if mode == "load_weights" and init_info.adapter is None:
+            self._open_load_session(init_info)
+            return
         internals.check()  # a vLLM without what the updates use is refused here, before any push
         _check_parallel(self.parallel_config)
         worker = internals.worker_of(self)
@@ -203,6 +217,45 @@ class ShardstreamWeightTransferEngine(
                                          choose_manifest=lambda src: receiver.choose(src, size),
                                          replica=init_info.replica)
 
+    def _open_load_session(self, init_info: ShardstreamInitInfo) -> None:
+        """The public-API path (loadweights.py): every array received whole, then ``load_weights``."""
+        from formats.manifest.spec import Manifest
+        from streamer import RefitOptions, RefitSession
+        from streamer.transport.jobs import launcher_rank
+
+        if init_info.staging != "none":
+            raise ValueError("shardstream: reload 'load_weights' is not staged: use staging 'none'")
+        if internals.missing():
+            _log.warning("shardstream: this vLLM lacks internals of the fast path (%s): every push is received "
+                         "whole and loaded with model.load_weights", ", ".join(internals.missing()))
+        self.loader = receiver = LoadWeightsReceiver(self.model, self.model_config)
+        size = launcher_rank()[1]
+        self.session = RefitSession.open(Manifest(world_size=size, arrays={}), "recv",
+                                         rendezvous=init_info.rendezvous, transport=init_info.transport,
+                                         timeout=init_info.timeout,
+                                         options=RefitOptions(verify=init_info.verify, delta=init_info.delta),
+                                         choose_manifest=lambda src: receiver.choose(src, size),
+                                         replica=init_info.replica, device=self._cuda_device())
+
+    def _receive_loaded(self) -> None:
+        """One push on the public-API path: received whole, then loaded by vLLM's weight loaders."""
+        assert self.loader is not None
+        session = self._need_session()
+        t0 = time.perf_counter()
+        try:
+            st = session.pull(self.loader.buffers())
+        except BaseException:
+            # vLLM ends an update whose update_weights raised (no finish follows): put every layer
+            # back as it was, from its kernel tensors (nothing was loaded), then report the failure
+            self.loader.finish()
+            self._before = None
+            raise
+        t1 = time.perf_counter()
+        self.loader.load(self.loader.buffers())
+        self.last = {"pull_s": t1 - t0, "load_s": time.perf_counter() - t1, "bytes_received": st.bytes_received,
+                     "full_bytes_received": st.full_bytes_received, "encodings": dict(st.encodings),
+                     "version": st.version, "reload": "load_weights", "delta": session.options.delta}
+
     def _receive_adapter(self, update_info: ShardstreamUpdateInfo) -> None:
         """One adapter push: refused before any byte moves when it cannot be registered; registered
         on every worker only once every worker holds all of it."""
@@ -248,6 +301,11 @@ class ShardstreamWeightTransferEngine(
         if self.adapter is not None:  # an adapter push touches no served weight: nothing to audit
             self._started = True
             return
+        if self.loader is not None:
+            self._before = snapshot(self.model, self.loader.audited())
+            self.loader.start()
+            self._started, self._received = True, False
+            return
         self._before = snapshot(self.model, self._audited())
         if self.steps is not None:
             self.steps.mark()
@@ -266,6 +324,13 @@ class ShardstreamWeightTransferEngine(
     def receive_weights(self, update_info: ShardstreamUpdateInfo) -> None:
         if self.adapter is not None:
             self._receive_adapter(update_info)
+            return
+        if self.loader is not None:
+            if not self._started or self._received:
+                raise RuntimeError("shardstream: update_weights outside start_weight_update, or twice in one update "
+                                   "(one push per update)")
+            self._received = True
+            self._receive_loaded()
             return
         if self.stager is not None:
             self._commit_staged(update_info.version)
@@ -405,6 +470,8 @@ class ShardstreamWeightTransferEngine(
 
             keep_adapters_once(self.adapter.worker.model_runner)
             return
+        if self.loader is not None:
+            self.loader.finish()
         if self._before is not None:
             before, self._before = self._before, None
             left = stale(self.model, before)
@@ -415,7 +482,7 @@ class ShardstreamWeightTransferEngine(
 
     def shutdown(self) -> None:
         self.base = None
-        self.adapter = None
+        self.adapter = self.loader = None
         if self.stager is not None:
             stager, self.stager = self.stager, None
             stager.stop()

@@ -93,6 +93,13 @@ def dump(worker: Any, out: str) -> None:
 
     eng = worker.weight_transfer_engine
     d = eng.described
+    if d is None:  # reload "load_weights": nothing described, the arrays arrive whole
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        Path(out).mkdir(parents=True, exist_ok=True)
+        Path(out, f"rank-{rank}.json").write_text(json.dumps({"rank": rank, "last": eng.last}))
+        return
     body = {"rank": d.rank, "naming": eng.naming, "last": eng.last,
             "manifests": {k: json.loads(dumps_manifest(m)) for k, m in d.manifests.items()},
             "tensors": {k: [dataclasses.asdict(t) for t in ts] for k, ts in d.tensors.items()}}
@@ -182,8 +189,9 @@ waiting for ``rf["wait_before"][str(i)]`` (a file) when given; after each, write
 def _drain(llm: Any, tp: int) -> list[str]:
     """vLLM 0.32's multiprocess executor raises a failed RPC's first error and leaves the other
     workers' responses unread: the next RPC would read them as its own (off by one from then on).
-    Read them here (engine core in this process only; nothing is in flight, so any response waiting
-    in a worker's queue is a stale one)."""
+    The backend raises from the last worker only (streamer/vllm/replies.py), so none should be
+    left: read any here (engine core in this process only; nothing is in flight, so a response
+    waiting in a worker's queue is a stale one) for the test to see."""
     if tp == 1:
         return []
     executor = llm.llm_engine.engine_core.engine_core.model_executor

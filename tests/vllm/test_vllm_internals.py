@@ -17,6 +17,16 @@ def test_every_internal_the_backend_uses_exists() -> None:
     assert callable(v.materialize_layer) and callable(v.place_kernel_tensors)
 
 
+def test_the_public_reload_path_has_what_it_calls() -> None:
+    """reload "load_weights" (loadweights.py) uses only what vLLM's own NCCL engine calls."""
+    import importlib
+
+    from streamer.vllm.loadweights import PUBLIC
+
+    mod = importlib.import_module(PUBLIC[0])
+    assert all(callable(getattr(mod, n)) for n in PUBLIC[1])
+
+
 def test_untested_parallel_layouts_are_refused_by_name() -> None:
     from types import SimpleNamespace
 

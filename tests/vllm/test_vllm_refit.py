@@ -90,7 +90,8 @@ class Proc:
         return f"--- stdout\n{self.out.read_text()[-3000:]}\n--- stderr\n{self.err.read_text()[-6000:]}"
 
 
-def _refit_case(tmp: Path, kind: str, tp: int, then: str | None, delta: bool = False) -> dict[str, Any]:
+def _refit_case(tmp: Path, kind: str, tp: int, then: str | None, delta: bool = False,
+                init_info: dict[str, Any] | None = None) -> dict[str, Any]:
     """One engine refitted by the FSDP2 trainer (2 steps), then fresh engines on each step's
     checkpoint. ``then``: after the trainer, the same engine joins a second session where a hub
     checkpoint sender pushes the initial model ("hub": per-expert names) or a push refused by the
@@ -100,7 +101,8 @@ def _refit_case(tmp: Path, kind: str, tp: int, then: str | None, delta: bool = F
     hf = tmp / "hf"
     hf.mkdir()
     rdv, rdv2 = tmp / "rdv", tmp / "rdv2"
-    refit: dict[str, Any] = {"rendezvous": str(rdv), "timeout": 240, "steps": 2, "manifests": str(tmp / "manifests")}
+    refit: dict[str, Any] = {"rendezvous": str(rdv), "timeout": 240, "steps": 2, "manifests": str(tmp / "manifests"),
+                             "init_info": init_info or {}}
     if then is not None:
         refit["then"] = {"rendezvous": str(rdv2), "timeout": 240, "refused": then == "refused"}
     job = {"tp": tp, "prompts": PROMPTS, "max_tokens": 6, "logprobs": 5,
@@ -218,6 +220,27 @@ def test_delta_session_refits_vllm(tmp_path: Path, tp: int) -> None:
               f"{second['full_bytes_received']} bytes, encodings {second['encodings']}")
     sent = [x for x in case["trainer"] if x["step"] == 1]
     assert all(x["changed_fraction"] is not None for x in sent), sent
+
+
+@pytest.mark.timeout(900)  # TP 2 starts three multiprocess engines
+def test_public_load_weights_path_refits_vllm(tmp_path: Path) -> None:
+    """``init_info["reload"] = "load_weights"``: vLLM's public reload (``initialize_layerwise_reload``,
+    ``model.load_weights``, ``finalize_layerwise_reload``) instead of the layerwise internals, what
+    the backend falls back to on a vLLM without them. At TP 2, in a delta session: each worker
+    receives every array whole into its host copy (the second push as deltas against it), and
+    serves exactly what a fresh engine serves from each step's checkpoint."""
+    case = _refit_case(tmp_path, "dense", 2, then=None, delta=True, init_info={"reload": "load_weights"})
+    _check_served(case)
+    for r in range(2):
+        first, second = (json.loads((case["manifests"] / f"step-{s}" / f"rank-{r}.json").read_text())["last"]
+                         for s in (0, 1))
+        assert first["reload"] == second["reload"] == "load_weights", first
+        # every worker received the whole model (the replicated manifest): the trainer sent it twice
+        sent0 = sum(x["full_bytes_sent"] for x in case["trainer"] if x["step"] == 0)
+        assert 2 * first["bytes_received"] == sent0, (first, sent0)
+        # the second push went through the delta path against this worker's host copy: its messages
+        # carry encodings (raw where most bytes changed: whole arrays share a message here)
+        assert first["delta"] and first["encodings"] == {} and sum(second["encodings"].values()) > 0, (first, second)
 
 
 FP8_BLOCK = (32, 32)

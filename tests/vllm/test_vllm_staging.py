@@ -88,6 +88,8 @@ def test_staged_pushes_commit_restore_and_refuse(tmp_path: Path, tp: int, arch: 
     assert c[2]["error"] is None and c[2]["out"] == fresh[1]["out"], c[2]
     assert fresh[0]["out"] != fresh[1]["out"]
     assert c[3]["error"] and "version 0 is not staged: the engine serves version 1" in c[3]["error"], c[3]
+    # each failed call left no reply of another worker for the next call to read (replies.one_reply)
+    assert [x["late_errors"] for x in (serving, c[1], c[3])] == [[], [], []], (serving, c[1], c[3])
     # the push of version 1 returned (and the trainer closed its session) before the engine began the update
     assert pushes[1]["pushed"] < c[1]["started"], (pushes, c[1]["started"])
     for w in c[2]["last"]:
