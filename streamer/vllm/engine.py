@@ -153,9 +153,10 @@ class ShardstreamWeightTransferEngine(
         #: the worker's steps that served requests (steps.py): an update they fall into is refused
         self.steps: StepWatch | None = None
         self._started = False  # between start_weight_update and finish_weight_update
+        self._worker: Any = None  # vLLM's worker that owns this engine (internals.worker_of)
 
     # ------------------------------------------------------------------ joining
-    @one_reply
+    @one_reply()
     def init_transfer_engine(self, init_info: ShardstreamInitInfo) -> None:
         if self.session is not None or self.stager is not None:
             self.shutdown()
@@ -164,13 +165,17 @@ class ShardstreamWeightTransferEngine(
         if init_info.staging == "host" and init_info.transport in ("nccl", "cuda-ipc"):
             raise ValueError(f"shardstream: staging 'host' receives into host buffers, which the {init_info.transport} "
                              "transport cannot write: use transport 'gloo' with staging 'host'")
+        try:
+            self._worker = internals.worker_of(self)
+        except internals.VllmInternalsError:
+            self._worker = None  # the load_weights path needs no worker; the fast path refuses below
         mode = reload_mode(init_info.reload, internals.missing())
         if mode == "load_weights" and init_info.adapter is None:
             self._open_load_session(init_info)
             return
         internals.check()  # a vLLM without what the updates use is refused here, before any push
         _check_parallel(self.parallel_config)
-        worker = internals.worker_of(self)
+        worker = self._worker if self._worker is not None else internals.worker_of(self)
         if init_info.adapter is not None:
             self._open_adapter_session(init_info, worker)
             return
@@ -274,8 +279,11 @@ class ShardstreamWeightTransferEngine(
             if error is not None:
                 raise error
             raise RuntimeError("shardstream: another worker did not receive the whole adapter: nothing was registered")
-        assert update_info.lora_id is not None
-        receiver.register(tensors, update_info.lora_id)
+        assert update_info.lora_name is not None
+        if update_info.lora_id is None:
+            receiver.hold(tensors, update_info.lora_name)  # loaded later as shardstream://NAME (lora.py)
+        else:
+            receiver.register(tensors, update_info.lora_id)
         self.last = {"adapter": update_info.lora_name, "lora_id": update_info.lora_id,
                      "bytes_received": st.bytes_received, "version": st.version}
 
@@ -293,7 +301,6 @@ class ShardstreamWeightTransferEngine(
         return device if getattr(device, "type", None) == "cuda" else None
 
     # ------------------------------------------------------------------ one update
-    @one_reply
     def start_weight_update(self) -> None:
         """Opens the update; the served tensors stay as they are until ``update_weights``, which
         does the whole update in one call (no engine step can fall inside it)."""
@@ -312,7 +319,7 @@ class ShardstreamWeightTransferEngine(
         self._started = True
         self._received = False
 
-    @one_reply
+    @one_reply(lambda self: self._ended_by_failure())
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # the base class calls torch.accelerator.synchronize() unconditionally, which raises on CPU
         self.receive_weights(self.parse_update_info(update_info))
@@ -320,6 +327,16 @@ class ShardstreamWeightTransferEngine(
             import torch
 
             torch.accelerator.synchronize()
+
+    def _ended_by_failure(self) -> None:
+        """Another worker's update_weights failed and raises for the engine (replies.py): end the
+        update here as vLLM's worker ends one whose update_weights raised (its flag and target)."""
+        self._started = False
+        if self._worker is not None and hasattr(self._worker, "_weight_update_active"):
+            self._worker._weight_update_active = False
+        reset = getattr(self, "reset_weight_update_target", None)
+        if reset is not None:
+            reset()
 
     def receive_weights(self, update_info: ShardstreamUpdateInfo) -> None:
         if self.adapter is not None:
@@ -462,7 +479,6 @@ class ShardstreamWeightTransferEngine(
             self._end()
         return prev.version
 
-    @one_reply
     def finish_weight_update(self) -> None:
         self._started = False  # update_weights ended vLLM's reload already
         if self.adapter is not None:

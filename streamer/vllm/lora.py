@@ -19,6 +19,7 @@ previous one stays registered until the caller removes it (``LLM.remove_lora``).
 
 from __future__ import annotations
 
+import copy
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -26,7 +27,8 @@ from typing import Any
 from formats.manifest.box import Box
 from formats.manifest.spec import ArraySpec, Chunk, Manifest
 
-__all__ = ["AdapterReceiver", "adapter_names", "check_adapter", "keep_adapters_once", "replicated"]
+__all__ = ["SCHEME", "AdapterReceiver", "adapter_names", "check_adapter", "held_adapters", "keep_adapters_once",
+           "replicated"]
 
 #: PEFT's saved name of one LoRA tensor: the module, then lora_A / lora_B
 _NAME = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
@@ -122,10 +124,12 @@ class AdapterReceiver:
     def refusals(self, lora_id: int | None, name: str | None) -> list[str]:
         """What refuses this push before any byte moves (every worker finds the same)."""
         problems = list(self.problems)
-        if lora_id is None or not name:
-            problems.append("update_info needs lora_name and lora_id for an adapter push")
+        if not name:
+            problems.append("update_info needs lora_name for an adapter push (and lora_id to register it at once)")
+        if lora_id is None:  # held by name, loaded later through vLLM's own add_lora: nothing else to check
+            return problems
         mgr = self.worker_manager._adapter_manager
-        if lora_id is not None and lora_id in set(mgr.list_adapters()):
+        if lora_id in set(mgr.list_adapters()):
             problems.append(f"LoRA id {lora_id} is registered already: a new version takes a new id (remove the "
                             "old one with LLM.remove_lora once no request uses it)")
         elif len(mgr) >= mgr.capacity:
@@ -151,6 +155,22 @@ class AdapterReceiver:
 
     def register(self, tensors: dict[str, Any], lora_id: int) -> None:
         """vLLM's own loading from tensors, as from a directory; pinned in the CPU cache."""
+        lora = self._lora_model(tensors, lora_id)
+        mgr = self.worker_manager._adapter_manager
+        mgr.add_adapter(lora)
+        mgr._registered_adapters.pin(lora_id)  # never evicted from the CPU cache: nothing to reload it from
+
+    def hold(self, tensors: dict[str, Any], name: str) -> None:
+        """Keep the adapter under ``name`` for vLLM's own ``add_lora`` to load: a ``LoRARequest``
+        (or ``vllm serve``'s ``/v1/load_lora_adapter``) whose path is ``shardstream://NAME`` gets it,
+        under the id the caller or the serving layer picks (so ``/v1/models`` lists it)."""
+        held = held_adapters(self.worker_manager)
+        held.pop(name, None)
+        held[name] = self._lora_model(tensors, 1)  # the id vLLM checks at build; a load sets the caller's
+        while len(held) > max(1, self.worker_manager._adapter_manager.capacity):
+            held.pop(next(iter(held)))  # the oldest push: vLLM's CPU cache could not hold more anyway
+
+    def _lora_model(self, tensors: dict[str, Any], lora_id: int) -> Any:
         from streamer.vllm import internals
 
         wm = self.worker_manager
@@ -162,6 +182,34 @@ class AdapterReceiver:
             lora_model_id=lora_id, tensors=tensors, peft_helper=peft, device="cpu", dtype=wm.lora_config.lora_dtype,
             model_vocab_size=wm.vocab_size, weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
             skip_prefixes=getattr(model, "lora_skip_prefixes", None))
-        mgr = wm._adapter_manager
-        mgr.add_adapter(lora)
-        mgr._registered_adapters.pin(lora_id)  # never evicted from the CPU cache: nothing to reload it from
+        return lora
+
+
+#: the path that names a pushed adapter held by name: ``shardstream://NAME``
+SCHEME = "shardstream://"
+
+
+def held_adapters(wm: Any) -> dict[str, Any]:
+    """The adapters pushed by name to this worker (oldest first), kept on its LoRA manager across
+    sessions; the first call routes the manager's loading of ``shardstream://NAME`` paths to them."""
+    held: dict[str, Any] | None = getattr(wm, "_shardstream_held", None)
+    if held is not None:
+        return held
+    held = wm._shardstream_held = {}
+    load = wm._load_adapter
+
+    def load_adapter(request: Any) -> Any:
+        path = str(getattr(request, "lora_path", "") or "")
+        if not path.startswith(SCHEME):
+            return load(request)
+        name = path[len(SCHEME):]
+        lora = held.get(name)
+        if lora is None:
+            raise ValueError(f"shardstream: no adapter pushed as {name!r} on this worker (held: "
+                             f"{', '.join(held) or 'none'}; the oldest are dropped beyond max_cpu_loras)")
+        mine = copy.copy(lora)  # the tensors are shared; the id is the one vLLM's caller picked
+        mine.id = request.lora_int_id
+        return mine
+
+    wm._load_adapter = load_adapter
+    return held

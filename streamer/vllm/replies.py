@@ -8,6 +8,16 @@ wrapped method returns or raises, the workers of the engine exchange their outco
 world CPU group. When any of them failed, only the last rank raises (its own error, else one
 that names the first failed worker's); the others return. vLLM then reads every reply of the call, and the caller gets
 one error. With one worker, or no process group, the error is raised as it is.
+
+vLLM's worker keeps its own state around these calls, and resets it when a call raises
+(``update_weights``: the update ends). A worker that returns instead must reset it the same way,
+or the workers disagree from then on (the next ``start_weight_update`` is refused by vLLM on the
+workers that think the update still runs, and the others wait for them in the exchange):
+``swallowed(self)`` does that on the workers that return. So ``one_reply`` wraps only calls where
+that state can be mirrored: ``init_weight_transfer_engine`` (vLLM keeps none) and
+``update_weights`` (``engine._ended_by_failure``). ``start_weight_update`` and
+``finish_weight_update`` set vLLM's state after they return, which a worker cannot undo; they
+still raise on every worker, and vLLM 0.32 then reads the other workers' replies at the next call.
 """
 
 from __future__ import annotations
@@ -35,9 +45,17 @@ def _group() -> Any:
     return internals.load().get_world_group().cpu_group
 
 
-def one_reply(method: F) -> F:
-    """Wrap a worker-side entry point of the backend (see the module docstring)."""
+def one_reply(swallowed: Callable[[Any], None] | None = None) -> Callable[[F], F]:
+    """Wrap a worker-side entry point of the backend (see the module docstring); ``swallowed(self)``
+    runs on each worker that returns although a worker failed (vLLM's reset of its own state)."""
 
+    def wrap(method: F) -> F:
+        return _wrap(method, swallowed)
+
+    return wrap
+
+
+def _wrap(method: F, swallowed: Callable[[Any], None] | None) -> F:
     @functools.wraps(method)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         error: BaseException | None = None
@@ -61,8 +79,12 @@ def one_reply(method: F) -> F:
         outcomes: list[Any] = [None] * size
         dist.all_gather_object(outcomes, None if error is None else f"{type(error).__name__}: {error}", group=group)
         failed = [(r, o) for r, o in enumerate(outcomes) if o is not None]
-        if not failed or rank != size - 1:
-            return result  # the last rank's reply carries the failure, read after every other reply
+        if not failed:
+            return result
+        if rank != size - 1:  # the last rank's reply carries the failure, read after every other reply
+            if swallowed is not None and args:
+                swallowed(args[0])
+            return None
         if error is not None:  # every worker's agreed refusal reads the same: this one's is as good
             raise error
         first, why = failed[0]

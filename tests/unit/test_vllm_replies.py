@@ -28,21 +28,24 @@ def _as_rank(monkeypatch: pytest.MonkeyPatch, rank: int, outcomes: list[str | No
     monkeypatch.setattr(dist, "all_gather_object", gather)
 
 
-def _call(fail: bool) -> Any:
-    @replies.one_reply
-    def method() -> str:
-        if fail:
-            raise ValueError("LoRA id 1 is registered already")
-        return "done"
+def _call(fail: bool, swallowed: list[Any] | None = None) -> Any:
+    class Engine:
+        @replies.one_reply(None if swallowed is None else swallowed.append)
+        def method(self) -> str:
+            if fail:
+                raise ValueError("LoRA id 1 is registered already")
+            return "done"
 
-    return method()
+    return Engine().method()
 
 
 def test_when_every_worker_failed_only_the_last_raises_its_own_error(monkeypatch: pytest.MonkeyPatch) -> None:
     every = ["ValueError: LoRA id 1 is registered already"] * 3
     for rank in (0, 1):
         _as_rank(monkeypatch, rank, every)
-        assert _call(True) is None  # its reply is a success: vLLM reads on to the last worker
+        ended: list[Any] = []
+        assert _call(True, ended) is None  # its reply is a success: vLLM reads on to the last worker
+        assert len(ended) == 1  # ... and it ends vLLM's update there as a raise would have
     _as_rank(monkeypatch, 2, every)
     with pytest.raises(ValueError, match="registered already"):
         _call(True)
@@ -51,7 +54,8 @@ def test_when_every_worker_failed_only_the_last_raises_its_own_error(monkeypatch
 def test_a_failure_of_another_worker_is_raised_by_the_last_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
     outcomes = [None, "ValueError: LoRA id 1 is registered already", None]
     _as_rank(monkeypatch, 0, outcomes)
-    assert _call(False) == "done"
+    ended: list[Any] = []
+    assert _call(False, ended) is None and len(ended) == 1  # a success on a failed call ends the update too
     _as_rank(monkeypatch, 1, outcomes)
     assert _call(True) is None
     _as_rank(monkeypatch, 2, outcomes)
@@ -61,7 +65,8 @@ def test_a_failure_of_another_worker_is_raised_by_the_last_naming_it(monkeypatch
 
 def test_without_failures_or_a_group_results_pass_through(monkeypatch: pytest.MonkeyPatch) -> None:
     _as_rank(monkeypatch, 1, [None, None])
-    assert _call(False) == "done"
+    ended = []
+    assert _call(False, ended) == "done" and ended == []
     monkeypatch.setattr(replies, "_group", lambda: None)
     assert _call(False) == "done"
     with pytest.raises(ValueError):

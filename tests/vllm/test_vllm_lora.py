@@ -16,9 +16,11 @@ both sides.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -75,3 +77,75 @@ def test_pushed_adapters_serve_what_vllm_serves_from_their_directories(tmp_path:
     assert got["pushed-1-reloaded"] == got["disk-1"] and got["pushed-2-reloaded"] == got["disk-2"]
     assert "LoRA id 1 is registered already" in got["engine_refused"], got["engine_refused"]
     assert "LoRA id 1 is registered already" in got["trainer_refused"], got["trainer_refused"]
+
+
+@pytest.mark.timeout(900)
+def test_adapters_pushed_by_name_serve_through_vllm_serve(tmp_path: Path) -> None:
+    """``vllm serve --enable-lora``: the trainer pushes each adapter with ``update_info`` naming it
+    (``lora_name``, no id); ``/v1/load_lora_adapter`` with path ``shardstream://NAME`` then loads it
+    through vLLM's own add_lora, under the id the serving layer picks, so ``/v1/models`` lists it and
+    completions name it as they name any adapter. Each serves what the same server serves from that
+    adapter's directory; version 1 still serves after version 2; an unknown name is refused."""
+    import urllib.error
+
+    from test_vllm_refit import Proc
+    from test_vllm_serve import Server, _free_port, start_server
+
+    model = tiny_models.make_model("dense", tmp_path / "model", seed=0)
+    adapters = [make_adapter(model, tmp_path / f"adapter-{i}", seed=i) for i in (1, 2)]
+    config = json.loads((adapters[0] / "adapter_config.json").read_text())
+    port = _free_port()
+    os.environ["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"  # Proc copies os.environ: /v1/load_lora_adapter
+    try:
+        server = start_server(tmp_path, model, port, "--enable-lora", "--max-loras", 2, "--max-lora-rank", 16,
+                              "--max-cpu-loras", 4)
+    finally:
+        os.environ.pop("VLLM_ALLOW_RUNTIME_LORA_UPDATING")
+    procs = [server]
+    got: dict[str, Any] = {}
+    try:
+        srv = Server(port)
+        srv.wait_up(server, 600)
+        for v, a in enumerate(adapters, 1):
+            rdv = tmp_path / f"rdv-{v}"
+            sender = Proc([sys.executable, HERE / "hub_sender.py", a, rdv, 240, "--file", "adapter_model.safetensors"],
+                          tmp_path, f"sender-{v}")
+            procs.append(sender)
+            srv.post("/init_weight_transfer_engine", {"init_info": {"rendezvous": str(rdv), "timeout": 240,
+                                                                    "adapter": config}})
+            srv.post("/start_weight_update")
+            srv.post("/update_weights", {"update_info": {"lora_name": f"policy-v{v}"}})
+            srv.post("/finish_weight_update", {"weight_version": str(v)})
+            srv.post("/shutdown_weight_transfer_engine")
+            assert sender.wait(120) == 0, sender.tail()
+            _load_lora(srv, f"policy-v{v}", f"shardstream://policy-v{v}")
+            got[f"pushed-{v}"] = srv.served(f"policy-v{v}")
+        got["pushed-1-again"] = srv.served("policy-v1")
+        got["models"] = sorted(m["id"] for m in srv.get("/v1/models")["data"])
+        for v, a in enumerate(adapters, 1):
+            _load_lora(srv, f"disk-{v}", str(a))
+            got[f"disk-{v}"] = srv.served(f"disk-{v}")
+        got["base"] = srv.served(str(model))
+        try:
+            _load_lora(srv, "x", "shardstream://never")
+            got["unknown"] = "accepted"
+        except urllib.error.HTTPError as e:
+            got["unknown"] = e.read().decode()
+    finally:
+        for p in procs:
+            p.kill()
+    assert {"policy-v1", "policy-v2"} <= set(got["models"]), got["models"]
+    assert got["pushed-1"] == got["disk-1"] and got["pushed-2"] == got["disk-2"]
+    assert got["pushed-1-again"] == got["disk-1"], "version 1 changed when version 2 arrived"
+    assert got["pushed-1"] != got["base"] and got["pushed-2"] != got["pushed-1"]
+    assert "no adapter pushed as 'never'" in got["unknown"], got["unknown"]
+
+
+def _load_lora(srv: Any, name: str, path: str) -> str:
+    """``POST /v1/load_lora_adapter`` (vLLM answers it in plain text, not JSON)."""
+    import urllib.request
+
+    req = urllib.request.Request(srv.base + "/v1/load_lora_adapter", headers={"Content-Type": "application/json"},
+                                 data=json.dumps({"lora_name": name, "lora_path": path}).encode())
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return r.read().decode()

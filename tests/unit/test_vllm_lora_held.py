@@ -1,0 +1,57 @@
+"""Adapters pushed by name (streamer/vllm/lora.py ``hold``, ``held_adapters``): vLLM's own loading
+of a ``shardstream://NAME`` path gets the pushed adapter under the id its caller picked, any other
+path loads as vLLM loads it, an unknown name is refused by name, and a worker keeps no more
+adapters than its CPU cache could hold. vLLM's worker LoRA manager is faked."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from streamer.vllm import lora
+
+
+def _manager(capacity: int = 2) -> Any:
+    return SimpleNamespace(_load_adapter=lambda req: ("from disk", req.lora_path),
+                           _adapter_manager=SimpleNamespace(capacity=capacity))
+
+
+def _receiver(wm: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    r = object.__new__(lora.AdapterReceiver)
+    r.worker_manager = wm
+    monkeypatch.setattr(r, "_lora_model", lambda tensors, lora_id: SimpleNamespace(id=lora_id, loras=tensors))
+    return r
+
+
+def test_a_held_adapter_loads_under_the_callers_id_and_other_paths_load_from_disk(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    wm = _manager()
+    r = _receiver(wm, monkeypatch)
+    r.hold({"a": 1}, "policy-v1")
+    got = wm._load_adapter(SimpleNamespace(lora_path="shardstream://policy-v1", lora_int_id=7))
+    again = wm._load_adapter(SimpleNamespace(lora_path="shardstream://policy-v1", lora_int_id=9))  # evicted, reloaded
+    assert (got.id, again.id, got.loras) == (7, 9, {"a": 1}) and got is not again
+    assert wm._load_adapter(SimpleNamespace(lora_path="/adapters/x", lora_int_id=3)) == ("from disk", "/adapters/x")
+    with pytest.raises(ValueError, match="no adapter pushed as 'policy-v9' on this worker .held: policy-v1"):
+        wm._load_adapter(SimpleNamespace(lora_path="shardstream://policy-v9", lora_int_id=4))
+
+
+def test_the_oldest_pushes_go_beyond_the_cpu_cache_and_a_name_pushed_again_is_replaced(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    wm = _manager(capacity=2)
+    r = _receiver(wm, monkeypatch)
+    for v in (1, 2, 3):
+        r.hold({"v": v}, f"policy-v{v}")
+    assert list(lora.held_adapters(wm)) == ["policy-v2", "policy-v3"]
+    r.hold({"v": 20}, "policy-v2")
+    assert list(lora.held_adapters(wm)) == ["policy-v3", "policy-v2"]
+    assert wm._load_adapter(SimpleNamespace(lora_path="shardstream://policy-v2", lora_int_id=1)).loras == {"v": 20}
+
+
+def test_a_push_by_name_needs_a_name_and_no_id_checks(monkeypatch: pytest.MonkeyPatch) -> None:
+    r = _receiver(_manager(), monkeypatch)
+    r.problems = []
+    assert r.refusals(None, "policy-v1") == []
+    assert "update_info needs lora_name" in r.refusals(None, None)[0]
