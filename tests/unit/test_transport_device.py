@@ -17,13 +17,9 @@ from streamer.transport import device as dev  # noqa: E402
 @pytest.fixture
 def gpus(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     """Eight mocked GPUs; returns the list of devices ``set_device`` was called with."""
-    calls: list[Any] = []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
-    monkeypatch.setattr(torch.cuda, "set_device", calls.append)
-    for name in ("LOCAL_RANK", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK"):
-        monkeypatch.delenv(name, raising=False)
-    return calls
+    from fake_gpus import mock_gpus
+
+    return mock_gpus(monkeypatch)
 
 
 def test_the_callers_device_is_used_as_given_and_nothing_is_set(gpus: list[Any],

@@ -18,14 +18,11 @@ import torch  # noqa: E402
 
 @pytest.fixture
 def engine(monkeypatch: pytest.MonkeyPatch) -> Any:
+    from fake_gpus import mock_gpus
+
     from streamer.vllm import engine as eng_mod
 
-    calls: list[Any] = []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
-    monkeypatch.setattr(torch.cuda, "set_device", calls.append)
-    for name in ("LOCAL_RANK", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK"):
-        monkeypatch.delenv(name, raising=False)
+    calls = mock_gpus(monkeypatch)
     vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(), model_config=SimpleNamespace())
     e = eng_mod.ShardstreamWeightTransferEngine(SimpleNamespace(backend="shardstream"), vllm_config,
                                                 torch.device("cuda", 5), torch.nn.Linear(2, 2))
