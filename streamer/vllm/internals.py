@@ -10,7 +10,9 @@ instead of failing half-way through an update.
 
 One more dependency is structural: the engine reaches its worker (:func:`worker_of`) through the
 call that creates the transfer (``Worker.init_weight_transfer_engine``), to watch the model
-runner's steps (``streamer.vllm.steps``).
+runner's steps (``streamer.vllm.steps``), and to end vLLM's update on the workers that return
+while another raises (``streamer.vllm.replies``: the worker's ``_weight_update_active`` flag,
+set to False as vLLM's own ``update_weights`` does when it raises; skipped when absent).
 """
 
 from __future__ import annotations
