@@ -461,7 +461,8 @@ class Executor:
                 self._undo(run, delta)
             raise
         st = run.st
-        if run.applied and run.problems:  # a delta that did not decode: the others go back too
+        undone = bool(run.applied and run.problems)
+        if undone:  # a bad header or a delta that did not decode: back to the base
             assert delta is not None
             self._undo(run, delta)
         if delta is not None and delta.stage and not run.problems:
@@ -471,8 +472,9 @@ class Executor:
             st.staged_bytes = self._stager.staged_bytes - staged0
         if self.verify:
             t1 = time.perf_counter()
+            # the digests cross the wire: exchanged even after an undo, whose regions hold the base
             st.verified_regions, bad = self._verify()
-            run.problems += bad
+            run.problems += [] if undone else bad
             st.verify_seconds = time.perf_counter() - t1
         st.seconds = time.perf_counter() - t0
         if run.problems:
