@@ -41,7 +41,9 @@ USED: dict[str, tuple[str, ...]] = {
     "vllm.distributed.parallel_state": ("get_world_group",),
     # adapter sessions (lora.py): an adapter's PEFT config, as vLLM reads it from a directory; also
     # used there, as attributes of the worker's LoRA manager: _adapter_manager, _lora_model_cls,
-    # _registered_adapters (its CPU cache) and the model runner's reset_lora_state
+    # _registered_adapters (its CPU cache), _load_adapter (held adapters), the checks its loader runs
+    # after building (_validate_moe_lora_format, _validate_modules_to_save,
+    # _validate_token_classification_lora: each run where present) and the model runner's reset_lora_state
     "vllm.lora.peft_helper": ("PEFTHelper",),
 }
 

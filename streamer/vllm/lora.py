@@ -1,8 +1,9 @@
 """LoRA adapters pushed straight into a running vLLM engine's adapter manager: no disk, no merge.
 
 A trainer pushes a PEFT adapter's tensors (``base_model.model.<module>.lora_A.weight`` /
-``lora_B.weight``, PEFT's saved names; ``adapter_names`` turns a live PEFT model's
-``...lora_A.default.weight`` keys into them) through an adapter session: ``init_info`` with
+``lora_B.weight``, and an embedding's ``lora_embedding_A`` / ``lora_embedding_B``: PEFT's saved
+names; ``adapter_names`` turns a live PEFT model's ``...lora_A.default.weight`` keys into them)
+through an adapter session: ``init_info`` with
 ``"adapter": {PEFT config: r, lora_alpha, target_modules, use_rslora, ...}``. Each worker receives
 the whole adapter: vLLM keeps an unsliced CPU copy of every adapter on every rank (``LoRAModel``,
 the copy its GPU slots are refilled from when an adapter is evicted and used again), and its own
@@ -30,8 +31,10 @@ from formats.manifest.spec import ArraySpec, Chunk, Manifest
 __all__ = ["SCHEME", "AdapterReceiver", "adapter_names", "check_adapter", "held_adapters", "keep_adapters_once",
            "replicated"]
 
-#: PEFT's saved name of one LoRA tensor: the module, then lora_A / lora_B
-_NAME = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
+#: PEFT's saved name of one LoRA tensor: the module, then lora_A / lora_B (a linear layer's, an
+#: expert's) or lora_embedding_A / lora_embedding_B (an embedding's: no ``.weight``)
+_NAME = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?:embedding_)?(?P<ab>[AB])(?:\.weight)?$")
+_SUFFIXES = ("A.weight", "B.weight", "embedding_A", "embedding_B")
 
 
 def adapter_names(state: Mapping[str, Any], adapter: str = "default") -> dict[str, Any]:
@@ -40,38 +43,69 @@ def adapter_names(state: Mapping[str, Any], adapter: str = "default") -> dict[st
     not part of an adapter push and are left out.
 
     >>> sorted(adapter_names({"base_model.model.l.q_proj.lora_A.default.weight": 1,
-    ...                       "base_model.model.l.q_proj.base_layer.weight": 2}))
-    ['base_model.model.l.q_proj.lora_A.weight']
+    ...                       "base_model.model.l.q_proj.base_layer.weight": 2,
+    ...                       "base_model.model.embed_tokens.lora_embedding_B.default": 3}))
+    ['base_model.model.embed_tokens.lora_embedding_B', 'base_model.model.l.q_proj.lora_A.weight']
     """
     out = {}
     for name, t in state.items():
-        for ab in ("A", "B"):
-            tag = f".lora_{ab}.{adapter}.weight"
+        for suffix in _SUFFIXES:  # lora_A.default.weight, lora_embedding_A.default, ...
+            head, _, tail = suffix.partition(".")
+            tag = f".lora_{head}.{adapter}" + (f".{tail}" if tail else "")
             if name.endswith(tag):
-                out[name[: -len(tag)] + f".lora_{ab}.weight"] = t
+                out[name[: -len(tag)] + f".lora_{suffix}"] = t
     return out
 
 
 def check_adapter(src: Manifest, targets: set[str]) -> list[str]:
     """One line per array of the trainer's adapter that this engine cannot take: a name that is
-    not a PEFT LoRA tensor, a module whose last name is not one of ``targets`` (the modules vLLM
-    wraps with LoRA, packed ones by their parts), or a module with lora_A and no lora_B (or the
-    reverse)."""
+    not a PEFT LoRA tensor, a module that vLLM would not load into this engine (the rule of its own
+    loader: a module's last name must be one of ``targets``, the modules it wraps with LoRA,
+    packed ones by their parts; an expert's name from ``experts`` on, as ``experts.3.up_proj``,
+    or ``experts`` for fused 3-D experts), or a module with lora_A and no lora_B (or the reverse).
+
+    >>> from formats.manifest.spec import Manifest
+    >>> def m(*names): return Manifest(world_size=1, arrays={n: ArraySpec((2, 2), "float32", ()) for n in names})
+    >>> check_adapter(m("base_model.model.mlp.experts.3.up_proj.lora_A.weight",
+    ...                 "base_model.model.mlp.experts.3.up_proj.lora_B.weight"), {"experts.3.up_proj"})
+    []
+    >>> check_adapter(m("base_model.model.mlp.experts.9.up_proj.lora_A.weight"), {"experts.3.up_proj"})[0]
+    'base_model.model.mlp.experts.9.up_proj.lora_A.weight: module mlp.experts.9.up_proj has no LoRA slot ...'
+    """
     problems = []
     halves: dict[str, set[str]] = {}
     for name in sorted(src.arrays):
         m = _NAME.match(name)
         if m is None:
-            problems.append(f"{name}: not a LoRA tensor (expected base_model.model.MODULE.lora_A.weight or lora_B)")
+            problems.append(f"{name}: not a LoRA tensor (expected base_model.model.MODULE.lora_A.weight or lora_B, "
+                            "or an embedding's lora_embedding_A / lora_embedding_B)")
             continue
         module = m["module"]
-        if module.rsplit(".", 1)[-1] not in targets:
+        if not _has_slot(module, targets):
             problems.append(f"{name}: module {module} has no LoRA slot in this engine (it wraps: "
-                            f"{', '.join(sorted(targets))})")
+                            f"{_listed(targets)})")
         halves.setdefault(module, set()).add(m["ab"])
-    problems += [f"base_model.model.{mod}: lora_{'B' if have == {'A'} else 'A'}.weight is missing"
+    problems += [f"base_model.model.{mod}: lora_{'B' if have == {'A'} else 'A'} is missing"
                  for mod, have in sorted(halves.items()) if have != {"A", "B"}]
     return problems
+
+
+def _has_slot(module: str, targets: set[str]) -> bool:
+    """vLLM's own loader rule (``LoRAModel.from_local_checkpoint``): experts are matched from
+    ``experts`` on; PEFT's fused 3-D form names gate_up ``experts.base_layer``, which vLLM takes as
+    the ``experts`` module's first half."""
+    at = module.find(".experts")
+    if at >= 0:
+        suffix = module[at + 1:]
+        return suffix in targets or (suffix == "experts.base_layer" and "experts" in targets)
+    return module.rsplit(".", 1)[-1] in targets
+
+
+def _listed(targets: set[str]) -> str:
+    """The wrapped modules for a message: per-expert names collapsed (a MoE has thousands)."""
+    plain = sorted(t for t in targets if not t.startswith("experts."))
+    experts = len(targets) - len(plain)
+    return ", ".join(plain + ([f"{experts} expert projections (experts.N.PROJ)"] if experts else []))
 
 
 def replicated(src: Manifest, world_size: int, name: str = "vllm-adapter") -> Manifest:
@@ -112,7 +146,10 @@ class AdapterReceiver:
                 raise ValueError(f"shardstream: init_info adapter lacks {key!r} (the adapter's PEFT config)")
         mgr = wm._adapter_manager
         packed = mgr.packed_modules_mapping
+        # what vLLM's loader expects (WorkerLoRAManager._load_adapter): packed modules by their parts,
+        # a MoE's experts per expert and projection, and ``experts`` itself (the fused 3-D form)
         self.targets = {p for m in mgr.supported_lora_modules for p in packed.get(m, [m])}
+        self.targets |= {"experts"} & set(mgr.supported_lora_modules)
         self.manifest: Manifest | None = None
         self.problems: list[str] = []
 
@@ -174,14 +211,20 @@ class AdapterReceiver:
         from streamer.vllm import internals
 
         wm = self.worker_manager
-        peft = internals.load().PEFTHelper.from_dict({**self.config, "vllm_max_position_embeddings": wm.max_position_embeddings})
+        config = {k: v for k, v in self.config.items() if k != "is_3d_lora_weight"}  # a LoRARequest field, not PEFT's
+        peft = internals.load().PEFTHelper.from_dict({**config, "vllm_max_position_embeddings": wm.max_position_embeddings})
         peft.validate_legal(wm.lora_config)
-        model = wm._adapter_manager.model
-        mapper = getattr(model, "hf_to_vllm_mapper", None)
+        mgr = wm._adapter_manager
+        mapper = getattr(mgr.model, "hf_to_vllm_mapper", None)
         lora = wm._lora_model_cls.from_lora_tensors(
             lora_model_id=lora_id, tensors=tensors, peft_helper=peft, device="cpu", dtype=wm.lora_config.lora_dtype,
             model_vocab_size=wm.vocab_size, weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
-            skip_prefixes=getattr(model, "lora_skip_prefixes", None))
+            skip_prefixes=getattr(mgr.model, "lora_skip_prefixes", None))
+        # the checks vLLM's own loader runs after building (WorkerLoRAManager._load_adapter), where this vLLM has them
+        lora.is_3d_lora_weight = bool(self.config.get("is_3d_lora_weight", False))
+        for check in ("_validate_moe_lora_format", "_validate_modules_to_save", "_validate_token_classification_lora"):
+            if hasattr(mgr, check):
+                getattr(mgr, check)(lora)
         return lora
 
 

@@ -2,7 +2,7 @@
 against the same adapters loaded by vLLM from PEFT directories (the vllm tier).
 
 One engine (TP 1, then TP 2; ``enable_lora=True``, 2 slots, ``max_lora_rank=16``) on a tiny dense Qwen3; two
-adapters of rank 8 on q/k/v/o and gate/up/down (``lora_alpha=12``: a scale of 1.5, folded into B
+adapters of rank 8 on q/k/v/o, gate/up/down, embed_tokens and lm_head (``lora_alpha=12``: a scale of 1.5, folded into B
 in bf16 by vLLM's own loader on both paths). lora_driver.py pushes adapter 1 as ``policy-v1``
 (id 1), then adapter 2 as ``policy-v2`` (id 2), through a rendezvous file, and generates with each
 ``LoRARequest`` (whose path does not exist: nothing is read from disk). Checked: each pushed
@@ -31,26 +31,40 @@ sys.path.insert(0, str(HERE))
 import tiny_models  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+#: the input embedding and the output head have LoRA slots too (PEFT names the embedding's tensors
+#: lora_embedding_A [r, vocab] and lora_embedding_B [hidden, r])
+EMBEDDINGS = ["embed_tokens", "lm_head"]
 
 
-def make_adapter(model_dir: Path, out: Path, seed: int, r: int = 8, alpha: int = 12) -> Path:
-    """A PEFT adapter directory: lora_A [r, in] and lora_B [out, r] per target module, seeded."""
+def make_adapter(model_dir: Path, out: Path, seed: int, r: int = 8, alpha: int = 12,
+                 embeddings: bool = True) -> Path:
+    """A PEFT adapter directory: lora_A [r, in] and lora_B [out, r] per target module (and the
+    embedding's lora_embedding_A / _B with ``embeddings``), seeded."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * 0.2).to(torch.bfloat16)
+
+    targets = TARGETS + (EMBEDDINGS if embeddings else [])
     tensors = {}
     for name, mod in model.named_modules():
-        if name.rsplit(".", 1)[-1] in TARGETS:
-            base = f"base_model.model.{name}"
-            tensors[f"{base}.lora_A.weight"] = (torch.randn(r, mod.in_features, generator=g) * 0.2).to(torch.bfloat16)
-            tensors[f"{base}.lora_B.weight"] = (torch.randn(mod.out_features, r, generator=g) * 0.2).to(torch.bfloat16)
+        base, last = f"base_model.model.{name}", name.rsplit(".", 1)[-1]
+        if last in targets and isinstance(mod, torch.nn.Embedding):
+            tensors[f"{base}.lora_embedding_A"] = rand(r, mod.num_embeddings)
+            tensors[f"{base}.lora_embedding_B"] = rand(mod.embedding_dim, r)
+        elif last in targets:
+            tensors[f"{base}.lora_A.weight"] = rand(r, mod.in_features)
+            tensors[f"{base}.lora_B.weight"] = rand(mod.out_features, r)
+    assert not embeddings or sum("embed_tokens" in k or "lm_head" in k for k in tensors) == 4
     out.mkdir(parents=True)
     save_file(tensors, str(out / "adapter_model.safetensors"))
     (out / "adapter_config.json").write_text(json.dumps({
-        "r": r, "lora_alpha": alpha, "target_modules": TARGETS, "bias": "none", "peft_type": "LORA",
+        "r": r, "lora_alpha": alpha, "target_modules": targets, "bias": "none", "peft_type": "LORA",
         "task_type": "CAUSAL_LM", "use_rslora": False, "use_dora": False}))
     return out
 
