@@ -29,6 +29,8 @@ if [ ! -f "$VLLM_STAMP" ] || [ "$(cat "$VLLM_STAMP")" != "$VLLM_WANT" ]; then
     # megatron-core for the live-Megatron tests (tests/vllm/mcore.py): its own deps (torch, numpy,
     # packaging) are already here; without --no-deps pip would pull a CUDA build of torch
     "$VLLM_VENV/bin/python" -m pip install -q --no-deps "megatron-core==0.16.1" >&2
+    # peft for the LoRA trainer (tests/vllm/peft_trainer.py): the torch it asks for is met already
+    "$VLLM_VENV/bin/python" -m pip install -q "peft>=0.17" >&2
     "$VLLM_VENV/bin/python" -m pip install -q --no-deps -e "$ROOT" >&2
     echo "$VLLM_WANT" > "$VLLM_STAMP"
 fi

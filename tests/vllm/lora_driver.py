@@ -2,6 +2,7 @@
 a trainer stand-in through the ``shardstream`` backend's adapter session; prints what it served.
 
     python lora_driver.py MODEL ADAPTER_1 ADAPTER_2 RENDEZVOUS OUT.json [TP]
+    python lora_driver.py --trainer MODEL RENDEZVOUS TRAINER_OUT OUT.json TP   (peft_trainer.py's engine)
 
 ADAPTER_N: PEFT adapter directories (adapter_config.json, adapter_model.safetensors) of the same
 config. A thread pushes ADAPTER_1's tensors as version 1, then ADAPTER_2's as version 2, while the
@@ -116,6 +117,57 @@ def _active(llm: Any) -> list[int]:
     return got[0] if all(g == got[0] for g in got) else got
 
 
+def trainer_job(model: str, rdv: str, trainer_out: str, out: str, tp: int = 1) -> None:
+    """The engine side of peft_trainer.py (``--trainer``): versions 1 and 2 pushed by the FSDP2 PEFT
+    trainer are registered as ids 1 and 2 and served side by side in one batch; version 3's push
+    breaks off (the trainer dies), and then both earlier versions still serve exactly what vLLM
+    serves from the directories the trainer wrote for them; id 1 is unloaded and 2 serves on."""
+    from vllm import LLM
+    from vllm.lora.request import LoRARequest
+
+    from peft_trainer import CONFIG
+
+    llm = LLM(model=model, dtype="bfloat16", skip_tokenizer_init=True, enforce_eager=True, max_model_len=128,
+              tensor_parallel_size=tp, seed=0, enable_lora=True, max_loras=2, max_lora_rank=16, max_cpu_loras=4,
+              weight_transfer_config={"backend": "shardstream"},
+              **({"distributed_executor_backend": "uni"} if tp == 1 else {}))
+    llm.init_weight_transfer_engine({"init_info": {"rendezvous": rdv, "timeout": 60, "verify": True,
+                                                   "adapter": CONFIG}})
+    pushed = [LoRARequest(f"policy-v{v}", v, "/nonexistent/shardstream") for v in (1, 2)]
+    result: dict[str, Any] = {"base": _served(llm)}
+    for v in (1, 2):
+        llm.start_weight_update()
+        llm.update_weights({"update_info": {"lora_name": f"policy-v{v}", "lora_id": v}})
+        llm.finish_weight_update(weight_version=str(v))
+    result["side-by-side"] = _served_each(llm, pushed)
+    llm.start_weight_update()
+    try:
+        llm.update_weights({"update_info": {"lora_name": "policy-v3", "lora_id": 3}})
+    except Exception as e:  # noqa: BLE001 - recorded: the test checks the message
+        result["v3_error"] = f"{type(e).__name__}: {e}"
+    result["registered"] = sorted(llm.llm_engine.list_loras())
+    result["after-v3"] = _served_each(llm, pushed)
+    disk = [LoRARequest(f"disk-{v}", 10 + v, f"{trainer_out}/v{v}") for v in (1, 2)]
+    result["disk"] = _served_each(llm, disk)
+    llm.llm_engine.remove_lora(1)  # no request uses version 1 any more
+    result["registered-after-remove"] = sorted(i for i in llm.llm_engine.list_loras() if i < 10)
+    result["v2-after-remove"] = _served(llm, pushed[1])
+    Path(out).write_text(json.dumps(result))
+
+
+def _served_each(llm: Any, loras: list[Any]) -> list[Any]:
+    """Every prompt under each adapter, all in one batch (the versions side by side)."""
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=6, logprobs=2, detokenize=False, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for _ in loras for p in PROMPTS]
+    outs = llm.generate(prompts, sp, use_tqdm=False, lora_request=[lo for lo in loras for _ in PROMPTS])
+    got = [{"tokens": list(o.outputs[0].token_ids),
+            "logprobs": [{str(k): round(v.logprob, 4) for k, v in step.items()} for step in o.outputs[0].logprobs]}
+           for o in outs]
+    return [got[i * len(PROMPTS):(i + 1) * len(PROMPTS)] for i in range(len(loras))]
+
+
 if __name__ == "__main__":
     import os
 
@@ -124,4 +176,8 @@ if __name__ == "__main__":
     if len(sys.argv) > 6 and int(sys.argv[6]) > 1:  # CPU workers, one core each (engine_driver.py does the same)
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(int(sys.argv[6]))))
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-    main(*sys.argv[1:6], *(int(x) for x in sys.argv[6:7]))
+    if sys.argv[1] == "--trainer":  # lora_driver.py --trainer MODEL RENDEZVOUS TRAINER_OUT OUT.json TP
+        del sys.argv[1]
+        trainer_job(*sys.argv[1:5], int(sys.argv[5]))
+    else:
+        main(*sys.argv[1:6], *(int(x) for x in sys.argv[6:7]))

@@ -155,6 +155,43 @@ def test_adapters_pushed_by_name_serve_through_vllm_serve(tmp_path: Path) -> Non
     assert "no adapter pushed as 'never'" in got["unknown"], got["unknown"]
 
 
+@pytest.mark.timeout(600)
+def test_an_fsdp2_peft_trainer_refits_versions_and_a_broken_push_leaves_them_serving(tmp_path: Path) -> None:
+    """peft_trainer.py (PEFT under FSDP2, torchrun 2 ranks) pushes its adapter after each AdamW
+    step into a TP 2 engine (lora_driver.py --trainer): versions 1 and 2 serve side by side in one
+    batch, each exactly what vLLM serves from the PEFT directory the trainer wrote for it; the
+    trainer dies half-way through version 3's push (rank 0 SIGKILLed after posting its first
+    message), the engine refuses version 3, and 1 and 2 still serve exactly; id 1 is unloaded and 2
+    serves on."""
+    from test_vllm_refit import TORCHRUN, Proc
+
+    assert TORCHRUN is not None, "torchrun not found beside this python"
+    model = tiny_models.make_model("dense", tmp_path / "model", seed=0)
+    rdv, trainer_out, out = tmp_path / "rdv", tmp_path / "trainer", tmp_path / "out.json"
+    trainer_out.mkdir()
+    driver = Proc([sys.executable, HERE / "lora_driver.py", "--trainer", model, rdv, trainer_out, out, 2], tmp_path,
+                  "driver")
+    trainer = Proc([TORCHRUN, "--standalone", "--nproc-per-node", 2, HERE / "peft_trainer.py", model, rdv,
+                    trainer_out, 60], tmp_path, "trainer")
+    try:
+        rcs = (driver.wait(540), trainer.wait(60))
+    finally:
+        for p in (driver, trainer):
+            p.kill()
+    assert rcs[0] == 0, f"{rcs}\n=== driver\n{driver.tail()}\n=== trainer\n{trainer.tail()}"
+    pushes = [json.loads(line) for line in trainer.out.read_text().splitlines() if line.startswith("{")]
+    assert [p["version"] for p in pushes] == [1, 2], trainer.tail()
+    assert rcs[1] != 0, "the trainer was to die in its third push"
+    got = json.loads(out.read_text())
+    v1, v2 = got["side-by-side"]
+    assert [v1, v2] == got["disk"], "a pushed version does not serve what vLLM serves from its PEFT directory"
+    assert v1 != v2 and v1 != got["base"], "the versions serve alike: the check could not see a stale adapter"
+    assert "v3_error" in got and "PushFailed" in got["v3_error"], got.get("v3_error")
+    assert got["registered"] == [1, 2], got["registered"]
+    assert got["after-v3"] == [v1, v2], "a broken push changed a version that was served"
+    assert got["registered-after-remove"] == [2] and got["v2-after-remove"] == v2
+
+
 def _load_lora(srv: Any, name: str, path: str) -> str:
     """``POST /v1/load_lora_adapter`` (vLLM answers it in plain text, not JSON)."""
     import urllib.request
