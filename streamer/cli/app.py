@@ -70,6 +70,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     from streamer.tools import bench
 
+    if args.what == "vllm" and args.lora:  # in the vLLM venv: an adapter pushed against the disk path
+        from streamer.vllm.bench_lora import lora_cli
+        _out(args, *lora_cli(args.model, args.lora_ranks, args.repeats, args.dst_tp))
+        return 0
     if args.what == "vllm":  # in the vLLM venv: one engine, three ways to update it
         from streamer.vllm.bench import bench_cli
         _out(args, *bench_cli(args.model, args.repeats, args.dst_tp, _megatron_mesh(args)))
@@ -258,6 +262,11 @@ def _add_bench(sub: Any) -> None:
     p.add_argument("--codec", action="store_true",
                    help="bench refit --delta: the delta codec on one core against every core, next to a full push "
                         "(one sender, one receiver, --size bytes of bf16, --repeats steps)")
+    p.add_argument("--lora", action="store_true",
+                   help="bench vllm: a LoRA adapter pushed into the engine against the disk path (save_pretrained "
+                        "+ load_lora_adapter), end to end, per --lora-ranks")
+    p.add_argument("--lora-ranks", default="8,64", metavar="R,R",
+                   help="bench vllm --lora: the adapter ranks measured (default 8,64)")
     p.add_argument("--lr", type=float, nargs="+", default=[1e-6, 1e-5], metavar="LR",
                    help="bench refit --delta: the AdamW learning rates, one run each (default 1e-6 1e-5)")
     p.add_argument("--replicas", type=_positive_int, metavar="N",

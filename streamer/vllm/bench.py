@@ -127,8 +127,9 @@ def _timed(llm: Any, fn: Callable[[], None], repeats: int) -> tuple[list[float],
     return times, peaks
 
 
-def _engine(model_dir: str, tp: int) -> Any:
-    """An engine with the shardstream backend: in-process at TP 1, vLLM's worker processes above."""
+def _engine(model_dir: str, tp: int, lora: dict[str, Any] | None = None) -> Any:
+    """An engine with the shardstream backend: in-process at TP 1, vLLM's worker processes above;
+    ``lora``: vLLM's LoRA arguments (``enable_lora``, ``max_loras``, ...)."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc with this module's functions
     kw: dict[str, Any] = {}
@@ -141,7 +142,7 @@ def _engine(model_dir: str, tp: int) -> Any:
     from vllm import LLM
 
     return LLM(model=model_dir, dtype="bfloat16", skip_tokenizer_init=True, enforce_eager=True, max_model_len=128,
-               tensor_parallel_size=tp, weight_transfer_config={"backend": "shardstream"}, **kw)
+               tensor_parallel_size=tp, weight_transfer_config={"backend": "shardstream"}, **kw, **(lora or {}))
 
 
 def _lower_bound(worker: Any) -> int:

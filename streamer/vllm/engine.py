@@ -271,6 +271,7 @@ class ShardstreamWeightTransferEngine(
             session.refuse(problems)
         tensors = receiver.buffers()
         error: BaseException | None = None
+        t0 = time.perf_counter()
         try:
             st = session.pull(tensors)
         except BaseException as e:  # noqa: BLE001 - every worker learns it before anyone registers
@@ -280,12 +281,14 @@ class ShardstreamWeightTransferEngine(
                 raise error
             raise RuntimeError("shardstream: another worker did not receive the whole adapter: nothing was registered")
         assert update_info.lora_name is not None
+        t1 = time.perf_counter()
         if update_info.lora_id is None:
             receiver.hold(tensors, update_info.lora_name)  # loaded later as shardstream://NAME (lora.py)
         else:
             receiver.register(tensors, update_info.lora_id)
         self.last = {"adapter": update_info.lora_name, "lora_id": update_info.lora_id,
-                     "bytes_received": st.bytes_received, "version": st.version}
+                     "bytes_received": st.bytes_received, "version": st.version, "pull_seconds": t1 - t0,
+                     "register_seconds": time.perf_counter() - t1}
 
     def _open_session(self, opts: dict[str, Any]) -> Any:
         assert self.described is not None

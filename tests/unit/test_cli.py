@@ -647,7 +647,7 @@ GOLDEN = {
         '--rendezvous', '--replica', '--replicas', '--save', '--src-domain-size', '--stay', '--steps', '--strategy{reshard,broadcast}',
         '--timeout', '--transport{mpi,gloo,nccl,shm,cuda-ipc}', '--verify', '<role>{send,recv}',
         '--control{auto,mpi,store}', '--fp8-block', '--ue8m0'],
-    'bench': ['--against', '--bucket-size', '--chunks', '--codec', '--delta', '--dst-tp', '--json', '--lr', '--memory-limit', '--model',
+    'bench': ['--against', '--bucket-size', '--chunks', '--codec', '--delta', '--dst-tp', '--json', '--lora', '--lora-ranks', '--lr', '--memory-limit', '--model',
         '--replicas',
         '--no-dcp', '--plot',
         '--preset{qwen3-tiny,qwen3-small,qwen3-2g}', '--receivers', '--repeats', '--senders',
@@ -684,3 +684,13 @@ def test_golden_cli_contract() -> None:
     bench_p = {a.dest: a for a in sub.choices["bench"]._actions}
     assert bench_p["lr"].default == [1e-6, 1e-5]
     assert refit["transport"].default is None  # mpi on the MPI control plane (as before), gloo on the store plane
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "vllm", "--lora"], "bench vllm --lora needs --model DIR"),
+    (["bench", "vllm", "--lora", "--model", "m", "--lora-ranks", "8,x"], "--lora-ranks takes positive integers"),
+])
+def test_bench_vllm_lora_refuses_bad_arguments_before_starting_an_engine(capsys: Any, argv: list[str],
+                                                                         message: str) -> None:
+    rc, _, err = run(capsys, *argv)
+    assert rc == 2 and message in err and "Traceback" not in err, err  # a usage error (docs/cli)

@@ -186,10 +186,28 @@ def test_an_fsdp2_peft_trainer_refits_versions_and_a_broken_push_leaves_them_ser
     v1, v2 = got["side-by-side"]
     assert [v1, v2] == got["disk"], "a pushed version does not serve what vLLM serves from its PEFT directory"
     assert v1 != v2 and v1 != got["base"], "the versions serve alike: the check could not see a stale adapter"
-    assert "v3_error" in got and "PushFailed" in got["v3_error"], got.get("v3_error")
+    assert "the push of version 3 failed" in got.get("v3_error", ""), got.get("v3_error")
     assert got["registered"] == [1, 2], got["registered"]
     assert got["after-v3"] == [v1, v2], "a broken push changed a version that was served"
     assert got["registered-after-remove"] == [2] and got["v2-after-remove"] == v2
+
+
+@pytest.mark.timeout(600)
+def test_bench_vllm_lora_measures_both_ways_on_one_engine(tmp_path: Path) -> None:
+    """``bench vllm --lora``: the push and the disk path each ran every repeat, the pushed adapter
+    serves what the same adapter loaded from disk serves, and each worker received the whole
+    adapter (the lower bound: vLLM's CPU copy is unsliced on every rank), no more."""
+    from test_vllm_refit import Proc
+
+    model = tiny_models.make_model("dense", tmp_path / "model", seed=0)
+    run = Proc([sys.executable, "-m", "streamer", "bench", "vllm", "--lora", "--model", model, "--lora-ranks", "8,16",
+                "--repeats", 2, "--dst-tp", 2, "--json"], tmp_path, "bench")
+    assert run.wait(500) == 0, run.tail()
+    r = json.loads(run.out.read_text().splitlines()[-1])
+    assert [x["rank"] for x in r["sizes"]] == [8, 16]
+    for x in r["sizes"]:
+        assert len(x["push"]) == len(x["disk"]) == 2 and x["serves_alike"], x
+        assert x["push_received"] == [x["adapter_bytes"]] * 2, x
 
 
 def _load_lora(srv: Any, name: str, path: str) -> str:
