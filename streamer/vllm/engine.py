@@ -122,6 +122,10 @@ class ShardstreamUpdateInfo(WeightTransferUpdateInfo):  # type: ignore[misc]
     #: adapter sessions: the name and id the pushed adapter is registered under (``LoRARequest``)
     lora_name: str | None = None
     lora_id: int | None = None
+    #: a name already pushed to this engine is refused: vLLM's prefix cache keys an adapter's KV
+    #: blocks by its name and path, so a new version under an old name would reuse blocks the old
+    #: version computed. True: take it anyway; the caller resets the prefix cache before serving it
+    lora_replace: bool = False
 
 
 class ShardstreamWeightTransferEngine(
@@ -266,7 +270,7 @@ class ShardstreamWeightTransferEngine(
         on every worker only once every worker holds all of it."""
         receiver, session = self.adapter, self._need_session()
         assert receiver is not None
-        problems = receiver.refusals(update_info.lora_id, update_info.lora_name)
+        problems = receiver.refusals(update_info.lora_id, update_info.lora_name, update_info.lora_replace)
         if problems:
             session.refuse(problems)
         tensors = receiver.buffers()
@@ -285,7 +289,7 @@ class ShardstreamWeightTransferEngine(
         if update_info.lora_id is None:
             receiver.hold(tensors, update_info.lora_name)  # loaded later as shardstream://NAME (lora.py)
         else:
-            receiver.register(tensors, update_info.lora_id)
+            receiver.register(tensors, update_info.lora_id, update_info.lora_name)
         self.last = {"adapter": update_info.lora_name, "lora_id": update_info.lora_id,
                      "bytes_received": st.bytes_received, "version": st.version, "pull_seconds": t1 - t0,
                      "register_seconds": time.perf_counter() - t1}

@@ -29,7 +29,7 @@ from formats.manifest.box import Box
 from formats.manifest.spec import ArraySpec, Chunk, Manifest
 
 __all__ = ["SCHEME", "AdapterReceiver", "adapter_names", "check_adapter", "held_adapters", "keep_adapters_once",
-           "replicated"]
+           "pushed_names", "replicated"]
 
 #: PEFT's saved name of one LoRA tensor: the module, then lora_A / lora_B (a linear layer's, an
 #: expert's) or lora_embedding_A / lora_embedding_B (an embedding's: no ``.weight``)
@@ -158,11 +158,16 @@ class AdapterReceiver:
         self.manifest = replicated(src, world_size)
         return self.manifest
 
-    def refusals(self, lora_id: int | None, name: str | None) -> list[str]:
+    def refusals(self, lora_id: int | None, name: str | None, replace: bool = False) -> list[str]:
         """What refuses this push before any byte moves (every worker finds the same)."""
         problems = list(self.problems)
         if not name:
             problems.append("update_info needs lora_name for an adapter push (and lora_id to register it at once)")
+        elif name in pushed_names(self.worker_manager) and not replace:
+            problems.append(f"lora_name {name!r} was pushed to this engine before: vLLM's prefix cache keys an "
+                            "adapter's KV blocks by name and path, so a new version under that name would reuse "
+                            "blocks the old one computed; name each version (policy-v7), or pass lora_replace: true "
+                            "and call reset_prefix_cache before serving it (docs/lora.md)")
         if lora_id is None:  # held by name, loaded later through vLLM's own add_lora: nothing else to check
             return problems
         mgr = self.worker_manager._adapter_manager
@@ -190,12 +195,13 @@ class AdapterReceiver:
         dist.all_gather_object(got, ok, group=self.group)
         return all(got)
 
-    def register(self, tensors: dict[str, Any], lora_id: int) -> None:
+    def register(self, tensors: dict[str, Any], lora_id: int, name: str) -> None:
         """vLLM's own loading from tensors, as from a directory; pinned in the CPU cache."""
         lora = self._lora_model(tensors, lora_id)
         mgr = self.worker_manager._adapter_manager
         mgr.add_adapter(lora)
         mgr._registered_adapters.pin(lora_id)  # never evicted from the CPU cache: nothing to reload it from
+        pushed_names(self.worker_manager).add(name)
 
     def hold(self, tensors: dict[str, Any], name: str) -> None:
         """Keep the adapter under ``name`` for vLLM's own ``add_lora`` to load: a ``LoRARequest``
@@ -204,6 +210,7 @@ class AdapterReceiver:
         held = held_adapters(self.worker_manager)
         held.pop(name, None)
         held[name] = self._lora_model(tensors, 1)  # the id vLLM checks at build; a load sets the caller's
+        pushed_names(self.worker_manager).add(name)
         while len(held) > max(1, self.worker_manager._adapter_manager.capacity):
             held.pop(next(iter(held)))  # the oldest push: vLLM's CPU cache could not hold more anyway
 
@@ -230,6 +237,15 @@ class AdapterReceiver:
 
 #: the path that names a pushed adapter held by name: ``shardstream://NAME``
 SCHEME = "shardstream://"
+
+
+def pushed_names(wm: Any) -> set[str]:
+    """Every lora_name pushed to this worker, kept on its LoRA manager across sessions (refused
+    again unless the caller asks to replace it: ``AdapterReceiver.refusals``)."""
+    names: set[str] | None = getattr(wm, "_shardstream_pushed_names", None)
+    if names is None:
+        names = wm._shardstream_pushed_names = set()
+    return names
 
 
 def held_adapters(wm: Any) -> dict[str, Any]:

@@ -55,3 +55,16 @@ def test_a_push_by_name_needs_a_name_and_no_id_checks(monkeypatch: pytest.Monkey
     r.problems = []
     assert r.refusals(None, "policy-v1") == []
     assert "update_info needs lora_name" in r.refusals(None, None)[0]
+
+
+def test_a_name_pushed_before_is_refused_unless_the_caller_replaces_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's prefix cache keys an adapter's KV blocks by its name and path: a new version under an
+    old name would be served with the old version's blocks, so the name is refused (by id and by
+    name alike) until the caller says it resets the prefix cache itself."""
+    r = _receiver(_manager(), monkeypatch)
+    r.problems = []
+    r.hold({"v": 1}, "policy")
+    (problem,) = r.refusals(None, "policy")
+    assert "lora_name 'policy' was pushed to this engine before" in problem and "reset_prefix_cache" in problem
+    assert r.refusals(None, "policy", replace=True) == []
+    assert r.refusals(None, "policy-v2") == []

@@ -203,7 +203,7 @@ def test_bench_vllm_lora_measures_both_ways_on_one_engine(tmp_path: Path) -> Non
     run = Proc([sys.executable, "-m", "streamer", "bench", "vllm", "--lora", "--model", model, "--lora-ranks", "8,16",
                 "--repeats", 2, "--dst-tp", 2, "--json"], tmp_path, "bench")
     assert run.wait(500) == 0, run.tail()
-    r = json.loads(run.out.read_text().splitlines()[-1])
+    (r,) = [json.loads(ln) for ln in run.out.read_text().splitlines() if ln.startswith('{"model"')]  # vLLM logs too
     assert [x["rank"] for x in r["sizes"]] == [8, 16]
     for x in r["sizes"]:
         assert len(x["push"]) == len(x["disk"]) == 2 and x["serves_alike"], x
