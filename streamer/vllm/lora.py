@@ -211,8 +211,8 @@ class AdapterReceiver:
         held.pop(name, None)
         held[name] = self._lora_model(tensors, 1)  # the id vLLM checks at build; a load sets the caller's
         pushed_names(self.worker_manager).add(name)
-        while len(held) > max(1, self.worker_manager._adapter_manager.capacity):
-            held.pop(next(iter(held)))  # the oldest push: vLLM's CPU cache could not hold more anyway
+        while len(held) > held_limit(self.worker_manager._adapter_manager.capacity):
+            held.pop(next(iter(held)))  # the oldest push
 
     def _lora_model(self, tensors: dict[str, Any], lora_id: int) -> Any:
         from streamer.vllm import internals
@@ -237,6 +237,18 @@ class AdapterReceiver:
 
 #: the path that names a pushed adapter held by name: ``shardstream://NAME``
 SCHEME = "shardstream://"
+
+
+#: a worker keeps at least this many adapters pushed by name, beyond vLLM's CPU cache: they are what
+#: vLLM reloads an evicted adapter from (as it would from its directory), so that two versions can
+#: alternate on an engine whose CPU cache holds one (``max_cpu_loras=1``)
+HELD_AT_LEAST = 4
+
+
+def held_limit(cpu_cache: int) -> int:
+    """How many adapters pushed by name a worker keeps (the oldest go first): twice vLLM's CPU
+    cache (``max_cpu_loras``), and at least :data:`HELD_AT_LEAST`."""
+    return max(HELD_AT_LEAST, 2 * cpu_cache)
 
 
 def pushed_names(wm: Any) -> set[str]:

@@ -38,15 +38,18 @@ def test_a_held_adapter_loads_under_the_callers_id_and_other_paths_load_from_dis
         wm._load_adapter(SimpleNamespace(lora_path="shardstream://policy-v9", lora_int_id=4))
 
 
-def test_the_oldest_pushes_go_beyond_the_cpu_cache_and_a_name_pushed_again_is_replaced(
+def test_a_worker_holds_more_than_vllms_cpu_cache_and_drops_the_oldest_beyond_that(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    wm = _manager(capacity=2)
+    """Held adapters are what vLLM reloads evicted ones from: with a CPU cache of 1, two versions
+    alternate only if the worker holds both; beyond max(4, 2 x the cache) the oldest go."""
+    wm = _manager(capacity=1)
     r = _receiver(wm, monkeypatch)
-    for v in (1, 2, 3):
+    for v in range(1, 6):
         r.hold({"v": v}, f"policy-v{v}")
-    assert list(lora.held_adapters(wm)) == ["policy-v2", "policy-v3"]
-    r.hold({"v": 20}, "policy-v2")
-    assert list(lora.held_adapters(wm)) == ["policy-v3", "policy-v2"]
+    assert list(lora.held_adapters(wm)) == [f"policy-v{v}" for v in (2, 3, 4, 5)]
+    assert lora.held_limit(1) == 4 and lora.held_limit(3) == 6
+    r.hold({"v": 20}, "policy-v2")  # the same name again (lora_replace): replaced, now the newest
+    assert list(lora.held_adapters(wm)) == ["policy-v3", "policy-v4", "policy-v5", "policy-v2"]
     assert wm._load_adapter(SimpleNamespace(lora_path="shardstream://policy-v2", lora_int_id=1)).loras == {"v": 20}
 
 

@@ -3,6 +3,7 @@ a trainer stand-in through the ``shardstream`` backend's adapter session; prints
 
     python lora_driver.py MODEL ADAPTER_1 ADAPTER_2 RENDEZVOUS OUT.json [TP]
     python lora_driver.py --trainer MODEL RENDEZVOUS TRAINER_OUT OUT.json TP   (peft_trainer.py's engine)
+    python lora_driver.py --evict MODEL ADAPTER_1 ADAPTER_2 RENDEZVOUS OUT.json   (one slot, one cached)
 
 ADAPTER_N: PEFT adapter directories (adapter_config.json, adapter_model.safetensors) of the same
 config. A thread pushes ADAPTER_1's tensors as version 1, then ADAPTER_2's as version 2, while the
@@ -155,6 +156,47 @@ def trainer_job(model: str, rdv: str, trainer_out: str, out: str, tp: int = 1) -
     Path(out).write_text(json.dumps(result))
 
 
+def evict_job(model: str, a1: str, a2: str, rdv: str, out: str) -> None:
+    """``--evict``: an engine whose CPU cache and slots hold one adapter (``max_loras=1,
+    max_cpu_loras=1``). Both adapters are pushed by name, then served alternately, four times each,
+    through ``shardstream://NAME`` paths: each turn evicts the other from vLLM's cache, and vLLM
+    reloads it from what the workers hold. Then the same from their directories, for reference."""
+    from safetensors.torch import load_file
+    from vllm import LLM
+    from vllm.lora.request import LoRARequest
+
+    from streamer import RefitSession, manifest_from_state_dict
+
+    adapters = [Path(a1), Path(a2)]
+    config = json.loads((adapters[0] / "adapter_config.json").read_text())
+    llm = LLM(model=model, dtype="bfloat16", skip_tokenizer_init=True, enforce_eager=True, max_model_len=128,
+              seed=0, enable_lora=True, max_loras=1, max_lora_rank=16, max_cpu_loras=1,
+              weight_transfer_config={"backend": "shardstream"}, distributed_executor_backend="uni")
+    tensors = [load_file(str(a / "adapter_model.safetensors")) for a in adapters]
+
+    def trainer() -> None:
+        with RefitSession.open(manifest_from_state_dict(tensors[0], name="adapter"), "send", rendezvous=rdv,
+                               timeout=120) as s:
+            for v, t in enumerate(tensors, 1):
+                s.push(t, version=v)
+
+    thread = threading.Thread(target=trainer, daemon=True)
+    thread.start()
+    llm.init_weight_transfer_engine({"init_info": {"rendezvous": rdv, "timeout": 120, "adapter": config}})
+    for v in (1, 2):
+        llm.start_weight_update()
+        llm.update_weights({"update_info": {"lora_name": f"a{v}"}})
+        llm.finish_weight_update()
+    thread.join(60)
+    result: dict[str, Any] = {"pushed": [], "cached": []}
+    for turn in range(8):
+        v = turn % 2 + 1
+        result["pushed"].append(_served(llm, LoRARequest(f"a{v}", v, f"shardstream://a{v}")))
+        result["cached"].append(sorted(llm.llm_engine.list_loras()))
+    result["disk"] = [_served(llm, LoRARequest(f"disk-{v}", 10 + v, str(a))) for v, a in enumerate(adapters, 1)]
+    Path(out).write_text(json.dumps(result))
+
+
 def _served_each(llm: Any, loras: list[Any]) -> list[Any]:
     """Every prompt under each adapter, all in one batch (the versions side by side)."""
     from vllm import SamplingParams
@@ -179,5 +221,7 @@ if __name__ == "__main__":
     if sys.argv[1] == "--trainer":  # lora_driver.py --trainer MODEL RENDEZVOUS TRAINER_OUT OUT.json TP
         del sys.argv[1]
         trainer_job(*sys.argv[1:5], int(sys.argv[5]))
+    elif sys.argv[1] == "--evict":  # lora_driver.py --evict MODEL ADAPTER_1 ADAPTER_2 RENDEZVOUS OUT.json
+        evict_job(*sys.argv[2:7])
     else:
         main(*sys.argv[1:6], *(int(x) for x in sys.argv[6:7]))

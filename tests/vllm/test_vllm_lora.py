@@ -193,6 +193,26 @@ def test_an_fsdp2_peft_trainer_refits_versions_and_a_broken_push_leaves_them_ser
 
 
 @pytest.mark.timeout(600)
+def test_two_adapters_alternate_through_one_slot_and_one_cached_copy(tmp_path: Path) -> None:
+    """``max_loras=1, max_cpu_loras=1``: two adapters pushed by name, served alternately four times
+    each; every turn evicts the other from vLLM's CPU cache, and vLLM reloads it from what the
+    workers hold (``shardstream://NAME``). Each turn serves exactly what that adapter's directory
+    serves."""
+    model = tiny_models.make_model("dense", tmp_path / "model", seed=0)
+    a1 = make_adapter(model, tmp_path / "adapter-1", seed=1)
+    a2 = make_adapter(model, tmp_path / "adapter-2", seed=2)
+    out = tmp_path / "out.json"
+    p = subprocess.run([sys.executable, str(HERE / "lora_driver.py"), "--evict", str(model), str(a1), str(a2),
+                        str(tmp_path / "rdv"), str(out)], capture_output=True, text=True, timeout=540)
+    assert p.returncode == 0, p.stderr[-4000:]
+    got = json.loads(out.read_text())
+    assert got["cached"] == [[1], [2]] * 4, got["cached"]  # one adapter in vLLM's CPU cache at a time
+    assert got["disk"][0] != got["disk"][1]
+    for turn, served in enumerate(got["pushed"]):
+        assert served == got["disk"][turn % 2], f"turn {turn}: adapter {turn % 2 + 1} reloaded wrong"
+
+
+@pytest.mark.timeout(600)
 def test_bench_vllm_lora_measures_both_ways_on_one_engine(tmp_path: Path) -> None:
     """``bench vllm --lora``: the push and the disk path each ran every repeat, the pushed adapter
     serves what the same adapter loaded from disk serves, and each worker received the whole
