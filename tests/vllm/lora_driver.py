@@ -215,8 +215,9 @@ if __name__ == "__main__":
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(_slot_ids): a test's probe
-    if len(sys.argv) > 6 and int(sys.argv[6]) > 1:  # CPU workers, one core each (engine_driver.py does the same)
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(int(sys.argv[6]))))
+    tp = int(sys.argv[6]) if len(sys.argv) > 6 and sys.argv[1] != "--evict" else 1  # --evict: TP 1
+    if tp > 1:  # CPU workers, one core each (engine_driver.py does the same)
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(tp)))
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     if sys.argv[1] == "--trainer":  # lora_driver.py --trainer MODEL RENDEZVOUS TRAINER_OUT OUT.json TP
         del sys.argv[1]
