@@ -759,6 +759,19 @@ At TP 2 the pull delivers each worker its own half (the vocabulary shards, its h
 | | – | full tensors + `load_weights` | 0.140 | 107.53 / 107.53 | – | yes |
 
 From the Megatron trainer each worker receives exactly its lower bound (1.000×; full tensors: 2.00× at TP 2). The apply time from the four-rank Megatron trainer is 0.84× that from one rank holding full HF tensors at TP 2 (0.96× at TP 1), in one run on a loaded machine; the trainer's push, slowest rank, median: 0.078–0.087 s. The GPU figures that matter (NCCL, NVLink) do not exist yet.
+
+### LoRA adapters into vLLM (`bench vllm --lora`)
+
+`shardstream bench vllm --lora --model DIR --lora-ranks 8,64 --repeats 5 [--dst-tp 2]` in the vLLM venv, measured 2026-12-05 on the 2-core machine (load average about 1), the same Qwen3 56M (bf16). Per rank, a seeded fp32 adapter on every q/k/v/o and gate/up/down projection (`lora_alpha` 2r), put into one engine (`max_loras` 2, `max_lora_rank` 64) five times each way, interleaved, and timed end to end from "the trainer holds the tensors" to "the engine can serve them": the **push** (a sender process, an adapter session: `start_weight_update`, `update_weights` with `lora_name` and `lora_id`, `finish_weight_update`) against the **disk path** (a PEFT directory written and fsynced on the same local ext4, then `add_lora`, what `/v1/load_lora_adapter` calls). Medians; one run per TP:
+
+| engine | adapter rank | adapter MiB (fp32) | push s | disk s | push / disk | received MiB per worker | lower bound MiB per worker | both serve alike |
+|---|---|---|---|---|---|---|---|---|
+| TP 1 in-process | 8 | 2.28 | 0.013 | 0.011 | 1.19 | 2.28 | 2.28 | yes |
+| | 64 | 18.25 | 0.020 | 0.026 | **0.78** | 18.25 | 18.25 | yes |
+| TP 2 (2 worker processes) | 8 | 2.28 | 0.017 | 0.012 | 1.43 | 2.28 / 2.28 | 2.28 / 2.28 | yes |
+| | 64 | 18.25 | 0.042 | 0.029 | 1.45 | 18.25 / 18.25 | 18.25 / 18.25 | yes |
+
+Each worker receives exactly the lower bound: the whole adapter, because vLLM keeps an unsliced CPU copy of every adapter on every rank and refills its slots from it ([lora.md](docs/lora.md#how-the-adapter-reaches-each-worker)). The push beat the disk path only for the rank-64 adapter at TP 1; the goal (faster at every size) is not met on this machine. Almost all of the push is the pull (TP 2: 0.013 s at rank 8, 0.035 s at rank 64, slowest worker; building and registering vLLM's `LoRAModel` took 0.001–0.003 s): a fixed cost of about 0.01 s per push, and then one sender process writing every worker's copy through loopback TCP (gloo), against a disk path that here writes to and reads from the page cache of a local disk, the best case for it (a networked filesystem, or a trainer on another host, is not).
 """
 
 
