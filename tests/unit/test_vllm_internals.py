@@ -16,7 +16,7 @@ from streamer.vllm import internals
 PKG = Path(__file__).resolve().parents[2] / "streamer" / "vllm"
 #: vLLM's public API, which any module of the backend may import
 PUBLIC = {"vllm", "vllm.distributed.weight_transfer", "vllm.distributed.weight_transfer.base",
-          "vllm.distributed.weight_transfer.factory"}
+          "vllm.distributed.weight_transfer.factory", "vllm.lora.request"}  # LoRARequest: vLLM's user API
 
 
 def _trees() -> dict[str, ast.AST]:

@@ -123,10 +123,9 @@ def trainer_job(model: str, rdv: str, trainer_out: str, out: str, tp: int = 1) -
     trainer are registered as ids 1 and 2 and served side by side in one batch; version 3's push
     breaks off (the trainer dies), and then both earlier versions still serve exactly what vLLM
     serves from the directories the trainer wrote for them; id 1 is unloaded and 2 serves on."""
+    from peft_trainer import CONFIG
     from vllm import LLM
     from vllm.lora.request import LoRARequest
-
-    from peft_trainer import CONFIG
 
     llm = LLM(model=model, dtype="bfloat16", skip_tokenizer_init=True, enforce_eager=True, max_model_len=128,
               tensor_parallel_size=tp, seed=0, enable_lora=True, max_loras=2, max_lora_rank=16, max_cpu_loras=4,

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from matrix_trainer import crash_midway  # this directory is on sys.path: the script's own
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 CONFIG = {"r": 8, "lora_alpha": 12, "target_modules": TARGETS}
@@ -50,18 +50,6 @@ def save_reference(model: Any, out: Path) -> None:
     (tmp / "adapter_config.json").write_text(json.dumps({**CONFIG, "bias": "none", "peft_type": "LORA",
                                                          "task_type": "CAUSAL_LM", "use_rslora": False}))
     os.replace(tmp, out)
-
-
-def die_after_first_message(session: Any) -> None:
-    """SIGKILL this rank right after it posts the push's first message."""
-    isend = session.transport.isend
-
-    def posting_then_dying(buf: object, dst: int, tag: int) -> object:
-        request = isend(buf, dst, tag)
-        os.kill(os.getpid(), signal.SIGKILL)
-        return request
-
-    session.transport.isend = posting_then_dying
 
 
 def main(model_dir: str, rdv: str, out: Path, timeout: float) -> None:
@@ -97,7 +85,7 @@ def main(model_dir: str, rdv: str, out: Path, timeout: float) -> None:
             if version < 3:
                 save_reference(model, out / f"v{version}")
             elif dist.get_rank() == 0:
-                die_after_first_message(session)
+                crash_midway(session)  # SIGKILL right after posting its first message
             st = session.push(adapter_names(model.state_dict()), version=version)
             if dist.get_rank() == 0:
                 os.write(1, (json.dumps({"version": st.version, "bytes_sent": st.bytes_sent}) + "\n").encode())
