@@ -207,9 +207,6 @@ class ShardstreamWeightTransferEngine(
         self.stager.start()
 
     def _open_adapter_session(self, init_info: ShardstreamInitInfo, worker: Any) -> None:
-        from formats.manifest.spec import Manifest
-        from streamer import RefitOptions, RefitSession
-        from streamer.transport.jobs import launcher_rank
         from streamer.vllm.lora import AdapterReceiver
 
         if init_info.staging != "none":
@@ -219,32 +216,17 @@ class ShardstreamWeightTransferEngine(
 
         group = internals.load().get_world_group().cpu_group if dist.is_initialized() else None
         self.adapter = receiver = AdapterReceiver(worker, init_info.adapter, group)
-        size = launcher_rank()[1]
-        self.session = RefitSession.open(Manifest(world_size=size, arrays={}), "recv",
-                                         rendezvous=init_info.rendezvous, transport=init_info.transport,
-                                         timeout=init_info.timeout, options=RefitOptions(verify=init_info.verify),
-                                         choose_manifest=lambda src: receiver.choose(src, size),
-                                         replica=init_info.replica)
+        self.session = _open_whole(init_info, receiver.choose, delta=False, device=None)
 
     def _open_load_session(self, init_info: ShardstreamInitInfo) -> None:
         """The public-API path (loadweights.py): every array received whole, then ``load_weights``."""
-        from formats.manifest.spec import Manifest
-        from streamer import RefitOptions, RefitSession
-        from streamer.transport.jobs import launcher_rank
-
         if init_info.staging != "none":
             raise ValueError("shardstream: reload 'load_weights' is not staged: use staging 'none'")
         if internals.missing():
             _log.warning("shardstream: this vLLM lacks internals of the fast path (%s): every push is received "
                          "whole and loaded with model.load_weights", ", ".join(internals.missing()))
         self.loader = receiver = LoadWeightsReceiver(self.model, self.model_config)
-        size = launcher_rank()[1]
-        self.session = RefitSession.open(Manifest(world_size=size, arrays={}), "recv",
-                                         rendezvous=init_info.rendezvous, transport=init_info.transport,
-                                         timeout=init_info.timeout,
-                                         options=RefitOptions(verify=init_info.verify, delta=init_info.delta),
-                                         choose_manifest=lambda src: receiver.choose(src, size),
-                                         replica=init_info.replica, device=self._cuda_device())
+        self.session = _open_whole(init_info, receiver.choose, delta=init_info.delta, device=self._cuda_device())
 
     def _receive_loaded(self) -> None:
         """One push on the public-API path: received whole, then loaded by vLLM's weight loaders."""
@@ -633,6 +615,20 @@ class ShardstreamWeightTransferEngine(
         self._before = None
         self._started = False
         self._end()
+
+
+def _open_whole(init_info: ShardstreamInitInfo, choose: Any, *, delta: bool, device: Any) -> Any:
+    """A receiving session whose manifest ``choose(src, world_size)`` builds from the trainer's, with
+    every array whole on each worker (adapter sessions and the load_weights path)."""
+    from formats.manifest.spec import Manifest
+    from streamer import RefitOptions, RefitSession
+    from streamer.transport.jobs import launcher_rank
+
+    size = launcher_rank()[1]
+    return RefitSession.open(Manifest(world_size=size, arrays={}), "recv", rendezvous=init_info.rendezvous,
+                             transport=init_info.transport, timeout=init_info.timeout,
+                             options=RefitOptions(verify=init_info.verify, delta=delta),
+                             choose_manifest=lambda src: choose(src, size), replica=init_info.replica, device=device)
 
 
 def _check_parallel(pc: Any) -> None:
