@@ -8,7 +8,8 @@ a trainer stand-in through the ``shardstream`` backend's adapter session; prints
 ADAPTER_N: PEFT adapter directories (adapter_config.json, adapter_model.safetensors) of the same
 config. A thread pushes ADAPTER_1's tensors as version 1, then ADAPTER_2's as version 2, while the
 engine registers them as ``policy-v1`` (id 1) and ``policy-v2`` (id 2). Then id 1 is pushed again
-(refused by name: a version is a new id). OUT gets, per prompt, the greedy tokens and top-2
+under a new name (refused by name: a version is a new id), then policy-v1's name under a new id
+(refused: vLLM's prefix cache keys adapters by name). OUT gets, per prompt, the greedy tokens and top-2
 logprobs of: the base model, each pushed adapter, and each adapter loaded by vLLM from its
 directory (ids 11, 12), each pushed adapter again after those took both slots (reloaded into a
 slot from vLLM's CPU copy), and the refusal both sides saw.
@@ -57,11 +58,13 @@ def _push(rdv: str, adapters: list[Path], log: dict[str, Any], go: threading.Eve
             go.wait(120)
             go.clear()
             log.setdefault("pushed", []).append(s.push(load_file(str(a / "adapter_model.safetensors")), version=v).version)
-        go.wait(120)
-        try:
-            s.push(first, version=len(adapters) + 1)
-        except RefusedError as e:
-            log["trainer_refused"] = str(e)
+        for what in ("id", "name"):  # id 1 again under a new name, then an old name under a new id
+            go.wait(120)
+            go.clear()
+            try:
+                s.push(first, version=len(adapters) + 1)
+            except RefusedError as e:
+                log[f"trainer_refused_{what}"] = str(e)
 
 
 def main(model: str, a1: str, a2: str, rdv: str, out: str, tp: int = 1) -> None:
@@ -90,12 +93,14 @@ def main(model: str, a1: str, a2: str, rdv: str, out: str, tp: int = 1) -> None:
     # version 1 again, both still registered: the older version serves on while the caller keeps it
     result["pushed-1-again"] = _served(llm, LoRARequest("policy-v1", 1, "/nonexistent/shardstream"))
     result["registered"] = sorted(llm.llm_engine.list_loras())
-    go.set()
-    llm.start_weight_update()
-    try:
-        llm.update_weights({"update_info": {"lora_name": "policy-v1", "lora_id": 1}})
-    except Exception as e:  # noqa: BLE001 - recorded: the test checks the message
-        result["engine_refused"] = str(e)
+    for what, info in (("id", {"lora_name": "policy-v1-again", "lora_id": 1}),
+                       ("name", {"lora_name": "policy-v1", "lora_id": 3})):
+        go.set()
+        llm.start_weight_update()
+        try:
+            llm.update_weights({"update_info": info})
+        except Exception as e:  # noqa: BLE001 - recorded: the test checks the message
+            result[f"engine_refused_{what}"] = str(e)
     trainer.join(120)
     result.update(log)
     for i, a in enumerate(adapters, 1):

@@ -9,8 +9,8 @@ in bf16 by vLLM's own loader on both paths). lora_driver.py pushes adapter 1 as 
 adapter serves exactly what vLLM serves from that adapter's directory (greedy tokens and top-2
 logprobs), differs from the base model and from the other adapter; version 1 still serves after
 version 2 arrived; each still serves the same after two adapters from directories took both slots
-(reloaded from vLLM's CPU copy, which the push filled); pushing id 1 again is refused by name on
-both sides.
+(reloaded from vLLM's CPU copy, which the push filled); pushing id 1 again, and the name
+policy-v1 again, is refused by name on both sides.
 """
 
 from __future__ import annotations
@@ -89,8 +89,10 @@ def test_pushed_adapters_serve_what_vllm_serves_from_their_directories(tmp_path:
     # evicted from the 2 slots by the two directory adapters, then reloaded from vLLM's CPU copy
     assert got["slots-after-disk"] == [11, 12], got["slots-after-disk"]
     assert got["pushed-1-reloaded"] == got["disk-1"] and got["pushed-2-reloaded"] == got["disk-2"]
-    assert "LoRA id 1 is registered already" in got["engine_refused"], got["engine_refused"]
-    assert "LoRA id 1 is registered already" in got["trainer_refused"], got["trainer_refused"]
+    for side in ("engine", "trainer"):
+        assert "LoRA id 1 is registered already" in got[f"{side}_refused_id"], got[f"{side}_refused_id"]
+        assert "lora_name 'policy-v1' was pushed to this engine before" in got[f"{side}_refused_name"], \
+            got[f"{side}_refused_name"]
 
 
 @pytest.mark.timeout(900)
