@@ -47,7 +47,7 @@ def test_the_load_weights_path_opens_its_session_on_the_workers_device(engine: A
 
     seen: list[Any] = []
     monkeypatch.setattr(streamer.RefitSession, "open", classmethod(lambda cls, *a, **kw: seen.append(kw["device"])))
-    monkeypatch.setattr(eng_mod, "LoadWeightsReceiver", lambda model, config: SimpleNamespace())
+    monkeypatch.setattr(eng_mod, "LoadWeightsReceiver", lambda model, config: SimpleNamespace(choose=None))
     monkeypatch.setattr("streamer.transport.jobs.launcher_rank", lambda: (0, 1))
     engine._open_load_session(eng_mod.ShardstreamInitInfo(rendezvous="r", reload="load_weights"))
     assert seen == [torch.device("cuda", 5)] and engine.set_device_calls == []
