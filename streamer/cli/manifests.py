@@ -126,7 +126,9 @@ def cmd_layout(args: argparse.Namespace) -> int:
         # one rank: leave files to `convert`, which names them HF style (model.safetensors, or shards
         # + index with --max-shard-size); several ranks: one file per rank
         pattern = None if mesh.size == 1 else RANK_FILE_PATTERN
-        if mesh.size == 1 and like.base_dir is not None and (like.base_dir / "adapter_config.json").is_file():
+        from streamer.convert.merge_lora import ADAPTER_CONFIG
+
+        if mesh.size == 1 and like.base_dir is not None and (like.base_dir / ADAPTER_CONFIG).is_file():
             pattern = "adapter_model.safetensors"  # a PEFT adapter: the file PEFT and vLLM load
     m = _write_layout(apply_layout(like, mesh, rules, file_pattern=pattern, domain_size=args.domain_size,
                                    name=args.name), args)

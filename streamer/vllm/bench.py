@@ -94,21 +94,23 @@ def _full_tensors(worker: Any, model_dir: str) -> None:
     v.finalize_layerwise_reload(model, worker.model_runner.model_config)
 
 
-def _generate(llm: Any) -> list[Any]:
+def _generate(llm: Any, lora: Any = None) -> list[Any]:
+    """Greedy tokens and top-5 logprobs of ``PROMPTS`` (under the ``LoRARequest`` ``lora``, if any)."""
     from vllm import SamplingParams
 
     sp = SamplingParams(temperature=0, max_tokens=6, logprobs=5, detokenize=False, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False, lora_request=lora)
     return [(list(o.outputs[0].token_ids), [{t: lp.logprob for t, lp in pos.items()} for pos in o.outputs[0].logprobs])
             for o in outs]
 
 
-def _rpc() -> Any:
-    """This module under its import name: functions sent to the workers must be pickled by reference
-    (run as ``python -m``, ``__main__``'s would travel by value, each with a copy of its globals)."""
+def _rpc(module: str = "streamer.vllm.bench") -> Any:
+    """This module (or ``module``) under its import name: functions sent to the workers must be
+    pickled by reference (run as ``python -m``, ``__main__``'s would travel by value, each with a
+    copy of its globals)."""
     import importlib
 
-    return importlib.import_module("streamer.vllm.bench")
+    return importlib.import_module(module)
 
 
 def _timed(llm: Any, fn: Callable[[], None], repeats: int) -> tuple[list[float], list[int]]:

@@ -24,7 +24,6 @@ tokens and logprobs.
 from __future__ import annotations
 
 import json
-import os
 import re
 import statistics
 import subprocess
@@ -71,16 +70,14 @@ def _write_peft(tensors: dict[str, Any], rank: int, out: Path) -> int:
     """What the disk path's trainer does: a PEFT directory, fsynced; its file's bytes."""
     from safetensors.torch import save_file
 
+    from streamer.tools.bench_dcp import _fsync
+
     out.mkdir(parents=True)
     path = out / "adapter_model.safetensors"
     save_file(tensors, str(path))
     (out / "adapter_config.json").write_text(json.dumps({**config(rank), "peft_type": "LORA", "bias": "none"}))
     for f in (path, out / "adapter_config.json", out):
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync(f)
     return path.stat().st_size
 
 
@@ -108,11 +105,11 @@ def bench_lora(model_dir: str, ranks: tuple[int, ...] = (8, 64), repeats: int = 
     """Both ways per adapter rank, interleaved (module docstring)."""
     from vllm.lora.request import LoRARequest
 
-    from streamer.vllm.bench import _engine
+    from streamer.vllm.bench import _engine, _generate, _rpc
 
     llm = _engine(model_dir, tp, lora={"enable_lora": True, "max_loras": 2, "max_lora_rank": max(ranks),
                                        "max_cpu_loras": 4})
-    me = "streamer.vllm.bench_lora"
+    me = _rpc("streamer.vllm.bench_lora")  # its worker functions, pickled by reference
     out: dict[str, Any] = {"model": model_dir, "tp": tp, "repeats": repeats, "sizes": []}
     with tempfile.TemporaryDirectory() as d:
         for rank in ranks:
@@ -133,7 +130,7 @@ def bench_lora(model_dir: str, ranks: tuple[int, ...] = (8, 64), repeats: int = 
                     llm.update_weights({"update_info": {"lora_name": f"push-{pid}", "lora_id": pid}})
                     llm.finish_weight_update()
                     row["push"].append(time.perf_counter() - t0)
-                    lasts = llm.collective_rpc(_rpc_fn(me, "_adapter_last"))
+                    lasts = llm.collective_rpc(me._adapter_last)
                     row["push_received"] = [int(x["bytes_received"]) for x in lasts]
                     row.setdefault("pull", []).append(max(x["pull_seconds"] for x in lasts))
                     row.setdefault("register", []).append(max(x["register_seconds"] for x in lasts))
@@ -142,7 +139,7 @@ def bench_lora(model_dir: str, ranks: tuple[int, ...] = (8, 64), repeats: int = 
                     llm.llm_engine.add_lora(LoRARequest(f"disk-{did}", did, str(Path(d) / f"disk-{did}")))
                     row["disk"].append(time.perf_counter() - t0)
                     pushed, disk = LoRARequest(f"push-{pid}", pid, "/nonexistent"), LoRARequest(f"disk-{did}", did, "x")
-                    row["serves_alike"] = _generated(llm, pushed) == _generated(llm, disk)
+                    row["serves_alike"] = _generate(llm, pushed) == _generate(llm, disk)
                     llm.llm_engine.remove_lora(pid)
                     llm.llm_engine.remove_lora(did)
                 llm.shutdown_weight_transfer_engine()
@@ -151,26 +148,9 @@ def bench_lora(model_dir: str, ranks: tuple[int, ...] = (8, 64), repeats: int = 
             finally:
                 if sender.poll() is None:
                     sender.kill()
-            row["slot_bytes"] = [int(x) for x in llm.collective_rpc(_rpc_fn(me, "_slot_bytes"))]
+            row["slot_bytes"] = [int(x) for x in llm.collective_rpc(me._slot_bytes)]
             out["sizes"].append(row)
     return out
-
-
-def _rpc_fn(module: str, name: str) -> Any:
-    """A function of this module by its import name (pickled by reference for the workers)."""
-    import importlib
-
-    return getattr(importlib.import_module(module), name)
-
-
-def _generated(llm: Any, lora: Any) -> list[Any]:
-    from vllm import SamplingParams
-
-    sp = SamplingParams(temperature=0, max_tokens=6, logprobs=5, detokenize=False, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": [1, 2, 3, 4, 5, 6]}, {"prompt_token_ids": [7, 100, 200, 9]}], sp,
-                        use_tqdm=False, lora_request=lora)
-    return [(list(o.outputs[0].token_ids), [{t: lp.logprob for t, lp in pos.items()} for pos in o.outputs[0].logprobs])
-            for o in outs]
 
 
 def lora_text(r: dict[str, Any]) -> str:

@@ -73,7 +73,7 @@ from streamer.vllm import internals
 from streamer.vllm.audit import Snapshot, snapshot, stale
 from streamer.vllm.loadweights import LoadWeightsReceiver, reload_mode
 from streamer.vllm.manifest import VllmManifests, VllmTensor, manifest_from_vllm
-from streamer.vllm.replies import one_reply
+from streamer.vllm.replies import one_reply, world_cpu_group
 from streamer.vllm.stage_proc import ProcessReceiver, open_receiver
 from streamer.vllm.staging import Stager
 from streamer.vllm.steps import StepWatch, watch
@@ -212,10 +212,7 @@ class ShardstreamWeightTransferEngine(
         if init_info.staging != "none":
             raise ValueError("shardstream: adapter sessions are not staged yet: use staging 'none'")
         assert init_info.adapter is not None
-        import torch.distributed as dist
-
-        group = internals.load().get_world_group().cpu_group if dist.is_initialized() else None
-        self.adapter = receiver = AdapterReceiver(worker, init_info.adapter, group)
+        self.adapter = receiver = AdapterReceiver(worker, init_info.adapter, world_cpu_group())
         self.session = _open_whole(init_info, receiver.choose, delta=False, device=None)
 
     def _open_load_session(self, init_info: ShardstreamInitInfo) -> None:

@@ -277,7 +277,7 @@ def held_adapters(wm: Any) -> dict[str, Any]:
         lora = held.get(name)
         if lora is None:
             raise ValueError(f"shardstream: no adapter pushed as {name!r} on this worker (held: "
-                             f"{', '.join(held) or 'none'}; the oldest are dropped beyond max_cpu_loras)")
+                             f"{', '.join(held) or 'none'}; the oldest are dropped beyond max(4, 2 x max_cpu_loras))")
         mine = copy.copy(lora)  # the tensors are shared; the id is the one vLLM's caller picked
         mine.id = request.lora_int_id
         return mine

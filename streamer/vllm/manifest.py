@@ -541,7 +541,9 @@ def manifest_from_vllm(model: Any, *, name: str | None = "vllm", group: Any = No
     mine = (w.pieces, w.tensors, w.problems)
     if dist.is_available() and dist.is_initialized():
         if group is None:
-            group = internals.load().get_world_group().cpu_group
+            from streamer.vllm.replies import world_cpu_group
+
+            group = world_cpu_group()
         rank, size = int(dist.get_rank()), int(dist.get_world_size())
         gathered: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(gathered, (rank, mine), group=group)

@@ -26,7 +26,7 @@ import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-__all__ = ["WorkerFailed", "one_reply"]
+__all__ = ["WorkerFailed", "one_reply", "world_cpu_group"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -35,7 +35,8 @@ class WorkerFailed(RuntimeError):
     """Another worker of the engine failed this call (this worker's reply carries its error)."""
 
 
-def _group() -> Any:
+def world_cpu_group() -> Any:
+    """vLLM's world CPU group, every worker of this engine (None outside a process group)."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
@@ -64,7 +65,7 @@ def _wrap(method: F, swallowed: Callable[[Any], None] | None) -> F:
             result = method(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - every worker learns it before any reply is sent
             error = e
-        group = _group()
+        group = world_cpu_group()
         if group is None:
             if error is not None:
                 raise error

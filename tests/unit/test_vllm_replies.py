@@ -17,7 +17,7 @@ def _as_rank(monkeypatch: pytest.MonkeyPatch, rank: int, outcomes: list[str | No
     """This worker is ``rank``; the exchange returns ``outcomes`` (None: that worker succeeded)."""
     import torch.distributed as dist
 
-    monkeypatch.setattr(replies, "_group", lambda: object())
+    monkeypatch.setattr(replies, "world_cpu_group", lambda: object())
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: len(outcomes))
     monkeypatch.setattr(dist, "get_rank", lambda group=None: rank)
 
@@ -67,7 +67,7 @@ def test_without_failures_or_a_group_results_pass_through(monkeypatch: pytest.Mo
     _as_rank(monkeypatch, 1, [None, None])
     ended = []
     assert _call(False, ended) == "done" and ended == []
-    monkeypatch.setattr(replies, "_group", lambda: None)
+    monkeypatch.setattr(replies, "world_cpu_group", lambda: None)
     assert _call(False) == "done"
     with pytest.raises(ValueError):
         _call(True)
