@@ -118,7 +118,7 @@ def bench_lora(model_dir: str, ranks: tuple[int, ...] = (8, 64), repeats: int = 
             _write_peft(tensors, rank, src)
             adapter_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
             rdv = str(Path(d) / f"r{rank}.rdv")
-            sender = subprocess.Popen([sys.executable, "-m", me, "--send", str(src), rdv, str(repeats), str(timeout)])
+            sender = subprocess.Popen([sys.executable, "-m", me.__name__, "--send", str(src), rdv, str(repeats), str(timeout)])
             row: dict[str, Any] = {"rank": rank, "adapter_bytes": adapter_bytes, "push": [], "disk": []}
             try:
                 llm.init_weight_transfer_engine({"init_info": {"rendezvous": rdv, "timeout": timeout,
