@@ -1,11 +1,12 @@
 """A trainer that serves several inference replicas (``RefitSession.open(..., replicas=True)``).
 
 Each replica is a receiver job of its own (``open(..., replica="NAME")``: its own launcher,
-manifest and layout) that joins through ``RENDEZVOUS@NAME`` (``transport.roster``). The trainer
+manifest and layout) that joins through ``RENDEZVOUS@NAME``: a file beside the trainer's, or an
+entry in the registry that trainer rank 0 serves at ``tcp://HOST:PORT`` (``transport.roster``). The trainer
 holds one ordinary session per replica, planned on its own: each moves the lower bound of bytes
 for its layout, and keeps its own delta bases (the senders' base copies are per replica).
 
-Before each push trainer rank 0 lists the replica files and its ranks join the new replicas
+Before each push trainer rank 0 lists the waiting replicas and its ranks join the new replicas
 together; a joiner's first push is full (its tensors hold no version the trainer knows), while
 the others keep getting deltas. The pushes to the replicas run at once (a thread each, over
 host transports; one after another by name on device ones), and each ends when every receiver
@@ -37,8 +38,7 @@ from formats.errors import (
     ValidationError,
 )
 from streamer.execute.executor import ExecStats
-from streamer.transport.rendezvous import TCP
-from streamer.transport.roster import agree_names, replica_files, replica_path
+from streamer.transport.roster import agree_names, replica_rendezvous, waiting
 
 __all__ = ["Fleet", "ReplicaResult", "check_fleet_args"]
 
@@ -71,9 +71,9 @@ def check_fleet_args(role: str, rendezvous: str | None, transport: Any) -> str:
     """The rendezvous path of a trainer serving replicas, or the usage error."""
     if role != "send":
         raise UsageError("replicas=True is for the trainer (send); an inference replica opens with replica=NAME")
-    if rendezvous is None or str(rendezvous).startswith(TCP):
-        raise UsageError("replicas=True joins replica jobs through a rendezvous file: pass rendezvous=FILE "
-                         "(a tcp:// rendezvous serves one pair of jobs, not yet several replicas)")
+    if rendezvous is None:
+        raise UsageError("replicas=True joins replica jobs through a rendezvous: pass rendezvous=FILE (a path every "
+                         "job sees) or tcp://HOST:PORT (served by trainer rank 0: no shared filesystem)")
     if transport is not None and (not isinstance(transport, str) or transport not in ("gloo", "nccl")):
         raise UsageError(f"replicas move over gloo or nccl (the store control plane), not {transport!r}")
     return rendezvous
@@ -108,17 +108,21 @@ class Fleet:
         return float(self.owner.timeout)
 
     # ------------------------------------------------------------------ joining
+    def waiting(self) -> dict[str, str]:
+        """The replicas waiting to be joined now (name -> the address they wait at): new, not the
+        epoch a session joined through, nor one that failed to join. Not probed."""
+        return {name: text for name, text in waiting(self.rendezvous, self.group).items()
+                if text not in (self.joined_by.get(name), self.refused.get(name))}
+
     def _listing(self, wait: bool) -> dict[str, str]:
-        """Trainer rank 0: the replica files that are new (not the one a session joined through,
-        nor one that failed to join) and whose store answers; with ``wait``, until one is there."""
+        """Trainer rank 0: the waiting replicas (``waiting``) whose store answers; with ``wait``,
+        until one is there."""
         from streamer.transport.store import open_store
 
         deadline = time.monotonic() + self.timeout
         while True:
             found = {}
-            for name, text in replica_files(self.rendezvous).items():
-                if text in (self.joined_by.get(name), self.refused.get(name)):
-                    continue
+            for name, text in self.waiting().items():
                 host, port = text.removeprefix("tcp://").split("/")[0].rsplit(":", 1)
                 try:
                     # a gone job's port refuses at once; a TCPStore client would retry it for PROBE s
@@ -147,7 +151,7 @@ class Fleet:
             t0 = time.perf_counter()
             try:
                 self.subs[name] = self.opener(self.owner.manifest, "send",
-                                                    rendezvous=str(replica_path(self.rendezvous, name)),
+                                                    rendezvous=replica_rendezvous(self.rendezvous, name),
                                                     transport=self.kind, control="store", timeout=self.timeout,
                                                     options=self.owner.options, device_ops=self.owner.device_ops)
             except ShardstreamError as e:

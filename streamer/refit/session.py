@@ -82,7 +82,7 @@ from streamer.refit.rankstart import input_digests, input_problems, plan_own
 from streamer.refit.replicas import replica_digests, replica_problems
 from streamer.transport.base import PeerClosedError, Transport
 from streamer.transport.jobs import Group, connect, rejoin
-from streamer.transport.rendezvous import TCP
+from streamer.transport.roster import replica_join
 
 __all__ = ["PushFailed", "RefitOptions", "RefitSession", "RefusedError", "ReplicaResult", "StepStats", "make_transport", "transport_kind"]
 
@@ -263,7 +263,7 @@ class RefitSession:
             return cls._open_fleet(manifest, check_fleet_args(role, rendezvous, transport), transport, timeout,
                                    options, device_ops, refusal)
         if replica is not None:
-            rendezvous, control = _replica_rendezvous(role, replica, rendezvous, control)
+            rendezvous, control = replica_join(role, replica, rendezvous, control)
         checks = LocalChecks(refusal)
         m: Manifest | None = None
         with checks.capture():  # a rank whose manifest does not load still joins, to say so
@@ -521,6 +521,11 @@ class RefitSession:
         """A trainer serving replicas: the session of each replica it serves now, by name (else empty)."""
         return dict(self._fleet.subs) if self._fleet is not None else {}
 
+    def waiting_replicas(self) -> list[str]:
+        """A trainer serving replicas: the replicas waiting now to be joined at the next push (not a
+        collective: what this rank reads from the files or the registry)."""
+        return sorted(self._fleet.waiting()) if self._fleet is not None else []
+
     @property
     def version(self) -> int | None:
         """The version this rank's tensors hold completely (receivers: the last buffers pulled
@@ -757,21 +762,6 @@ class RefitSession:
             self.group.leave(f"replica {self._replica} closed its session")
         self._drop_transport()
         self.group.close(self.timeout)
-
-
-def _replica_rendezvous(role: str, name: str, rendezvous: str | None, control: str) -> tuple[str, str]:
-    """A replica's rendezvous file (``RENDEZVOUS@NAME``) and control plane (the store's)."""
-    from streamer.transport.roster import replica_path
-
-    if role != "recv":
-        raise UsageError("replica=NAME is for an inference replica (recv); the trainer opens with replicas=True")
-    if rendezvous is None or rendezvous.startswith(TCP):
-        raise UsageError("replica=NAME joins the trainer through a rendezvous file: pass rendezvous=FILE "
-                         "(a tcp:// rendezvous serves one pair of jobs, not yet several replicas)")
-    if control == "mpi":
-        raise UsageError("replicas join and leave on the store control plane only (under MPI a peer's death "
-                         "ends the launch): use control='store'")
-    return str(replica_path(rendezvous, name)), "store"
 
 
 def _memory_key(tensors: Mapping[str, Any]) -> tuple[Any, ...]:

@@ -4,6 +4,7 @@ control plane with gloo, started by ``resilient_worker.launch`` (torchrun's envi
     replica_worker.py --ranks N recv DIR --name a --rule 'S(1)' [--pulls K] [--die-after V] [--after FILE]
     replica_worker.py --ranks N send DIR --versions 1,...,7 --expect a,b --join c:3
 
+``--rendezvous tcp://HOST:PORT`` instead of the file ``DIR/rdv``: the trainer's registry.
 Both sides compute version v's weights alike (seeded changes of 2% of the elements per version),
 so a replica checks what it holds after each pull. Replicas log one JSON line per event to
 DIR/NAME-RANK.jsonl; the trainer's rank 0 logs each push (what each replica received) to
@@ -95,7 +96,7 @@ def recv(d: Path, args: argparse.Namespace) -> int:
 
     if args.after:
         wait_file(d / args.after)
-    s = RefitSession.open(m, "recv", rendezvous=str(d / "rdv"), transport="gloo", timeout=args.timeout,
+    s = RefitSession.open(m, "recv", rendezvous=args.rendezvous or str(d / "rdv"), transport="gloo", timeout=args.timeout,
                           options=RefitOptions(delta=True, link_gbps=SLOW_LINK), replica=args.name)
     if args.kill_at:  # SIGKILL this rank once it posted that fraction of its receives of version V
         kill_v, kill_f = (float(x) for x in args.kill_at.split(":"))
@@ -146,17 +147,17 @@ def send(d: Path, args: argparse.Namespace) -> int:
     rank, n = launcher_rank()
     m = manifest("S(0)", n)
     local = alloc_local(m, rank)
-    for name in args.expect.split(","):
-        wait_file(d / f"rdv@{name}")
     join, join_at = args.join.split(":") if args.join else ("", "-1")
     log = (d / "send.jsonl").open("a", buffering=1) if rank == 0 else None
     if log is not None:
         log.write(json.dumps({"t": time.time(), "event": "start"}) + "\n")
-    with RefitSession.open(m, "send", rendezvous=str(d / "rdv"), transport="gloo", timeout=args.timeout,
-                           options=RefitOptions(delta=True, link_gbps=SLOW_LINK), replicas=True) as s:
+    with RefitSession.open(m, "send", rendezvous=args.rendezvous or str(d / "rdv"), transport="gloo",
+                           timeout=args.timeout, options=RefitOptions(delta=True, link_gbps=SLOW_LINK),
+                           replicas=True) as s:
+        _wait_replicas(s, args.expect.split(",") if args.expect else [])
         for v in (int(x) for x in args.versions.split(",")):
             if v == int(join_at):
-                wait_file(d / f"rdv@{join}")
+                _wait_replicas(s, [join])
             fill(m, rank, local, v)
             try:
                 st = s.push(local, version=v)
@@ -176,6 +177,15 @@ def send(d: Path, args: argparse.Namespace) -> int:
     return 0
 
 
+def _wait_replicas(s: RefitSession, names: list[str], timeout: float = 120.0) -> None:
+    """Until every replica named waits to be joined, or was joined (open joins the first to come)."""
+    deadline = time.monotonic() + timeout
+    while set(names) - set(s.replica_sessions) - set(s.waiting_replicas()):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"replicas {names} never came: {s.waiting_replicas()} wait")
+        time.sleep(0.05)
+
+
 def main() -> int:
     if sys.argv[1] == "--ranks":
         return launch(int(sys.argv[2]), sys.argv[3:], __file__)
@@ -183,6 +193,7 @@ def main() -> int:
     p.add_argument("role", choices=["send", "recv"])
     p.add_argument("dir", type=Path)
     p.add_argument("--timeout", type=float, default=120.0)
+    p.add_argument("--rendezvous", default="", help="default: DIR/rdv (a file); or tcp://HOST:PORT")
     p.add_argument("--name", default="")
     p.add_argument("--rule", default="S(0)")
     p.add_argument("--pulls", type=int, default=1 << 30)

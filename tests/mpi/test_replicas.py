@@ -1,6 +1,7 @@
 """Replicas join and leave (issue 22 item 4; ``docs/resilience.md``): one trainer job serves
 several inference replica jobs, real processes on the store control plane with gloo
-(``replica_worker.py``), in one launch of all of them:
+(``replica_worker.py``), in one launch of all of them, meeting at ``tcp://127.0.0.1:PORT`` (the
+trainer's registry: no file is shared):
 
 - the trainer (2 ranks, rows split) opens with ``replicas=True`` once replicas ``a`` (2 ranks,
   columns split) and ``b`` (1 rank: a different layout) wait, and pushes versions 1..7 as deltas;
@@ -47,19 +48,22 @@ def _lines(path: Path) -> list[dict[str, Any]]:
 def test_replicas_join_and_leave(tmp_path: Path) -> None:
     from safetensors.numpy import load_file
 
+    from streamer.transport.torch_dist import free_port
+
     d = tmp_path
+    rdv = f"tcp://127.0.0.1:{free_port()}"
     save_manifest(manifest("S(0)", 1), d / "c.json")
-    jobs = {"a": _job(d, "a", 2, "recv", d, "--name", "a", "--rule", "S(1)", "--pulls", 6),
-            "b": _job(d, "b", 1, "recv", d, "--name", "b", "--kill-at", "5:0.5"),
+    jobs = {"a": _job(d, "a", 2, "recv", d, "--name", "a", "--rule", "S(1)", "--pulls", 6, "--rendezvous", rdv),
+            "b": _job(d, "b", 1, "recv", d, "--name", "b", "--kill-at", "5:0.5", "--rendezvous", rdv),
             "trainer": _job(d, "trainer", 2, "send", d, "--versions", "1,2,3,4,5,6,7", "--expect", "a,b",
-                            "--join", "c:3")}
+                            "--join", "c:3", "--rendezvous", rdv)}
     try:
         try:
             wait_file(d / "pushed-2", 180)
         except TimeoutError as e:
             raise AssertionError(f"{e}\n{_story(d, jobs, {n: j.poll() for n, j in jobs.items()})}") from None
         jobs["c"] = Background(["mpiexec", "-n", 1, "shardstream", "refit", "recv", "--manifest", d / "c.json",
-                                "--rendezvous", d / "rdv", "--replica", "c", "--transport", "gloo", "--steps", 4,
+                                "--rendezvous", rdv, "--replica", "c", "--transport", "gloo", "--steps", 4,
                                 "--save", d / "c-saved", "--timeout", 120, "--json"], d, "c")
         codes = {name: job.wait(180) for name, job in jobs.items()}
     finally:
@@ -103,6 +107,7 @@ def test_replicas_join_and_leave(tmp_path: Path) -> None:
     assert all(st["wire_bytes"] < st["full_bytes"] // 10 for st in report["delta"][1:]), report
     saved = load_file(next((d / "c-saved").glob("*.safetensors")))
     assert saved.keys() == weights(0).keys() and all(np.array_equal(saved[k], v) for k, v in weights(6).items())
+    assert not list(d.glob("rdv*")), "a tcp:// rendezvous writes no file"
 
 
 def _story(d: Path, jobs: dict[str, Background], codes: dict[str, int | None]) -> str:

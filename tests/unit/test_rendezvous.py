@@ -26,8 +26,9 @@ def test_forms_are_parsed_and_bad_ones_refused(tmp_path: Path) -> None:
 def test_a_file_names_the_store_and_its_host(tmp_path: Path) -> None:
     rdv = FileRendezvous(tmp_path / "rdv")
     rdv.publish(None, "10.0.0.5:1234", 3)
-    first, second = rdv.read(time.monotonic() + 1).splitlines()
+    first, second, at = rdv.read(time.monotonic() + 1).splitlines()
     assert first == "tcp://10.0.0.5:1234/3" and second == f"host={socket.gethostname()}"
+    assert abs(float(at.removeprefix("at=")) - time.time()) < 60  # when: a rank that started later ignores older
     rdv.retire(None)
     assert not (tmp_path / "rdv").exists() and rdv.read(time.monotonic() + 0.1) == ""
 
@@ -58,3 +59,48 @@ def test_tcp_rendezvous_serves_publishes_and_dials() -> None:
         del store
     with pytest.raises(UsageError, match="cannot serve the store there"):
         TcpRendezvous("192.0.2.1", free_port()).serve(2)  # TEST-NET-1: not an address of this host
+
+
+def test_a_replica_stays_registered_with_the_trainers_registry_until_it_retires() -> None:
+    """``tcp://HOST:PORT@NAME``: the replica's rank 0 serves its own store and keeps its entry in
+    the registry that trainer rank 0 serves at HOST:PORT: entered once the registry is up (not
+    before), read by the replica's other ranks and the trainer, entered again into a restarted
+    trainer's empty registry, and withdrawn at retire."""
+    from streamer.transport.rendezvous import RegistryRendezvous, registered
+    from streamer.transport.torch_dist import free_port
+
+    port = free_port()
+    rdv = rendezvous_from(f"tcp://127.0.0.1:{port}@a")
+    assert isinstance(rdv, RegistryRendezvous) and str(rdv) == f"tcp://127.0.0.1:{port}@a"
+    store, address = rdv.serve(10)  # the replica's own store, on a free port
+    rdv.publish(store, address, 3)  # no registry yet: the registrar keeps trying
+    with pytest.raises(Exception, match="timed out.*registry"):
+        rdv.dial(time.monotonic() + 0.5, 0.5, None, "replica a's store")
+    registry, _ = TcpRendezvous("127.0.0.1", port).serve(10)  # the trainer comes up
+    deadline = time.monotonic() + 10
+    while "a" not in registered(registry) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert registered(registry)["a"].split("\n")[0] == f"tcp://{address}/3"
+    client, text = rdv.dial(time.monotonic() + 10, 10, None, "replica a's store")
+    assert text == f"{address}/3"
+    client.set("x", "1")
+    assert store.get("x") == b"1"  # the entry names the replica's own store
+    del registry  # the trainer dies; a new one serves an empty registry at the same address
+    registry, _ = TcpRendezvous("127.0.0.1", port).serve(10)
+    deadline = time.monotonic() + 10
+    while "a" not in registered(registry) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "a" in registered(registry)
+    rdv.retire(store)  # every rank joined: withdrawn, so a trainer listing now does not join it again
+    assert registered(registry) == {}
+
+
+def test_replicas_rendezvous_names() -> None:
+    from streamer.transport.roster import replica_rendezvous
+
+    assert replica_rendezvous("tcp://10.0.0.5:29600", "a") == "tcp://10.0.0.5:29600@a"
+    assert replica_rendezvous("/shared/rdv", "b") == "/shared/rdv@b"
+    with pytest.raises(UsageError, match="replica name"):
+        replica_rendezvous("tcp://10.0.0.5:29600", "a@b")
+    with pytest.raises(UsageError, match="expected tcp://HOST:PORT"):
+        replica_rendezvous("tcp://10.0.0.5", "a")
