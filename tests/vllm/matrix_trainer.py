@@ -12,7 +12,10 @@ way) with its step as the version. One line of JSON per push on stdout. Staging 
 (written once the session is closed); ``"crash_in_push": N`` (SIGKILL after posting the first
 message of step N's push), ``"push_from": N`` (a restarted trainer: train the steps before N
 without pushing them), ``"bucket_size": BYTES`` and ``"replicas": true`` (serve every inference
-replica that joins: ``RefitSession.open(..., replicas=True)``).
+replica that joins: ``RefitSession.open(..., replicas=True)``; each push's line names, per replica,
+``[version, error, joined, bytes_sent, full_bytes_sent]``), with ``"wait_replicas": {"N": [NAME,
+...]}`` (push step N once these replicas were joined or wait to be). ``"delta": true`` and
+``"link_gbps": G``: a delta session (``RefitOptions``).
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ def run_case(case: dict[str, Any], timeout: float) -> None:
     vocab = model.config.vocab_size
     data = torch.randint(0, vocab, (2, 24), generator=torch.Generator().manual_seed(1))
     manifest = manifest_from_state_dict(model.state_dict(), name=f"matrix-{case['name']}")
-    options = RefitOptions(verify=True, **({"bucket_size": case["bucket_size"]} if "bucket_size" in case else {}))
+    options = RefitOptions(verify=True, delta=bool(case.get("delta")), link_gbps=case.get("link_gbps"),
+                           **({"bucket_size": case["bucket_size"]} if "bucket_size" in case else {}))
     with RefitSession.open(manifest, "send", rendezvous=case["rendezvous"], timeout=timeout,
                            options=options, replicas=bool(case.get("replicas"))) as session:
         for step in range(case["steps"]):
@@ -54,6 +58,9 @@ def run_case(case: dict[str, Any], timeout: float) -> None:
             wait = case.get("wait_before_push", {}).get(str(step))
             while wait and not Path(wait).exists():  # the engine's go-ahead (staging tests)
                 time.sleep(0.05)
+            names = set(case.get("wait_replicas", {}).get(str(step), ()))
+            while names - set(session.replica_sessions) - set(session.waiting_replicas()):
+                time.sleep(0.05)  # an engine joining mid-run: its staging process entered the registry
             if step < case.get("push_from", 0):
                 continue  # a restarted trainer: this step was pushed by the one before it
             if step == case.get("crash_in_push"):
@@ -61,7 +68,8 @@ def run_case(case: dict[str, Any], timeout: float) -> None:
             st = session.push(model, version=step)
             line = json.dumps({"case": case["name"], "step": step, "loss": float(loss), "bytes_sent": st.bytes_sent,
                                "pushed": time.time(),
-                               "replicas": {r.name: [r.version, r.error] for r in st.replicas}})
+                               "replicas": {r.name: [r.version, r.error, r.joined, r.bytes_sent, r.full_bytes_sent]
+                                            for r in st.replicas}})
             os.write(1, (line + "\n").encode())
     if case.get("done_file"):  # the session is closed: every push returned
         Path(case["done_file"]).write_text("")

@@ -181,49 +181,91 @@ def test_the_prefix_cache_must_be_reset_after_a_commit(tmp_path: Path) -> None:
     assert reset["out"][0]["tokens"] == fresh["out"][0]["tokens"] and reset["out"][0]["logprobs"] == fresh["out"][0]["logprobs"]
 
 
+def _engine(tmp: Path, name: str, tp: int, rdv: str, initial: Path, commit: bool) -> Proc:
+    """Engine ``name`` (staged, a named replica, a delta session) under an engine driver. ``commit``:
+    once the trainer is done, it commits the newest version and a fresh engine of its TP loads step 2."""
+    d = tmp / name
+    d.mkdir()
+    refit: dict[str, Any] = {"rendezvous": rdv, "timeout": 300, "steps": 0, "ready_file": str(d / "ready"),
+                             "init_info": {"staging": "host", "replica": name, "verify": True, "delta": True}}
+    runs = [{"model": str(initial), "refit": refit}]
+    # without ``commit`` the engine serves on, waiting for a file that never comes, until it is killed
+    refit.update(commits=[{"version": None}], wait_before={"0": str(tmp / ("done" if commit else "never"))})
+    if commit:
+        runs.append({"model": str(tmp / "hf" / "step-2")})
+    job = {"tp": tp, "engine_in_process": True, "prompts": PROMPTS, "max_tokens": 6, "logprobs": 5, "runs": runs}
+    (d / "job.json").write_text(json.dumps(job))
+    return Proc([sys.executable, HERE / "engine_driver.py", d / "job.json", d / "out.json"], d, "driver")
+
+
+def _until(what: str, done: Any, procs: dict[str, Proc], timeout: float = 600) -> None:
+    t0 = time.monotonic()
+    while not done():
+        for n, p in procs.items():
+            assert p.p.poll() is None, f"{n} ended while waiting for {what}:\n{p.tail()}"
+        assert time.monotonic() - t0 < timeout, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def _pushes(trainer: Proc) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in trainer.out.read_text().splitlines() if x.startswith("{")]
+
+
 @pytest.mark.timeout(1500)
-def test_one_trainer_feeds_two_staged_engines_named_replicas(tmp_path: Path) -> None:
-    """Two engines, replica "a" at TP 1 and replica "b" at TP 2, staged: each
-    ``init_weight_transfer_engine`` returns and the engine serves before any trainer exists. Then one
-    trainer (``replicas=True``) pushes two versions to both; each engine commits the newest and
-    serves exactly what a fresh engine of its TP serves on that checkpoint."""
+def test_one_trainer_feeds_staged_engines_that_join_and_die(tmp_path: Path) -> None:
+    """Named replicas over ``tcp://127.0.0.1:PORT`` (the trainer's registry; no file is shared), staged,
+    in a delta session. Engines "a" (TP 1) and "b" (TP 2) come up and serve before any trainer
+    exists (their ``init_weight_transfer_engine`` returns at once). The trainer (``replicas=True``)
+    pushes step 0 to both (full); engine "c" (TP 1) starts only then, and joins at step 1 with a
+    full push while a and b get deltas; a is then SIGKILLed (its engine process: the staging
+    process follows it), and step 2 reaches b and c as deltas while a is reported dropped, by
+    name. b and c then commit the newest version and each serves exactly what a fresh engine of
+    its TP serves on step 2's checkpoint."""
+    import os
+    import signal
+
+    from streamer.transport.torch_dist import free_port
+
     initial = tiny_models.make_model("qwen3", tmp_path / "initial")
     (tmp_path / "hf").mkdir()
-    rdv = str(tmp_path / "rdv")
-    drivers = {}
-    for name, tp in (("a", 1), ("b", 2)):
-        d = tmp_path / name
-        d.mkdir()
-        refit = {"rendezvous": rdv, "timeout": 300, "steps": 0, "commits": [{"version": None}],
-                 "init_info": {"staging": "host", "replica": name, "verify": True}, "ready_file": str(d / "ready"),
-                 "wait_before": {"0": str(tmp_path / "done")}}
-        runs = [{"model": str(initial), "refit": refit}, {"model": str(tmp_path / "hf" / "step-1")}]
-        job = {"tp": tp, "engine_in_process": True, "prompts": PROMPTS, "max_tokens": 6, "logprobs": 5, "runs": runs}
-        (d / "job.json").write_text(json.dumps(job))
-        drivers[name] = Proc([sys.executable, HERE / "engine_driver.py", d / "job.json", d / "out.json"], d, "driver")
-    procs = dict(drivers)
+    rdv = f"tcp://127.0.0.1:{free_port()}"
+    procs = {"a": _engine(tmp_path, "a", 1, rdv, initial, commit=False),
+             "b": _engine(tmp_path, "b", 2, rdv, initial, commit=True)}
     try:
-        for name in drivers:  # both engines up and serving, with no trainer anywhere yet
-            t0 = time.monotonic()
-            while not (tmp_path / name / "ready").exists():
-                assert drivers[name].p.poll() is None, drivers[name].err.read_text()[-4000:]
-                assert time.monotonic() - t0 < 600, f"engine {name} did not come up"
-                time.sleep(0.2)
+        for name in ("a", "b"):  # both engines up and serving, with no trainer anywhere yet
+            _until(f"engine {name}", (tmp_path / name / "ready").exists, procs)
         case = {"name": "fleet", "initial": str(initial), "rendezvous": rdv, "save_hf": str(tmp_path / "hf"),
-                "steps": 2, "replicas": True, "done_file": str(tmp_path / "done")}
+                "steps": 3, "replicas": True, "done_file": str(tmp_path / "done"), "delta": True, "link_gbps": 0.05,
+                "wait_replicas": {"0": ["a", "b"], "1": ["c"]}, "wait_before_push": {"2": str(tmp_path / "a-killed")}}
         (tmp_path / "train.json").write_text(json.dumps({"timeout": 300, "cases": [case]}))
         procs["trainer"] = Proc([sys.executable, HERE / "matrix_trainer.py", tmp_path / "train.json"], tmp_path,
                                 "trainer")
-        rcs = {n: p.wait(900) for n, p in procs.items()}
+        _until("the push of step 0", lambda: len(_pushes(procs["trainer"])) >= 1, procs)
+        procs["c"] = _engine(tmp_path, "c", 1, rdv, initial, commit=True)  # joins mid-run
+        _until("the push of step 1", lambda: len(_pushes(procs["trainer"])) >= 2, procs)
+        os.kill(procs["a"].p.pid, signal.SIGKILL)
+        assert procs["a"].wait(30) == -signal.SIGKILL
+        time.sleep(3)  # its staging process notices its worker is gone within a second, and exits
+        (tmp_path / "a-killed").write_text("")
+        rcs = {n: p.wait(900) for n, p in procs.items() if n != "a"}
     finally:
         for p in procs.values():
             p.kill()
-    assert set(rcs.values()) == {0}, f"{rcs}\n" + "\n".join(f"=== {n}\n{p.err.read_text()[-3000:]}" for n, p in procs.items())
-    pushes = [json.loads(line) for line in procs["trainer"].out.read_text().splitlines() if line.startswith("{")]
-    assert pushes[-1]["replicas"] == {"a": [1, None], "b": [1, None]}, pushes
-    for name in drivers:
+    story = "\n".join(f"=== {n}\n{p.tail()}" for n, p in procs.items())
+    assert set(rcs.values()) == {0}, f"{rcs}\n{story}"
+    got = {x["step"]: x["replicas"] for x in _pushes(procs["trainer"])}
+    assert sorted(got) == [0, 1, 2] and sorted(got[0]) == ["a", "b"] and sorted(got[1]) == ["a", "b", "c"], story
+    for step, reps in got.items():
+        for name, (version, error, joined, sent, full) in reps.items():
+            if name == "a" and step == 2:
+                assert version is None and error, (step, reps)  # dropped, with the reason
+                continue
+            first = step == 0 or name == "c" and step == 1
+            assert version == step and error is None and joined == first, (step, reps)
+            assert (sent == full) if first else (0 < sent < full), (step, name, sent, full)  # full, then deltas
+    for name in ("b", "c"):
         refit_out, fresh = json.loads((tmp_path / name / "out.json").read_text())
         (c,) = refit_out["commits"]
         assert c["error"] is None and c["out"] == fresh["out"], (name, c)
         assert refit_out["init_seconds"] < 30, refit_out["init_seconds"]  # it did not wait for a trainer
-        assert all(w["version"] == 1 for w in c["last"]), c["last"]
+        assert all(w["version"] == 2 for w in c["last"]), c["last"]
