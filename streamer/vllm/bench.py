@@ -113,11 +113,15 @@ def _rpc(module: str = "streamer.vllm.bench") -> Any:
     return importlib.import_module(module)
 
 
-def _timed(llm: Any, fn: Callable[[], None], repeats: int) -> tuple[list[float], list[int]]:
-    """``fn``'s wall times, and per worker its peak resident-set growth over the repeats."""
+def _timed(llm: Any, fn: Callable[[], None], repeats: int,
+           before: Callable[[int], None] | None = None) -> tuple[list[float], list[int]]:
+    """``fn``'s wall times, and per worker its peak resident-set growth over the repeats;
+    ``before(i)`` runs untimed before repeat ``i``."""
     times: list[float] = []
     peaks: list[int] = []
-    for _ in range(repeats):
+    for i in range(repeats):
+        if before is not None:
+            before(i)
         llm.collective_rpc(_rpc()._sample_start)
         t0 = time.perf_counter()
         try:
@@ -157,17 +161,31 @@ def _lower_bound(worker: Any) -> int:
     return sum(c.region.volume * DTYPES[spec.data_type].itemsize for _, spec, c in m.iter_chunks() if me in c.holders)
 
 
+def _host_copy_seconds(worker: Any) -> float:
+    """In each worker: one host copy of the bytes its staged buffer holds (the fastest of 3)."""
+    import torch
+
+    n = int(worker.weight_transfer_engine.last["staging_bytes"]) // 2  # two buffers
+    src, dst = torch.ones(n, dtype=torch.uint8), torch.empty(n, dtype=torch.uint8)
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def _shardstream_way(llm: Any, sender: list[str], rdv: str, repeats: int, timeout: float,
-                     first: list[Any], staging: str = "none") -> dict[str, Any]:
+                     first: list[Any], staging: str = "none", init: dict[str, Any] | None = None) -> dict[str, Any]:
     """The shardstream backend fed by the ``sender`` command (which pushes ``repeats`` times).
-    ``staging`` "host": each timed update is the commit of a staged push (the engine's pause)."""
+    ``staging`` "host": each timed update is the commit of a staged push (the engine's pause),
+    started once the trainer's push of it returned. ``init``: more of the backend's ``init_info``."""
     go = Path(rdv).with_name(Path(rdv).name + ".go")
-    if staging != "none":
-        go.mkdir()
-        sender = [*sender, str(go)]
-    proc = subprocess.Popen(sender)
+    go.mkdir()
+    proc = subprocess.Popen([*sender, str(go)])
     try:
-        llm.init_weight_transfer_engine({"init_info": {"rendezvous": rdv, "timeout": timeout, "staging": staging}})
+        llm.init_weight_transfer_engine({"init_info": {"rendezvous": rdv, "timeout": timeout, "staging": staging,
+                                                       **(init or {})}})
         done = [0]
 
         def update() -> None:
@@ -175,10 +193,16 @@ def _shardstream_way(llm: Any, sender: list[str], rdv: str, repeats: int, timeou
             llm.update_weights({"update_info": {}})
             llm.finish_weight_update()
             done[0] += 1
-            if staging != "none":
-                (go / str(done[0])).write_text("")  # the sender's next push may go
+            (go / str(done[0])).write_text("")  # the sender's next push may go
 
-        times, peaks = _timed(llm, update, repeats)
+        def staged(i: int) -> None:  # an RL loop commits once the trainer's push returned
+            deadline = time.monotonic() + timeout
+            while not (go / f"pushed-{i}").exists():
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the bench's sender did not push version {i} (exit {proc.poll()})")
+                time.sleep(0.005)
+
+        times, peaks = _timed(llm, update, repeats, staged if staging != "none" else None)
         if proc.wait(timeout) != 0:
             raise RuntimeError(f"the bench's sender exited with {proc.returncode}")
     finally:
@@ -187,9 +211,12 @@ def _shardstream_way(llm: Any, sender: list[str], rdv: str, repeats: int, timeou
     lasts = llm.collective_rpc(_rpc()._last)
     out = {"seconds": times, "peak_extra_bytes": peaks, "bytes_received": [int(x["bytes_received"]) for x in lasts],
            "lower_bound_bytes": [int(x) for x in llm.collective_rpc(_rpc()._lower_bound)],
-           "pull_seconds": [x["pull_seconds"] for x in lasts],
-           "process_seconds": [x.get("process_seconds", x.get("commit_seconds")) for x in lasts],
+           "pull_seconds": [x.get("pull_seconds", x.get("pull_s")) for x in lasts],
+           "process_seconds": [x.get("process_seconds", x.get("load_s")) for x in lasts],
            "serves_first_load": _generate(llm) == first}
+    if staging != "none":
+        out.update(copy_seconds=[x["copy_seconds"] for x in lasts],
+                   host_copy_seconds=[float(x) for x in llm.collective_rpc(_rpc()._host_copy_seconds)])
     llm.shutdown_weight_transfer_engine()
     return out
 
@@ -213,14 +240,7 @@ def bench_vllm(model_dir: str, repeats: int = 3, timeout: float = 600, tp: int =
                       str(repeats), str(timeout), str(mt), str(mp), str(Path(d) / "mg.json")]
             out["megatron"] = _shardstream_way(llm, sender, str(Path(d) / "mg.rdv"), repeats, timeout, first)
             out["megatron"]["trainer"] = json.loads((Path(d) / "mg.json").read_text())
-        sender = [sys.executable, "-m", "streamer.vllm.bench", "--send", model_dir, str(Path(d) / "rdv"),
-                  str(repeats), str(timeout), str(Path(d) / "push.json")]
-        out["shardstream"] = _shardstream_way(llm, sender, str(Path(d) / "rdv"), repeats, timeout, first)
-        out["shardstream"]["push_seconds"] = json.loads((Path(d) / "push.json").read_text())["push_seconds"]
-        # staged: the trainer pushes while the engine serves; each timed update is only the commit
-        sender = [*sender[:5], str(Path(d) / "staged.rdv"), *sender[6:8], str(Path(d) / "staged.json")]
-        out["staged"] = _shardstream_way(llm, sender, str(Path(d) / "staged.rdv"), repeats, timeout, first, "host")
-        out["staged"]["push_seconds"] = json.loads((Path(d) / "staged.json").read_text())["push_seconds"]
+        _sender_ways(out, llm, model_dir, Path(d), repeats, timeout, first)
     out["full_tensors"] = _vllm_way(llm, lambda: llm.collective_rpc(_rpc()._full_tensors, args=(model_dir,)),
                                     repeats, first, [disk_bytes] * tp)
 
@@ -239,6 +259,29 @@ def bench_vllm(model_dir: str, repeats: int = 3, timeout: float = 600, tp: int =
     return out
 
 
+def _sender_ways(out: dict[str, Any], llm: Any, model_dir: str, d: Path, repeats: int, timeout: float,
+                 first: list[Any]) -> None:
+    """The ways fed by one sender process: the regions pulled inside ``update_weights``; every array
+    pushed whole to every worker and loaded by vLLM's ``load_weights`` (the backend's public path:
+    what a full-tensor backend moves, over the same transport); staged, each update only the commit
+    of a push that already returned; and staged again behind a sender made slower (a link paced at
+    a quarter of the unpaced push's rate): the pause must not follow the transfer."""
+    def way(key: str, staging: str = "none", init: dict[str, Any] | None = None, slow_gbps: float = 0.0) -> None:
+        rdv, res = str(d / f"{key}.rdv"), d / f"{key}.json"
+        sender = [sys.executable, "-m", "streamer.vllm.bench", "--send", model_dir, rdv, str(repeats), str(timeout),
+                  str(res), str(slow_gbps)]
+        out[key] = _shardstream_way(llm, sender, rdv, repeats, timeout, first, staging, init)
+        out[key].update(json.loads(res.read_text()))
+
+    way("shardstream")
+    way("pushed_whole", init={"reload": "load_weights"})
+    way("staged", "host")
+    st = out["staged"]
+    gbps = st["bytes_sent"] / statistics.median(st["push_seconds"]) / 1e9 / 4
+    way("staged_slow", "host", slow_gbps=gbps)
+    out["staged_slow"]["link_gbps"] = gbps
+
+
 def _vllm_way(llm: Any, fn: Callable[[], None], repeats: int, first: list[Any], received: list[int]) -> dict[str, Any]:
     """One of vLLM's own ways, timed; a way that raises is reported by its error (one line), not
     measured. The engine is then not asked to generate (a failed reload leaves layers on the meta
@@ -253,7 +296,8 @@ def _vllm_way(llm: Any, fn: Callable[[], None], repeats: int, first: list[Any], 
             "serves_first_load": _generate(llm) == first}
 
 
-WAYS = {"shardstream": "shardstream pull", "staged": "shardstream staged: commit only",
+WAYS = {"shardstream": "shardstream pull", "pushed_whole": "pushed whole + load_weights",
+        "staged": "shardstream staged: commit only", "staged_slow": "staged, sender at 1/4 speed",
         "full_tensors": "full tensors + load_weights", "reload_from_disk": "vLLM reload from disk"}
 #: bench vllm --source megatron: the first row
 MEGATRON_WAY = "shardstream from Megatron"
@@ -283,12 +327,7 @@ def vllm_text(r: dict[str, Any]) -> str:
             continue
         rows.append(f"  {label:34} {x['median_seconds']:9.3f} {_per_worker(x['bytes_received']):>20} "
                     f"{_per_worker(x['peak_extra_bytes']):>22}  {'yes' if x['serves_first_load'] else 'NO'}")
-    st = r.get("staged", {})
-    if "median_seconds" in st:
-        push = statistics.median(st["push_seconds"])
-        rows.append(f"  staged: the engine pauses {st['median_seconds']:.3f} s per update (the commit) while the "
-                    f"trainer's push takes {push:.3f} s (pause / push {st['median_seconds'] / push:.2f}); without "
-                    f"staging the pause is the whole pull and processing ({r['shardstream']['median_seconds']:.3f} s)")
+    rows += _staged_text(r)
     if "megatron" in r and "median_seconds" in r["shardstream"]:
         m, sh = r["megatron"], r["shardstream"]["median_seconds"]
         lb = sum(m["lower_bound_bytes"])
@@ -298,6 +337,32 @@ def vllm_text(r: dict[str, Any]) -> str:
                     f"full-HF-tensor sender's; the trainer's push (slowest rank, median) "
                     f"{statistics.median(m['trainer']['push_seconds']):.3f} s")
     return "\n".join(rows)
+
+
+def _staged_text(r: dict[str, Any]) -> list[str]:
+    """The staged ways' summary: the pause against the push, against a host copy plus vLLM's own
+    processing, and against a slower sender; the regions against every array pushed whole."""
+    rows = []
+    st, slow = r.get("staged", {}), r.get("staged_slow", {})
+    if "median_seconds" in st:
+        pause, push = st["median_seconds"], statistics.median(st["push_seconds"])
+        copy, proc = max(st["host_copy_seconds"]), max(st["process_seconds"])
+        rows.append(f"  staged: the engine pauses {pause:.3f} s per update (the commit: copying "
+                    f"{max(st['copy_seconds']):.3f} s, vLLM's processing {proc:.3f} s, slowest worker) while the "
+                    f"trainer's push takes {push:.3f} s; pause / (a host copy of the worker's bytes {copy:.3f} s + "
+                    f"that processing) = {pause / (copy + proc):.2f}; without staging the pause is the whole pull "
+                    f"and processing ({r['shardstream']['median_seconds']:.3f} s)")
+    if "median_seconds" in st and "median_seconds" in slow:
+        rows.append(f"  a sender paced at {slow['link_gbps']:.3f} GB/s: its push takes "
+                    f"{statistics.median(slow['push_seconds']):.3f} s ({statistics.median(slow['push_seconds']) / statistics.median(st['push_seconds']):.1f}x), "
+                    f"the pause {slow['median_seconds']:.3f} s ({slow['median_seconds'] / st['median_seconds']:.2f}x "
+                    f"the unpaced one)")
+    whole, sh = r.get("pushed_whole", {}), r.get("shardstream", {})
+    if "median_seconds" in whole and "median_seconds" in sh:
+        rows.append(f"  regions in place against every array pushed whole + load_weights (one sender, the same "
+                    f"transport): apply {sh['median_seconds'] / whole['median_seconds']:.2f}x, bytes per worker "
+                    f"{sum(sh['bytes_received']) / max(1, sum(whole['bytes_received'])):.2f}x")
+    return rows
 
 
 def bench_cli(model: str | None, repeats: int | None, tp: int | None = None,
@@ -317,10 +382,12 @@ def bench_cli(model: str | None, repeats: int | None, tp: int | None = None,
 
 
 def _send(model_dir: str, rdv: str, pushes: int, timeout: float, out: str | None = None,
-          go: str | None = None) -> int:
+          slow_gbps: float = 0.0, go: str | None = None) -> int:
     """The bench's trainer stand-in: push the checkpoint's tensors ``pushes`` times; ``out``: write
-    each push's seconds there (JSON); ``go``: before push ``i`` > 0, wait for the file ``go/i``
-    (the engine committed the one before: a staged engine keeps one version ahead at most)."""
+    each push's seconds and bytes there (JSON); ``slow_gbps``: pace every message as a link of that
+    many GB/s would (0: unpaced); ``go``: before push ``i`` > 0, wait for the file ``go/i`` (the
+    engine committed the one before: a staged engine keeps one version ahead at most), and after
+    push ``i`` write ``go/pushed-i``."""
     from safetensors.torch import load_file
 
     from streamer import RefitSession, manifest_from_state_dict
@@ -328,21 +395,41 @@ def _send(model_dir: str, rdv: str, pushes: int, timeout: float, out: str | None
     weights: dict[str, Any] = {}
     for f in sorted(Path(model_dir).glob("*.safetensors")):
         weights.update(load_file(f))
-    seconds = []
+    seconds, sent = [], 0
     with RefitSession.open(manifest_from_state_dict(weights), "send", rendezvous=rdv, timeout=timeout) as s:
+        if slow_gbps:
+            _pace(s, slow_gbps)
         for i in range(pushes):
             while go and i and not Path(go, str(i)).exists():
                 time.sleep(0.01)
-            seconds.append(s.push(weights).seconds)
+            st = s.push(weights)
+            seconds.append(st.seconds)
+            sent = st.bytes_sent
+            if go:
+                Path(go, f"pushed-{i}").write_text("")
     if out:
-        Path(out).write_text(json.dumps({"push_seconds": seconds}))
+        Path(out).write_text(json.dumps({"push_seconds": seconds, "bytes_sent": sent}))
     return 0
+
+
+def _pace(session: Any, gbps: float) -> None:
+    """A slower link, emulated on the sender: each message leaves only once the previous ones would
+    have crossed a link of ``gbps`` GB/s."""
+    isend, free = session.transport.isend, [time.perf_counter()]
+
+    def paced(buf: Any, dst: int, tag: int) -> Any:
+        n = int(getattr(buf, "nbytes", 0))
+        free[0] = max(free[0], time.perf_counter()) + n / (gbps * 1e9)
+        time.sleep(max(0.0, free[0] - time.perf_counter()))
+        return isend(buf, dst, tag)
+
+    session.transport.isend = paced
 
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--send"]:
-        sys.exit(_send(sys.argv[2], sys.argv[3], int(sys.argv[4]), float(sys.argv[5]),
-                       sys.argv[6] if len(sys.argv) > 6 else None, sys.argv[7] if len(sys.argv) > 7 else None))
+        sys.exit(_send(sys.argv[2], sys.argv[3], int(sys.argv[4]), float(sys.argv[5]), sys.argv[6],
+                       float(sys.argv[7]), sys.argv[8]))
     import argparse
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])

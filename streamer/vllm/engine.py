@@ -158,6 +158,7 @@ class ShardstreamWeightTransferEngine(
         self.steps: StepWatch | None = None
         self._started = False  # between start_weight_update and finish_weight_update
         self._worker: Any = None  # vLLM's worker that owns this engine (internals.worker_of)
+        self._split = [0.0, 0.0]  # a staged commit's copy and processing seconds (``_commit_layer``)
 
     # ------------------------------------------------------------------ joining
     @one_reply()
@@ -407,6 +408,7 @@ class ShardstreamWeightTransferEngine(
         t1 = time.perf_counter()
         done: list[tuple[Any, str, list[VllmTensor]]] = []
         peak = 0
+        self._split = [0.0, 0.0]  # the commit's seconds copying staged bytes, and in vLLM's processing
         try:
             self._begin()
             for group in self._layer_groups():
@@ -428,6 +430,7 @@ class ShardstreamWeightTransferEngine(
         t2 = time.perf_counter()
         pushes = stager.received
         self.last = {"staged": True, "version": buf.version, "wait_seconds": t1 - t0, "commit_seconds": t2 - t1,
+                     "copy_seconds": self._split[0], "process_seconds": self._split[1],
                      "peak_extra_bytes": peak, "staging_bytes": stager.nbytes, "naming": self.naming,
                      "layers": len(done), "tied_layers": len(self._aliases()),
                      "bytes_received": pushes[-1][2] if pushes else 0,
@@ -445,9 +448,13 @@ class ShardstreamWeightTransferEngine(
         """One layer: its tensors from ``src`` (host), then vLLM's processing; the bytes it held in
         model format while it was processed (its share of the commit's extra memory)."""
         targets = self._open_layer(layer, path, ts)
+        t0 = time.perf_counter()
         for name, view in targets.items():
             view.copy_(src[name])
+        t1 = time.perf_counter()
         self._process([(layer, path)])
+        self._split[0] += t1 - t0
+        self._split[1] += time.perf_counter() - t1
         return sum(view.nbytes for view in targets.values()) if path == "reprocess" else 0
 
     def _restore(self, done: list[tuple[Any, str, list[VllmTensor]]]) -> int | None:

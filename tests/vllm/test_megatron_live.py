@@ -267,3 +267,10 @@ def test_bench_vllm_from_megatron(tmp_path: Path) -> None:
     assert m["bytes_received"] == m["lower_bound_bytes"] and m["serves_first_load"], m
     assert m["trainer"]["bytes_sent_per_push"] == sum(m["lower_bound_bytes"])
     assert r["shardstream"]["serves_first_load"] and r["shardstream"]["bytes_received"] == m["bytes_received"]
+    # the other sender ways: every array pushed whole (load_weights), and staged, unpaced and paced
+    whole, staged, slow = r["pushed_whole"], r["staged"], r["staged_slow"]
+    assert whole["serves_first_load"] and whole["bytes_received"] == r["shardstream"]["bytes_received"], whole  # TP 1
+    assert staged["serves_first_load"] and slow["serves_first_load"], (staged, slow)
+    assert staged["copy_seconds"][0] > 0 and staged["process_seconds"][0] > 0 and staged["host_copy_seconds"][0] > 0
+    # the paced sender's link is a quarter of the unpaced push's rate: its push takes about 4x as long
+    assert min(slow["push_seconds"]) > 2 * max(staged["push_seconds"]), (staged, slow)
