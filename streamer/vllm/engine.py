@@ -57,6 +57,7 @@ failed push). ``shutdown_weight_transfer_engine`` closes the session; a later
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Mapping
@@ -174,6 +175,7 @@ class ShardstreamWeightTransferEngine(
             self._worker = internals.worker_of(self)
         except internals.VllmInternalsError:
             self._worker = None  # the load_weights path needs no worker; the fast path refuses below
+        init_info = dataclasses.replace(init_info, replica=dp_replica(self.parallel_config, init_info.replica))
         mode = reload_mode(init_info.reload, internals.missing())
         if mode == "load_weights" and init_info.adapter is None:
             self._open_load_session(init_info)
@@ -633,6 +635,21 @@ def _open_whole(init_info: ShardstreamInitInfo, choose: Any, *, delta: bool, dev
                              transport=init_info.transport, timeout=init_info.timeout,
                              options=RefitOptions(verify=init_info.verify, delta=delta),
                              choose_manifest=lambda src: choose(src, size), replica=init_info.replica, device=device)
+
+
+def dp_replica(pc: Any, replica: str | None) -> str | None:
+    """The replica name this engine joins the trainer under. vLLM runs the data-parallel ranks of a
+    dense model as independent engines (each reconfigured to DP 1; ``data_parallel_index`` keeps its
+    rank) and sends ``init_weight_transfer_engine`` to all of them, so each joins as a replica of its
+    own: ``NAME`` for DP rank 0, ``NAME-dpK`` for rank K (rank 0 cannot tell that it has peers)."""
+    index = int(getattr(pc, "data_parallel_index", 0) or 0)
+    if index == 0:
+        return replica
+    if replica is None:
+        raise ValueError(f"shardstream: this engine is data-parallel rank {index} of a vLLM engine whose ranks "
+                         "each receive on their own: name a replica in init_info (replica=NAME; rank K joins as "
+                         "NAME-dpK) and open the trainer with replicas=True")
+    return f"{replica}-dp{index}"
 
 
 def _check_parallel(pc: Any) -> None:

@@ -9,6 +9,8 @@ count as slow, so that changes are encoded).
 Joins the session at once (one line of JSON: ``joined``), then per push: waits for ``wait`` to exist, pushes ``DIR``'s
 safetensors as version ``N``, and prints one line of JSON (``pushed``: the wall-clock time the
 push returned; ``encodings``: its delta messages per encoding, empty for full bytes). ``"stop": PATH``: once PATH exists, exit instead of waiting for the next push.
+``"replicas": [NAME, ...]``: serve named replicas (``replicas=True``), once all of them wait; each
+push's line then says what each received (``replicas``: name -> [version, error]).
 """
 
 from __future__ import annotations
@@ -29,8 +31,11 @@ if __name__ == "__main__":
     first = load_file(f"{pushes[0]['model']}/model.safetensors")
     manifest = manifest_from_state_dict(first, name="loop-checkpoint")
     options = RefitOptions(delta=bool(job.get("delta")), link_gbps=job.get("link_gbps"))
+    names = set(job.get("replicas", ()))
     with RefitSession.open(manifest, "send", rendezvous=job["rendezvous"], timeout=float(job["timeout"]),
-                           options=options) as s:
+                           options=options, replicas=bool(names)) as s:
+        while names - set(s.replica_sessions) - set(s.waiting_replicas()):
+            time.sleep(0.05)
         os.write(1, (json.dumps({"joined": time.time()}) + "\n").encode())
         for p in pushes:
             while not Path(p["wait"]).exists():
@@ -40,5 +45,5 @@ if __name__ == "__main__":
             t0 = time.time()
             st = s.push(load_file(f"{p['model']}/model.safetensors"), version=int(p["version"]))
             line = {"version": st.version, "bytes_sent": st.bytes_sent, "started": t0, "pushed": time.time(),
-                    "encodings": st.encodings}
+                    "encodings": st.encodings, "replicas": {r.name: [r.version, r.error] for r in st.replicas}}
             os.write(1, (json.dumps(line) + "\n").encode())

@@ -37,3 +37,18 @@ def test_untested_parallel_layouts_are_refused_by_name() -> None:
         _check_parallel(SimpleNamespace(pipeline_parallel_size=2, data_parallel_size=2))
     assert "pipeline_parallel_size 2 is not supported yet" in str(e.value)
     assert "data_parallel_size 2 is not supported yet" in str(e.value) and "replica" in str(e.value)
+
+
+def test_each_independent_dp_rank_joins_as_a_replica_of_its_own() -> None:
+    """A dense model's DP ranks run as independent engines (vLLM keeps the rank in
+    ``data_parallel_index``): rank K joins as NAME-dpK, and without a name it is refused."""
+    from types import SimpleNamespace
+
+    from streamer.vllm.engine import dp_replica
+
+    assert dp_replica(SimpleNamespace(data_parallel_index=0), "x") == "x"
+    assert dp_replica(SimpleNamespace(data_parallel_index=0), None) is None
+    assert dp_replica(SimpleNamespace(), "x") == "x"
+    assert dp_replica(SimpleNamespace(data_parallel_index=1), "x") == "x-dp1"
+    with pytest.raises(ValueError, match="data-parallel rank 1 .* name a replica"):
+        dp_replica(SimpleNamespace(data_parallel_index=1), None)

@@ -48,9 +48,10 @@ class Server:
     def __init__(self, port: int) -> None:
         self.base = f"http://127.0.0.1:{port}"
 
-    def post(self, path: str, body: dict[str, Any] | None = None, timeout: float = 300) -> Any:
+    def post(self, path: str, body: dict[str, Any] | None = None, timeout: float = 300,
+             headers: dict[str, str] | None = None) -> Any:
         req = urllib.request.Request(self.base + path, data=json.dumps(body or {}).encode(),
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json", **(headers or {})})
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
                 return json.loads(r.read())
@@ -73,12 +74,14 @@ class Server:
                 time.sleep(2)
         raise AssertionError(f"vllm serve did not answer /health within {timeout} s\n{proc.tail()}")
 
-    def served(self, model: str) -> list[dict[str, Any]]:
-        """Greedy tokens and top-5 logprobs per prompt (one request each, in turn)."""
+    def served(self, model: str, dp_rank: int | None = None) -> list[dict[str, Any]]:
+        """Greedy tokens and top-5 logprobs per prompt (one request each, in turn); ``dp_rank``: served
+        by that data-parallel engine (vLLM's ``X-data-parallel-rank`` header)."""
         out = []
         for p in PROMPTS:
             r = self.post("/v1/completions", {"model": model, "prompt": p, "max_tokens": 6, "temperature": 0,
-                                              "logprobs": 5, "return_tokens_as_token_ids": True, "ignore_eos": True})
+                                              "logprobs": 5, "return_tokens_as_token_ids": True, "ignore_eos": True},
+                          headers=None if dp_rank is None else {"X-data-parallel-rank": str(dp_rank)})
             lp = r["choices"][0]["logprobs"]
             out.append({"tokens": lp["tokens"], "logprobs": lp["top_logprobs"]})
         return out
