@@ -114,6 +114,16 @@ class Fleet:
         return {name: text for name, text in waiting(self.rendezvous, self.group).items()
                 if text not in (self.joined_by.get(name), self.refused.get(name))}
 
+    def await_names(self, names: set[str], timeout: float) -> None:
+        """Until every replica in ``names`` was joined or waits to be (``waiting``); raises
+        ``PeerTimeoutError`` naming the missing ones after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while missing := names - set(self.subs) - set(self.waiting()):
+            if time.monotonic() > deadline:
+                raise PeerTimeoutError(f"replicas {', '.join(sorted(missing))} did not join through {self.rendezvous} "
+                                       f"within {timeout:g} s")
+            time.sleep(0.05)
+
     def _listing(self, wait: bool) -> dict[str, str]:
         """Trainer rank 0: the waiting replicas (``waiting``) whose store answers; with ``wait``,
         until one is there."""

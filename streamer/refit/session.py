@@ -42,7 +42,7 @@ import hashlib
 import json
 import socket
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -525,6 +525,13 @@ class RefitSession:
         """A trainer serving replicas: the replicas waiting now to be joined at the next push (not a
         collective: what this rank reads from the files or the registry)."""
         return sorted(self._fleet.waiting()) if self._fleet is not None else []
+
+    def await_replicas(self, names: Iterable[str], timeout: float | None = None) -> None:
+        """A trainer serving replicas: wait (up to ``timeout``, default the session's) until every
+        replica named was joined or waits to be joined at the next push (``PeerTimeoutError``)."""
+        if self._fleet is None:
+            raise UsageError("await_replicas is for a trainer that opened with replicas=True")
+        self._fleet.await_names(set(names), self.timeout if timeout is None else timeout)
 
     @property
     def version(self) -> int | None:

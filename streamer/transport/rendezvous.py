@@ -115,26 +115,28 @@ def _entry(address: str, epoch: int) -> str:
     return f"{TCP}{address}{f'/{epoch}' if epoch else ''}\nhost={socket.gethostname()}\nat={time.time():.3f}\n"
 
 
+def _fields(text: str) -> dict[str, str]:
+    """An entry's ``key=value`` lines after its address (``host``, ``at``)."""
+    return dict(line.split("=", 1) for line in text.splitlines()[1:] if "=" in line)
+
+
 def _dial_entry(text: str, where: str, deadline: float) -> tuple[Any, str]:
     """A client of the store that an entry names (``_entry``), and its ``HOST:PORT[/EPOCH]``."""
     from streamer.transport.store import open_store
 
-    first, _, rest = text.partition("\n")
+    first = text.partition("\n")[0]
     host, port = first[len(TCP):].split("/")[0].rsplit(":", 1)
-    fields = dict(line.split("=", 1) for line in rest.splitlines() if "=" in line)
-    check_reachable(host, fields.get("host", ""), where)
+    check_reachable(host, _fields(text).get("host", ""), where)
     left = max(0.5, deadline - time.monotonic())
     return open_store(host, int(port), server=False, timeout=min(5.0, left)), first[len(TCP):]
 
 
 def _written_at(text: str) -> float | None:
-    for line in text.splitlines()[1:]:
-        if line.startswith("at="):
-            try:
-                return float(line[3:])
-            except ValueError:
-                return None
-    return None
+    """When an entry was written (None: an entry without the time, or one that does not parse)."""
+    try:
+        return float(_fields(text)["at"])
+    except (KeyError, ValueError):
+        return None
 
 
 class FileRendezvous:
@@ -200,17 +202,17 @@ class FileRendezvous:
 class TcpRendezvous:
     """``tcp://HOST:PORT``: receiver rank 0's store at a known address (see the module docstring)."""
 
-    def __init__(self, host: str, port: int) -> None:
+    def __init__(self, host: str, port: int, serving: str = "receiver rank 0") -> None:
         self.host, self.port = host, port
         #: who serves the store here: receiver rank 0 (one pair of jobs), or trainer rank 0 (replicas)
-        self.serving = "receiver rank 0"
+        self.serving = serving
 
     @classmethod
-    def parse(cls, text: str) -> TcpRendezvous:
+    def parse(cls, text: str, serving: str = "receiver rank 0") -> TcpRendezvous:
         host, sep, port = text[len(TCP):].rstrip("/").rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise UsageError(f"rendezvous {text!r}: expected tcp://HOST:PORT (a port from 1 to 65535)")
-        return cls(host.strip("[]"), int(port))
+        return cls(host.strip("[]"), int(port), serving)
 
     def __str__(self) -> str:
         return f"{TCP}{self.host}:{self.port}"
@@ -287,9 +289,11 @@ def registered(registry: Any) -> dict[str, str]:
     server): name -> entry."""
     out: dict[str, str] = {}
     for k in range(int(registry.add(_REG_COUNT, 0))):
-        name = peek(registry, f"{_REG_NAME}{k}")  # None: being listed right now
-        text = peek(registry, f"{_REG_AT}{name}") if name is not None and name not in out else None
-        if name is not None and text is not None:
+        name = peek(registry, f"{_REG_NAME}{k}")
+        if name is None or name in out:  # None: being listed right now
+            continue
+        text = peek(registry, f"{_REG_AT}{name}")
+        if text is not None:  # None: joined, or not waiting
             out[name] = text
     return out
 

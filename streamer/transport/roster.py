@@ -100,8 +100,7 @@ def trainer_group(rendezvous: str | Path, timeout: float) -> Group:
 
     rdv: Rendezvous
     if str(rendezvous).startswith(TCP):
-        rdv = tcp = TcpRendezvous.parse(str(rendezvous))
-        tcp.serving = "trainer rank 0 (the replicas' registry)"
+        rdv = TcpRendezvous.parse(str(rendezvous), serving="trainer rank 0 (the replicas' registry)")
         path = str(rdv)
     else:
         p = Path(rendezvous)

@@ -353,10 +353,10 @@ def _staged_text(r: dict[str, Any]) -> list[str]:
                     f"that processing) = {pause / (copy + proc):.2f}; without staging the pause is the whole pull "
                     f"and processing ({r['shardstream']['median_seconds']:.3f} s)")
     if "median_seconds" in st and "median_seconds" in slow:
-        rows.append(f"  a sender paced at {slow['link_gbps']:.3f} GB/s: its push takes "
-                    f"{statistics.median(slow['push_seconds']):.3f} s ({statistics.median(slow['push_seconds']) / statistics.median(st['push_seconds']):.1f}x), "
-                    f"the pause {slow['median_seconds']:.3f} s ({slow['median_seconds'] / st['median_seconds']:.2f}x "
-                    f"the unpaced one)")
+        paced, unpaced = statistics.median(slow["push_seconds"]), statistics.median(st["push_seconds"])
+        rows.append(f"  a sender paced at {slow['link_gbps']:.3f} GB/s: its push takes {paced:.3f} s "
+                    f"({paced / unpaced:.1f}x), the pause {slow['median_seconds']:.3f} s "
+                    f"({slow['median_seconds'] / st['median_seconds']:.2f}x the unpaced one)")
     whole, sh = r.get("pushed_whole", {}), r.get("shardstream", {})
     if "median_seconds" in whole and "median_seconds" in sh:
         rows.append(f"  regions in place against every array pushed whole + load_weights (one sender, the same "

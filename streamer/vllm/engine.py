@@ -641,9 +641,11 @@ def dp_replica(pc: Any, replica: str | None) -> str | None:
     """The replica name this engine joins the trainer under. vLLM runs the data-parallel ranks of a
     dense model as independent engines (each reconfigured to DP 1; ``data_parallel_index`` keeps its
     rank) and sends ``init_weight_transfer_engine`` to all of them, so each joins as a replica of its
-    own: ``NAME`` for DP rank 0, ``NAME-dpK`` for rank K (rank 0 cannot tell that it has peers)."""
+    own: ``NAME`` for DP rank 0, ``NAME-dpK`` for rank K (rank 0 cannot tell that it has peers). A
+    DP group that kept ``data_parallel_size`` > 1 (an MoE's) is not independent ranks: the name
+    stands, and ``_check_parallel`` refuses it by name."""
     index = int(getattr(pc, "data_parallel_index", 0) or 0)
-    if index == 0:
+    if index == 0 or int(getattr(pc, "data_parallel_size", 1) or 1) > 1:
         return replica
     if replica is None:
         raise ValueError(f"shardstream: this engine is data-parallel rank {index} of a vLLM engine whose ranks "

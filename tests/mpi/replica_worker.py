@@ -154,10 +154,10 @@ def send(d: Path, args: argparse.Namespace) -> int:
     with RefitSession.open(m, "send", rendezvous=args.rendezvous or str(d / "rdv"), transport="gloo",
                            timeout=args.timeout, options=RefitOptions(delta=True, link_gbps=SLOW_LINK),
                            replicas=True) as s:
-        _wait_replicas(s, args.expect.split(",") if args.expect else [])
+        s.await_replicas(args.expect.split(",") if args.expect else [], 120)
         for v in (int(x) for x in args.versions.split(",")):
             if v == int(join_at):
-                _wait_replicas(s, [join])
+                s.await_replicas([join], 120)
             fill(m, rank, local, v)
             try:
                 st = s.push(local, version=v)
@@ -175,15 +175,6 @@ def send(d: Path, args: argparse.Namespace) -> int:
     if log is not None:
         log.write(json.dumps({"t": time.time(), "event": "closed"}) + "\n")
     return 0
-
-
-def _wait_replicas(s: RefitSession, names: list[str], timeout: float = 120.0) -> None:
-    """Until every replica named waits to be joined, or was joined (open joins the first to come)."""
-    deadline = time.monotonic() + timeout
-    while set(names) - set(s.replica_sessions) - set(s.waiting_replicas()):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"replicas {names} never came: {s.waiting_replicas()} wait")
-        time.sleep(0.05)
 
 
 def main() -> int:

@@ -31,11 +31,11 @@ if __name__ == "__main__":
     first = load_file(f"{pushes[0]['model']}/model.safetensors")
     manifest = manifest_from_state_dict(first, name="loop-checkpoint")
     options = RefitOptions(delta=bool(job.get("delta")), link_gbps=job.get("link_gbps"))
-    names = set(job.get("replicas", ()))
+    names = job.get("replicas", [])
     with RefitSession.open(manifest, "send", rendezvous=job["rendezvous"], timeout=float(job["timeout"]),
                            options=options, replicas=bool(names)) as s:
-        while names - set(s.replica_sessions) - set(s.waiting_replicas()):
-            time.sleep(0.05)
+        if names:
+            s.await_replicas(names)
         os.write(1, (json.dumps({"joined": time.time()}) + "\n").encode())
         for p in pushes:
             while not Path(p["wait"]).exists():

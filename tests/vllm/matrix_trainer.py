@@ -58,9 +58,9 @@ def run_case(case: dict[str, Any], timeout: float) -> None:
             wait = case.get("wait_before_push", {}).get(str(step))
             while wait and not Path(wait).exists():  # the engine's go-ahead (staging tests)
                 time.sleep(0.05)
-            names = set(case.get("wait_replicas", {}).get(str(step), ()))
-            while names - set(session.replica_sessions) - set(session.waiting_replicas()):
-                time.sleep(0.05)  # an engine joining mid-run: its staging process entered the registry
+            names = case.get("wait_replicas", {}).get(str(step))
+            if names:  # an engine joining mid-run: its staging process entered the registry
+                session.await_replicas(names)
             if step < case.get("push_from", 0):
                 continue  # a restarted trainer: this step was pushed by the one before it
             if step == case.get("crash_in_push"):

@@ -50,5 +50,7 @@ def test_each_independent_dp_rank_joins_as_a_replica_of_its_own() -> None:
     assert dp_replica(SimpleNamespace(data_parallel_index=0), None) is None
     assert dp_replica(SimpleNamespace(), "x") == "x"
     assert dp_replica(SimpleNamespace(data_parallel_index=1), "x") == "x-dp1"
+    # an MoE's DP group keeps data_parallel_size > 1: not independent ranks (_check_parallel refuses it)
+    assert dp_replica(SimpleNamespace(data_parallel_index=1, data_parallel_size=2), None) is None
     with pytest.raises(ValueError, match="data-parallel rank 1 .* name a replica"):
         dp_replica(SimpleNamespace(data_parallel_index=1), None)
