@@ -87,6 +87,44 @@ def update_while_serving(llm: Any, job: dict[str, Any], version: int | None) -> 
             "out": [_record(done[f"running-{i}"], job) for i in range(len(job["prompts"]))]}
 
 
+def generate_during_push(llm: Any, job: dict[str, Any], c: dict[str, Any], cue: Path | None) -> dict[str, Any]:
+    """A long batch (``c["long_tokens"]`` tokens per prompt) stepped by hand while the trainer
+    pushes: ``cue`` (the trainer's go-ahead) is written once the batch runs. The engine steps on
+    during the push, never paused; should the push take longer than the batch, the batch holds
+    its last steps until the trainer's ``c["pushed"]`` file appears (up to 300 s), so that the
+    push always returns while requests are in flight. Records the batch and the steps that ran
+    while the push did."""
+    from vllm import SamplingParams
+
+    tokens = c["long_tokens"]
+    sp = SamplingParams(temperature=0, max_tokens=tokens, logprobs=1, detokenize=False, ignore_eos=True)
+    eng, done = llm.llm_engine, {}
+    for i, p in enumerate(job["prompts"]):
+        eng.add_request(f"long-{i}", {"prompt_token_ids": p}, sp)
+
+    def step() -> None:
+        done.update({o.request_id: o for o in eng.step() if o.finished})
+
+    step()  # prefilled, decoding: the trainer may push now
+    if cue is not None:
+        cue.write_text("")
+    pushed, during, t0 = Path(c["pushed"]), 0, time.monotonic()
+    while not pushed.exists() and during < tokens - 3:
+        step()
+        during += 1
+    held = not pushed.exists()  # the batch waits for the push at its last steps (reported)
+    t1 = time.monotonic()
+    _wait_file(str(pushed), 300)
+    t2 = time.monotonic()
+    in_flight = eng.has_unfinished_requests() and not done
+    while eng.has_unfinished_requests():
+        step()
+    return {"long": [_record(done[f"long-{i}"], job) for i in range(len(job["prompts"]))],
+            "steps_during_push": during, "in_flight_at_push": in_flight, "held": held,
+            "decode_seconds": t1 - t0, "push_seen_seconds": t2 - t0,
+            "version": llm.get_weight_version()}
+
+
 def dump(worker: Any, out: str) -> None:
     """In each worker (collective_rpc): what its shardstream engine described and did."""
     from formats.manifest.wire import Manifest, dumps_manifest
@@ -145,7 +183,8 @@ def staged_commits(llm: Any, rf: dict[str, Any], job: dict[str, Any]) -> list[di
     """Staging "host": commit each ``rf["commits"][i]`` (``{"version": N|null, "fail_at": K}``) in
     turn (``{"check_only": true}``: no update, only what it serves and its staging state;
 ``{"while_serving": true}``: the update is opened while requests run (``update_while_serving``);
-``"reset_prefix_cache": true``: vLLM's ``reset_prefix_cache()`` first), first
+``"reset_prefix_cache": true``: vLLM's ``reset_prefix_cache()`` first; ``{"long_tokens": T,
+"pushed": PATH}``: a long batch decoded while the trainer pushes, ``generate_during_push``), first
 waiting for ``rf["wait_before"][str(i)]`` (a file) when given; after each, write
     ``rf["signal"]/committed-i``. ``fail_at``: that commit's K-th layer raises (in every worker)."""
     out = []
@@ -160,6 +199,9 @@ waiting for ``rf["wait_before"][str(i)]`` (a file) when given; after each, write
                         "staging": llm.collective_rpc(_staging_state)})
             if rf.get("signal"):
                 Path(rf["signal"], f"committed-{i}").write_text("")
+            continue
+        if c.get("long_tokens"):  # a push made while a long batch decodes (its cue: committed-i)
+            out.append(generate_during_push(llm, job, c, Path(rf["signal"], f"committed-{i}")))
             continue
         if c.get("while_serving"):  # an update the engine serves through: refused, nothing written
             out.append({**update_while_serving(llm, job, c.get("version")), "after": generate(llm, job)})
@@ -312,6 +354,8 @@ def run(job: dict[str, Any]) -> list[dict[str, Any]]:
                     llm.collective_rpc(dump, args=(str(Path(rf["manifests"], "then")),))
         else:
             entry["out"] = generate(llm, job)
+            if job.get("long_tokens"):  # the batch a staged engine decoded during a push, fresh
+                entry["long"] = generate(llm, {**job, "max_tokens": job["long_tokens"], "logprobs": 1})
         results.append(entry)
         del llm
         gc.collect()

@@ -15,7 +15,8 @@ without pushing them), ``"bucket_size": BYTES`` and ``"replicas": true`` (serve 
 replica that joins: ``RefitSession.open(..., replicas=True)``; each push's line names, per replica,
 ``[version, error, joined, bytes_sent, full_bytes_sent]``), with ``"wait_replicas": {"N": [NAME,
 ...]}`` (push step N once these replicas were joined or wait to be). ``"delta": true`` and
-``"link_gbps": G``: a delta session (``RefitOptions``).
+``"link_gbps": G``: a delta session (``RefitOptions``). ``"pushed_dir": DIR``: write
+``DIR/pushed-N`` as soon as step N's push returned (the engine's cue that it did).
 """
 
 from __future__ import annotations
@@ -71,6 +72,8 @@ def run_case(case: dict[str, Any], timeout: float) -> None:
                                "replicas": {r.name: [r.version, r.error, r.joined, r.bytes_sent, r.full_bytes_sent]
                                             for r in st.replicas}})
             os.write(1, (line + "\n").encode())
+            if case.get("pushed_dir"):
+                Path(case["pushed_dir"], f"pushed-{step}").write_text("")
     if case.get("done_file"):  # the session is closed: every push returned
         Path(case["done_file"]).write_text("")
 

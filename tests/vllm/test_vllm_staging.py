@@ -2,18 +2,20 @@
 serves, and ``update_weights`` commits a staged version.
 
 One engine (TP 1 in-process, and TP 2), one trainer (matrix_trainer.py: transformers, AdamW, two
-pushes). The trainer pushes version 0, and pushes version 1 only once the engine committed 0; then
-it closes its session and exits. Only after that does the engine start its next update: the push
+pushes). The trainer pushes version 0, and pushes version 1 only once the engine committed 0 and
+is decoding a long batch; then it closes its session and exits. Only after that does the engine start its next update: the push
 never waited for the engine. Then, on the engine:
 
 0. an update opened while requests are served (no pause; the engine stepped by hand): refused by
    name before it writes anything; the requests end exactly as on the initial weights;
 1. commit version 0: it serves exactly what a fresh engine on step 0's checkpoint serves;
-2. commit version 1 with a test hook that makes its third layer fail: the layers it wrote are
+2. a long batch (96 tokens per prompt) decodes while the trainer pushes version 1: the push returns
+   with requests in flight, and the batch equals a fresh step-0 engine's exactly;
+3. commit version 1 with a test hook that makes its third layer fail: the layers it wrote are
    restored from the committed host copy, and it serves exactly version 0 again (``weight_version``
    unchanged);
-3. commit version 1: exactly a fresh engine on step 1; at most one layer in extra memory;
-4. commit version 0 again: refused by name (the engine serves a newer one).
+4. commit version 1: exactly a fresh engine on step 1; at most one layer in extra memory;
+5. commit version 0 again: refused by name (the engine serves a newer one).
 """
 
 from __future__ import annotations
@@ -52,20 +54,26 @@ def _driver_and_trainer(tmp: Path, job: dict[str, Any], cases: list[dict[str, An
     return json.loads((tmp / "out.json").read_text()), pushes
 
 
+LONG = 96  # tokens per prompt of the batch decoded during a push (max_model_len 128)
+
+
 def _run(tmp: Path, tp: int, arch: str) -> tuple[dict[str, Any], list[dict[str, Any]], list[dict[str, Any]]]:
     initial = tiny_models.make_model(arch, tmp / "initial")
-    (tmp / "hf").mkdir()
-    (tmp / "signal").mkdir()
-    commits = [{"version": 0, "while_serving": True}, {"version": 0}, {"version": 1, "fail_at": 3}, {"version": 1},
-               {"version": 0}]
+    for d in ("hf", "signal", "pushed"):
+        (tmp / d).mkdir()
+    commits = [{"version": 0, "while_serving": True}, {"version": 0},
+               {"long_tokens": LONG, "pushed": str(tmp / "pushed" / "pushed-1")},
+               {"version": 1, "fail_at": 3}, {"version": 1}, {"version": 0}]
     refit = {"rendezvous": str(tmp / "rdv"), "timeout": 300, "steps": 0, "commits": commits,
              "init_info": {"staging": "host", "verify": True}, "signal": str(tmp / "signal"),
-             "wait_before": {"2": str(tmp / "done")}}
+             "wait_before": {"3": str(tmp / "done")}}
     runs = [{"model": str(initial), "refit": refit}, {"model": str(tmp / "hf" / "step-0")},
             {"model": str(tmp / "hf" / "step-1")}]
-    job = {"tp": tp, "engine_in_process": True, "prompts": PROMPTS, "max_tokens": 6, "logprobs": 5, "runs": runs}
+    job = {"tp": tp, "engine_in_process": True, "prompts": PROMPTS, "max_tokens": 6, "logprobs": 5, "runs": runs,
+           "long_tokens": LONG}
     case = {"name": "staged", "initial": str(initial), "rendezvous": str(tmp / "rdv"), "save_hf": str(tmp / "hf"),
-            "steps": 2, "wait_before_push": {"1": str(tmp / "signal" / "committed-1")}, "done_file": str(tmp / "done")}
+            "steps": 2, "wait_before_push": {"1": str(tmp / "signal" / "committed-2")}, "done_file": str(tmp / "done"),
+            "pushed_dir": str(tmp / "pushed")}
     out, pushes = _driver_and_trainer(tmp, job, [case])
     return out[0], out[1:], pushes
 
@@ -76,12 +84,19 @@ def test_staged_pushes_commit_restore_and_refuse(tmp_path: Path, tp: int, arch: 
     refit, fresh, pushes = _run(tmp_path, tp, arch)
     # an update opened while the engine serves requests: refused before it writes anything, naming
     # vLLM's pause call; the requests end on the weights they began with, and so does the engine
-    serving, c = refit["commits"][0], refit["commits"][1:]
+    serving, c = refit["commits"][0], [x for x in refit["commits"][1:] if "long" not in x]
+    (during,) = [x for x in refit["commits"] if "long" in x]
     assert serving["error"] and "not paused: nothing was written" in serving["error"], serving
     assert "pause_generation" in serving["error"], serving
     assert serving["out"] == refit["before"] and serving["after"] == refit["before"], serving
     assert c[0]["error"] is None and c[0]["out"] == fresh[0]["out"], c[0]
     assert refit["before"] != fresh[0]["out"]
+    # version 1 pushed while a long batch decoded on version 0: the push returned with the batch in
+    # flight, and the batch is version 0's exactly (staging never touches the served tensors)
+    assert during["in_flight_at_push"] and during["version"] == c[0]["version"], during
+    assert during["long"] == fresh[0]["long"], "staging changed what the engine served during the push"
+    print(f"push during a batch: {during['steps_during_push']} steps decoded in {during['decode_seconds']:.2f} s; "
+          f"the push seen done after {during['push_seen_seconds']:.2f} s (batch held for it: {during['held']})")
     # the failed commit: version 0 restored exactly, and vLLM keeps its weight_version
     assert c[1]["error"] and "test hook: layer 3" in c[1]["error"] and "restored from version 0" in c[1]["error"], c[1]
     assert c[1]["out"] == fresh[0]["out"] and c[1]["version"] == c[0]["version"], c[1]
@@ -99,26 +114,32 @@ def test_staged_pushes_commit_restore_and_refuse(tmp_path: Path, tp: int, arch: 
 
 
 @pytest.mark.timeout(900)
-def test_a_trainer_killed_mid_push_leaves_the_served_version_whole(tmp_path: Path) -> None:
+@pytest.mark.parametrize("tp,arch,delta", [(1, "qwen3", False), (2, "qwen3-moe", True)],
+                         ids=["tp1-dense-full", "tp2-moe-delta"])
+def test_a_trainer_killed_mid_push_leaves_the_served_version_whole(tmp_path: Path, tp: int, arch: str,
+                                                                    delta: bool) -> None:
     """Trainer A pushes version 0 (committed), then dies (SIGKILL) right after posting the first of
     the many messages of version 1's push. The engine goes on serving version 0 exactly, its
-    staging thread reports the broken push and keeps no part of it. Trainer B, restarted, pushes
+    staging process reports the broken push and keeps no part of it. Trainer B, restarted, pushes
     version 1 with no call on the engine side; the engine commits it and serves a fresh engine's
-    output for step 1."""
-    initial = tiny_models.make_model("qwen3", tmp_path / "initial")
+    output for step 1. ``delta``: a delta session with a link stated slow, so that the broken push
+    is one of XOR deltas, decoded as its messages arrive against the committed version's copy;
+    B's first push to the engine is a full one (a new trainer holds no base)."""
+    initial = tiny_models.make_model(arch, tmp_path / "initial")
     for d in ("hf", "signal"):
         (tmp_path / d).mkdir()
     sig = tmp_path / "signal"
     commits = [{"version": 0}, {"check_only": True}, {"version": 1}]
     refit = {"rendezvous": str(tmp_path / "rdv"), "timeout": 300, "steps": 0, "commits": commits,
-             "init_info": {"staging": "host", "verify": True}, "signal": str(sig),
+             "init_info": {"staging": "host", "verify": True, "delta": delta}, "signal": str(sig),
              "wait_before": {"1": str(sig / "a-dead")}}
     runs = [{"model": str(initial), "refit": refit}, {"model": str(tmp_path / "hf" / "step-0")},
             {"model": str(tmp_path / "hf" / "step-1")}]
-    job = {"tp": 1, "engine_in_process": True, "prompts": PROMPTS, "max_tokens": 6, "logprobs": 5, "runs": runs}
+    job = {"tp": tp, "engine_in_process": True, "prompts": PROMPTS, "max_tokens": 6, "logprobs": 5, "runs": runs}
     (tmp_path / "job.json").write_text(json.dumps(job))
     base = {"initial": str(initial), "rendezvous": str(tmp_path / "rdv"), "save_hf": str(tmp_path / "hf"), "steps": 2,
-            "bucket_size": 16 << 10}  # many messages: the first one is a small part of the push
+            "bucket_size": 16 << 10,  # many messages: the first one is a small part of the push
+            **({"delta": True, "link_gbps": 0.05} if delta else {})}
     (tmp_path / "a.json").write_text(json.dumps({"timeout": 300, "cases": [
         {**base, "name": "a", "wait_before_push": {"1": str(sig / "committed-0")}, "crash_in_push": 1}]}))
     (tmp_path / "b.json").write_text(json.dumps({"timeout": 300, "cases": [
@@ -144,9 +165,10 @@ def test_a_trainer_killed_mid_push_leaves_the_served_version_whole(tmp_path: Pat
     assert c[0]["error"] is None and c[0]["out"] == fresh0["out"]
     # after the broken push: version 0 exactly, the same weight_version, nothing of version 1 staged
     assert c[1]["out"] == fresh0["out"] and c[1]["version"] == c[0]["version"], c[1]
-    (state,) = c[1]["staging"]
-    assert state["error"] and "PushFailed" in state["error"], state
-    assert ("staged", 1) not in [tuple(b) for b in state["buffers"]], state
+    assert len(c[1]["staging"]) == tp
+    for state in c[1]["staging"]:  # every worker's staging process
+        assert state["error"] and "PushFailed" in state["error"], state
+        assert ("staged", 1) not in [tuple(b) for b in state["buffers"]], state
     assert c[2]["error"] is None and c[2]["out"] == fresh1["out"], c[2]
     assert fresh0["out"] != fresh1["out"]
 
