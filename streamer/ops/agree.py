@@ -16,7 +16,7 @@ that code, within the time of one allgather.
     agree(group.control, checks.refusal, timeout)  # every rank: go on together, or all refuse
 
 ``agreed(transport, timeout)`` is the two in one block (a single process: the block's own error
-propagates unchanged). Group formation carries a refusal too (``jobs.connect``): a rank whose
+propagates unchanged). Group formation carries a refusal too (``rendezvous.join``): a rank whose
 manifest did not load still joins, so that the others learn why instead of waiting for it.
 """
 

@@ -12,9 +12,9 @@ the others keep getting deltas. The pushes to the replicas run at once (a thread
 host transports; one after another by name on device ones), and each ends when every receiver
 rank of its replica says it holds the version (a receipt on its store: bytes handed to a socket
 prove nothing). A replica that fails (died, closed, timed out) is dropped on every trainer rank
-(their verdicts are exchanged over the trainer's own store, ``roster.trainer_group``) and the
-push goes on for the others. ``StepStats.replicas`` says what each replica received, or why it
-was dropped. ``push()`` raises ``PushFailed`` only when no replica is left; a refused push
+(their verdicts are exchanged over the trainer's own group, ``rendezvous.join(replicas=True)``)
+and the push goes on for the others. ``StepStats.replicas`` says what each replica received, or
+why it was dropped. ``push()`` raises ``PushFailed`` only when no replica is left; a refused push
 (``RefusedError``) raises once the other replicas' pushes ended (they may hold the version).
 A dropped replica whose receivers survive (``--stay``) waits for a new sender job: the trainer
 joins it again at a later push, with a full push.
@@ -38,7 +38,8 @@ from formats.errors import (
     ValidationError,
 )
 from streamer.execute.executor import ExecStats
-from streamer.transport.roster import agree_names, replica_rendezvous, waiting
+from streamer.transport.rendezvous import replica_rendezvous, trainer_form
+from streamer.transport.roster import agree_names, waiting
 
 __all__ = ["Fleet", "ReplicaResult", "check_fleet_args"]
 
@@ -69,11 +70,7 @@ class ReplicaResult:
 
 def check_fleet_args(role: str, rendezvous: str | None, transport: Any) -> str:
     """The rendezvous path of a trainer serving replicas, or the usage error."""
-    if role != "send":
-        raise UsageError("replicas=True is for the trainer (send); an inference replica opens with replica=NAME")
-    if rendezvous is None:
-        raise UsageError("replicas=True joins replica jobs through a rendezvous: pass rendezvous=FILE (a path every "
-                         "job sees) or tcp://HOST:PORT (served by trainer rank 0: no shared filesystem)")
+    rendezvous = trainer_form(role, rendezvous)
     if transport is not None and (not isinstance(transport, str) or transport not in ("gloo", "nccl")):
         raise UsageError(f"replicas move over gloo or nccl (the store control plane), not {transport!r}")
     return rendezvous

@@ -7,7 +7,7 @@
         for step in ...:                                for step in ...:
             s.push(model)  # DTensors: local shards         s.pull(local_tensors)  # in place
 
-``open`` is the one collective entry point: it joins the two jobs (``jobs.connect``), builds the
+``open`` is the one collective entry point: it joins the two jobs (``rendezvous.join``), builds the
 transport, exchanges manifests (sender rank 0 and receiver rank 0 broadcast their compact form),
 agrees on options, and compares the digests of the inputs (both manifests, the plan-affecting
 options, the planner's version) on every rank before any byte moves: ranks that disagree are
@@ -81,8 +81,8 @@ from streamer.refit.options import RefitOptions, agree
 from streamer.refit.rankstart import input_digests, input_problems, plan_own
 from streamer.refit.replicas import replica_digests, replica_problems
 from streamer.transport.base import PeerClosedError, Transport
-from streamer.transport.jobs import Group, connect, rejoin
-from streamer.transport.roster import replica_join
+from streamer.transport.jobs import Group
+from streamer.transport.rendezvous import join, rejoin
 
 __all__ = ["PushFailed", "RefitOptions", "RefitSession", "RefusedError", "ReplicaResult", "StepStats", "make_transport", "transport_kind"]
 
@@ -175,7 +175,7 @@ def _agree_transport(group: Group, transport: str | Transport | None, timeout: f
 
 @dataclass
 class RefitSession:
-    """One side of a refit. Use ``RefitSession.open``; ``group`` comes from ``jobs.connect``."""
+    """One side of a refit. Use ``RefitSession.open``; ``group`` comes from ``rendezvous.join``."""
 
     manifest: Manifest
     role: str
@@ -239,14 +239,14 @@ class RefitSession:
 
         ``transport``: "mpi" (default under mpiexec), "gloo" (default otherwise), "nccl", "shm" or
         "cuda-ipc" (every rank on one node), or a ``Transport``. ``control``: "auto", "mpi" or
-        "store" (see ``jobs.connect``). ``options``: how to move (``RefitOptions``; the two jobs
+        "store" (see ``rendezvous.join``). ``options``: how to move (``RefitOptions``; the two jobs
         agree on them). ``device_ops``: what stages device tensors on a host transport (tests).
 
         Bad input on one rank ends every rank of both jobs with the same verdict (``AgreedRefusal``,
         ``ops.agree``): a manifest that does not load here, ``refusal`` (what the caller's own
         checks refused), and ``prepare(group)`` (checks that need the group, e.g. the receivers'
         output directory) are agreed on before any other wait; ``announce`` gets a launch's verdict
-        as soon as its own ranks know it (see ``jobs.connect``). ``manifest`` may be None only with
+        as soon as its own ranks know it (see ``rendezvous.join``). ``manifest`` may be None only with
         a ``refusal`` (the caller could not load it). ``choose_manifest`` (receivers): this job's
         manifest, picked from the sender's (the field).
 
@@ -259,21 +259,16 @@ class RefitSession:
         left alone. Default: the launcher's local rank, made current (``transport.device``).
         """
         t0 = time.perf_counter()
-        if replicas:
-            return cls._open_fleet(manifest, check_fleet_args(role, rendezvous, transport), transport, timeout,
-                                   options, device_ops, refusal)
-        if replica is not None:
-            rendezvous, control = replica_join(role, replica, rendezvous, control)
+        if replicas:  # a bad argument here is refused before any wait: no peer needs to hear of it
+            check_fleet_args(role, rendezvous, transport)
         checks = LocalChecks(refusal)
-        m: Manifest | None = None
-        with checks.capture():  # a rank whose manifest does not load still joins, to say so
-            if manifest is None and refusal is None:
-                raise UsageError("RefitSession.open needs a manifest")
-            m = manifest if isinstance(manifest, Manifest) or manifest is None else load_manifest(manifest)
+        m = _loaded(manifest, refusal, checks)
         if group is None:
-            group = connect(role, rendezvous=rendezvous, timeout=timeout, control=control, refusal=checks.refusal,
-                            announce=announce)
+            group = join(role, rendezvous, timeout=timeout, control=control, refusal=checks.refusal, announce=announce,
+                         replica=replica, replicas=replicas)
             checks = LocalChecks()  # the group's formation carried the refusal
+        if replicas:
+            return cls._over_replicas(m, group, rendezvous, transport, timeout, options, device_ops, t0)
         try:
             kind = _agree_transport(group, transport, timeout, checks, prepare)
             assert m is not None  # a rank without its manifest refused above, on every rank
@@ -291,27 +286,12 @@ class RefitSession:
         return session
 
     @classmethod
-    def _open_fleet(cls, manifest: Manifest | str | Path | None, rendezvous: str, transport: Any, timeout: float,
-                    options: RefitOptions | None, device_ops: Any, refusal: Refusal | None) -> RefitSession:
-        """The trainer's session over every replica that joins through ``rendezvous``: waits (up
-        to ``timeout``) for the first replicas and joins them (``streamer.refit.fleet``). A rank
-        whose manifest did not load (or ``refusal``) ends every trainer rank with it."""
-        from streamer.transport.roster import trainer_group
-
-        t0 = time.perf_counter()
-        checks = LocalChecks(refusal)
-        m: Manifest | None = None
-        with checks.capture():
-            if manifest is None and refusal is None:
-                raise UsageError("RefitSession.open needs a manifest")
-            m = manifest if isinstance(manifest, Manifest) or manifest is None else load_manifest(manifest)
-        group = trainer_group(rendezvous, timeout)
-        try:
-            agree_refusals(group.control, checks.refusal, timeout)
-        except AgreedRefusal:
-            group.close(timeout)
-            raise
-        assert m is not None  # else this rank refused above
+    def _over_replicas(cls, m: Manifest | None, group: Group, rendezvous: str | None, transport: Any, timeout: float,
+                       options: RefitOptions | None, device_ops: Any, t0: float) -> RefitSession:
+        """The trainer's session over every replica that joins through ``rendezvous`` (``group``: the
+        trainer's own ranks): waits (up to ``timeout``) for the first replicas and joins them
+        (``streamer.refit.fleet``)."""
+        assert m is not None and rendezvous is not None  # else join() raised every rank's refusal, or check_fleet_args
         owner = cls(m, "send", group, group.control, timeout, options or RefitOptions(), device_ops)
         owner._fleet = Fleet(owner, cls.open, rendezvous, transport)
         try:
@@ -769,6 +749,16 @@ class RefitSession:
             self.group.leave(f"replica {self._replica} closed its session")
         self._drop_transport()
         self.group.close(self.timeout)
+
+
+def _loaded(manifest: Manifest | str | Path | None, refusal: Refusal | None, checks: LocalChecks) -> Manifest | None:
+    """This rank's manifest, loaded; one that does not load (or none, without a ``refusal``) is
+    this rank's refusal in ``checks``: the rank joins all the same, to say so."""
+    with checks.capture():
+        if manifest is None and refusal is None:
+            raise UsageError("RefitSession.open needs a manifest")
+        return manifest if isinstance(manifest, Manifest) or manifest is None else load_manifest(manifest)
+    return None
 
 
 def _memory_key(tensors: Mapping[str, Any]) -> tuple[Any, ...]:

@@ -17,7 +17,7 @@ What a page names, checked against the repository a clone has (git's tracked and
   block: the longest module prefix must exist and each further name must be defined there (read
   with ``ast``, nothing imported, so vLLM- and torch-only modules are checked too; ``from ...
   import`` inside the repository and lazy ``__all__`` exports are followed; a class's methods,
-  fields and ``self.x``). ``dir/module.name`` (``transport/jobs.connect``) likewise, for a folder of
+  fields and ``self.x``). ``dir/module.name`` (``transport/rendezvous.join``) likewise, for a folder of
   a package.
 - any ``shared/`` or ``../`` path that leaves the repository fails, wherever it appears, and so does
   the folder the repository sits in on this machine.
@@ -328,7 +328,7 @@ def _lookup(mod: str, names: list[str], depth: int = 0) -> bool:
 
 
 #: ``dir/module.name``: a module named by its path under a package, then a name in it (ARCHITECTURE.md's
-#: ``transport/jobs.connect``)
+#: ``transport/rendezvous.join``)
 PATH_DOTTED = re.compile(r"^([a-z_]\w*(?:/[a-z_]\w*)+)\.([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)$")
 #: what follows the dot when ``dir/name.x`` is a file, not a module's name
 DATA_SUFFIXES = {"json", "npy", "safetensors", "pt", "txt", "toml", "yaml", "md", "py", "sh", "log", "bin",
@@ -345,7 +345,7 @@ def _path_dotted(p: str) -> tuple[bool, str | None]:
     head = path.split("/")[0]
     if head in PACKAGES:  # ``streamer/transport/base.Transport``
         mods = [path.replace("/", ".")]
-    else:  # ``transport/jobs.connect``: a folder of a package
+    else:  # ``transport/rendezvous.join``: a folder of a package
         mods = [f"{d}/{path}".replace("/", ".") for d in DIR_PARENTS.get(head, ()) if d.split("/")[0] in PACKAGES]
     if not mods:
         return False, None
@@ -464,7 +464,7 @@ python $REPO/scripts/no_such_script.py --out hf/manifest.json
 ```
 
 Fine: `streamer/tools/simulate.py`, `hf/manifest.json`, `docs/cli/COMMAND.md`, [refit](refit.md),
-`streamer.refit.session.RefitSession.push`, `transport/jobs.connect`, `/shared/refit.rdv`,
+`streamer.refit.session.RefitSession.push`, `transport/rendezvous.join`, `/shared/refit.rdv`,
 `streamer/transport/base.Transport`, `formats/py.typed`.
 """
 

@@ -66,7 +66,8 @@ def test_a_replica_stays_registered_with_the_trainers_registry_until_it_retires(
     the registry that trainer rank 0 serves at HOST:PORT: entered once the registry is up (not
     before), read by the replica's other ranks and the trainer, entered again into a restarted
     trainer's empty registry, and withdrawn at retire."""
-    from streamer.transport.rendezvous import RegistryRendezvous, registered
+    from streamer.transport.registry import registered
+    from streamer.transport.rendezvous import RegistryRendezvous
     from streamer.transport.torch_dist import free_port
 
     port = free_port()
@@ -96,7 +97,7 @@ def test_a_replica_stays_registered_with_the_trainers_registry_until_it_retires(
 
 
 def test_replicas_rendezvous_names() -> None:
-    from streamer.transport.roster import replica_rendezvous
+    from streamer.transport.rendezvous import replica_rendezvous
 
     assert replica_rendezvous("tcp://10.0.0.5:29600", "a") == "tcp://10.0.0.5:29600@a"
     assert replica_rendezvous("/shared/rdv", "b") == "/shared/rdv@b"

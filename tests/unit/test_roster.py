@@ -1,4 +1,5 @@
-"""Replica rendezvous files (``streamer.transport.roster``) and the arguments that open replicas."""
+"""Replica rendezvous files (``streamer.transport.roster``, named by ``streamer.transport.rendezvous``) and the
+arguments that open replicas."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import pytest
 
 from formats.errors import UsageError
 from streamer.refit.session import RefitSession
-from streamer.transport.roster import replica_files, replica_path
+from streamer.transport.rendezvous import replica_path
+from streamer.transport.roster import replica_files
 
 
 def test_replica_files_list_the_waiting_replicas_only(tmp_path: Path) -> None:
