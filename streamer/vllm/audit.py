@@ -34,7 +34,8 @@ from typing import Any
 
 __all__ = ["derived_state", "snapshot", "stale"]
 
-Snapshot = dict[str, dict[str, "weakref.ReferenceType[Any]"]]
+#: per module name: the layer (an update keeps the module objects), and weak references to its derived state
+Snapshot = dict[str, tuple[Any, dict[str, "weakref.ReferenceType[Any]"]]]
 
 
 def derived_state(layer: Any) -> dict[str, Any]:
@@ -43,25 +44,32 @@ def derived_state(layer: Any) -> dict[str, Any]:
     without a closure (``torch.nn.functional.linear`` as a fallback) hold no weights."""
     import torch
 
-    out = {}
+    out: dict[str, Any] = {}
     for k, v in vars(layer).items():
-        if isinstance(v, torch.nn.Module) or isinstance(v, torch.nn.Parameter):
-            continue
-        if isinstance(v, torch.Tensor) or (isinstance(v, types.FunctionType) and v.__closure__):
+        # the Parameter check only for tensors: its metaclass check is slow, and this runs twice per
+        # layer inside the engine's pause (a module is neither a tensor nor a function)
+        if isinstance(v, types.FunctionType):
+            if v.__closure__:
+                out[k] = v
+        elif isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter):
             out[k] = v
     return out
 
 
 def snapshot(model: Any, modules: Iterable[str]) -> Snapshot:
     """Weak references to the derived state of ``modules`` (names in ``model``), before an update."""
-    return {m: {k: weakref.ref(v) for k, v in derived_state(model.get_submodule(m)).items()} for m in modules}
+    out: Snapshot = {}
+    for m in modules:
+        layer = model.get_submodule(m)
+        out[m] = (layer, {k: weakref.ref(v) for k, v in derived_state(layer).items()})
+    return out
 
 
 def stale(model: Any, before: Snapshot) -> list[str]:
     """Each piece of derived state that the update left as it was, one line per attribute."""
     out = []
-    for m, refs in before.items():
-        now = derived_state(model.get_submodule(m))
+    for m, (layer, refs) in before.items():
+        now = derived_state(layer)
         for k, ref in refs.items():
             old = ref()
             if old is not None and now.get(k) is old:

@@ -72,7 +72,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from streamer.vllm import internals
 from streamer.vllm.audit import Snapshot, snapshot, stale
-from streamer.vllm.loadweights import LoadWeightsReceiver, reload_mode
+from streamer.vllm.loadweights import LoadWeightsReceiver, process_again, reload_mode
 from streamer.vllm.manifest import VllmManifests, VllmTensor, manifest_from_vllm
 from streamer.vllm.replies import one_reply, world_cpu_group
 from streamer.vllm.stage_proc import ProcessReceiver, open_receiver
@@ -160,6 +160,7 @@ class ShardstreamWeightTransferEngine(
         self._started = False  # between start_weight_update and finish_weight_update
         self._worker: Any = None  # vLLM's worker that owns this engine (internals.worker_of)
         self._split = [0.0, 0.0]  # a staged commit's copy and processing seconds (``_commit_layer``)
+        self._groups: tuple[str, list[tuple[Any, str, list[VllmTensor]]]] | None = None  # (naming, _layer_groups)
 
     # ------------------------------------------------------------------ joining
     @one_reply()
@@ -177,17 +178,18 @@ class ShardstreamWeightTransferEngine(
             self._worker = None  # the load_weights path needs no worker; the fast path refuses below
         init_info = dataclasses.replace(init_info, replica=dp_replica(self.parallel_config, init_info.replica))
         mode = reload_mode(init_info.reload, internals.missing())
+        _check_parallel(self.parallel_config)  # every path: no layout is taken that no test has run
         if mode == "load_weights" and init_info.adapter is None:
             self._open_load_session(init_info)
             return
         internals.check()  # a vLLM without what the updates use is refused here, before any push
-        _check_parallel(self.parallel_config)
         worker = self._worker if self._worker is not None else internals.worker_of(self)
         if init_info.adapter is not None:
             self._open_adapter_session(init_info, worker)
             return
         self.steps = watch(worker)
         self.described = described = manifest_from_vllm(self.model)
+        self._groups = None
 
         opts = {"rendezvous": init_info.rendezvous, "transport": init_info.transport, "timeout": init_info.timeout,
                 "verify": init_info.verify, "delta": init_info.delta, "fp8_block": described.fp8_block,
@@ -439,12 +441,15 @@ class ShardstreamWeightTransferEngine(
                      "pull_seconds": pushes[-1][1] if pushes else 0.0}
 
     def _layer_groups(self) -> list[tuple[Any, str, list[VllmTensor]]]:
-        """Per layer (in model order): the layer, its update path and its local tensors."""
-        groups: dict[int, tuple[Any, str, list[VllmTensor]]] = {}
-        for t in self._locals():
-            layer = self.model.get_submodule(t.module)
-            groups.setdefault(id(layer), (layer, t.path, []))[2].append(t)
-        return list(groups.values())
+        """Per layer (in model order): the layer, its update path and its local tensors. Found once
+        per naming (the modules outlive every update), not inside each commit's pause."""
+        if self._groups is None or self._groups[0] != self.naming:
+            groups: dict[int, tuple[Any, str, list[VllmTensor]]] = {}
+            for t in self._locals():
+                layer = self.model.get_submodule(t.module)
+                groups.setdefault(id(layer), (layer, t.path, []))[2].append(t)
+            self._groups = (self.naming, list(groups.values()))
+        return self._groups[1]
 
     def _commit_layer(self, layer: Any, path: str, ts: list[VllmTensor], src: Mapping[str, Any]) -> int:
         """One layer: its tensors from ``src`` (host), then vLLM's processing; the bytes it held in
@@ -677,9 +682,7 @@ def _rerun_processing(layer: Any, v: Any) -> Any:
     qm = getattr(layer, "quant_method", None)
     if not isinstance(qm, v.QuantizeMethodBase):
         return None
-    if hasattr(layer, "_already_called_process_weights_after_loading"):
-        delattr(layer, "_already_called_process_weights_after_loading")
-    qm.process_weights_after_loading(layer)
+    process_again(layer, qm)
     return qm
 
 

@@ -26,7 +26,7 @@ from typing import Any
 
 from formats.manifest.spec import Manifest
 
-__all__ = ["PUBLIC", "RELOAD_MODES", "LoadWeightsReceiver", "reload_mode"]
+__all__ = ["PUBLIC", "RELOAD_MODES", "LoadWeightsReceiver", "process_again", "reload_mode"]
 
 RELOAD_MODES = ("auto", "fast", "load_weights")
 #: the module and names this path takes from vLLM (public: vLLM's own NCCL engine calls them)
@@ -90,9 +90,7 @@ class LoadWeightsReceiver:
         for layer in self._tied:  # after their owners: they serve the owner's new weights
             qm = getattr(layer, "quant_method", None)
             if qm is not None and hasattr(qm, "process_weights_after_loading"):
-                if hasattr(layer, "_already_called_process_weights_after_loading"):
-                    delattr(layer, "_already_called_process_weights_after_loading")
-                qm.process_weights_after_loading(layer)
+                process_again(layer, qm)
 
     def audited(self) -> list[str]:
         """Every module with a parameter of its own: the layers a reload rebuilds."""
@@ -109,3 +107,11 @@ def _tied_modules(model: Any) -> list[Any]:
             tied.append(m)
         seen.update(id(p) for p in params)
     return tied
+
+
+def process_again(layer: Any, qm: Any) -> None:
+    """``qm.process_weights_after_loading(layer)`` as vLLM's loading runs it, once more: its ran-once
+    flag cleared first (the engine's fast path runs it on each layer it commits)."""
+    if hasattr(layer, "_already_called_process_weights_after_loading"):
+        delattr(layer, "_already_called_process_weights_after_loading")
+    qm.process_weights_after_loading(layer)

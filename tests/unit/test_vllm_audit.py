@@ -53,5 +53,5 @@ def test_the_snapshot_keeps_nothing_alive() -> None:
     m = _model()
     before = snapshot(m, ["head"])
     del m.head.cpu_linear  # freed during the update: gone, so not stale
-    assert before["head"]["cpu_linear"]() is None
+    assert before["head"][1]["cpu_linear"]() is None
     assert stale(m, before) == ["head.scale: built from the previous weights and not rebuilt by this update (Tensor)"]
