@@ -362,18 +362,16 @@ def replica_rendezvous(rendezvous: str | Path, name: str) -> str:
     return str(replica_path(s, name))
 
 
-def _is_loopback(host: str) -> bool:
-    return host == "localhost" or host.startswith("127.") or host in ("::1", "0:0:0:0:0:0:0:1")
-
-
 def check_reachable(address_host: str, server_host: str, where: str) -> None:
     """Refuse, by name, a loopback address that receiver rank 0 on another host offers: this rank
     would reach its own host, not the store (``gethostbyname(hostname)`` is 127.0.1.1 on many
     machines)."""
     import socket
 
+    from streamer.transport.torch_dist import is_loopback
+
     me = socket.gethostname()
-    if _is_loopback(address_host) and server_host and server_host != me:
+    if is_loopback(address_host) and server_host and server_host != me:
         raise UsageError(f"{where}: receiver rank 0 (host {server_host}) offers the loopback address {address_host}, "
                          f"which this rank (host {me}) cannot reach it at; set SHARDSTREAM_MASTER_ADDR on the "
                          "receivers to an address of theirs that this host can reach, or give tcp://HOST:PORT")
@@ -411,12 +409,13 @@ def rendezvous_from(text: str | Path) -> Rendezvous:
     return FileRendezvous(Path(s))
 
 
-def _serve_free_port(timeout: float) -> tuple[Any, str]:
-    """Receiver rank 0's store on a free port of this host (``host_address``: peers dial it)."""
+def _serve_free_port(timeout: float, toward: str | None = None) -> tuple[Any, str]:
+    """Receiver rank 0's store on a free port of this host (``host_address``: peers dial it;
+    ``toward``: where the peers are, when known)."""
     from streamer.transport.store import open_store
     from streamer.transport.torch_dist import free_port, host_address
 
-    address = f"{host_address()}:{free_port()}"
+    address = f"{host_address(toward)}:{free_port()}"
     host, port = address.rsplit(":", 1)
     return open_store(host, int(port), server=True, timeout=timeout), address
 
@@ -598,7 +597,8 @@ class RegistryRendezvous:
         return open_store(self.host, self.port, server=False, timeout=timeout)
 
     def serve(self, timeout: float) -> tuple[Any, str]:
-        return _serve_free_port(timeout)
+        # the trainer dials this store from the registry's host: offer the address that reaches it
+        return _serve_free_port(timeout, toward=self.host)
 
     def publish(self, store: Any, address: str, epoch: int) -> None:
         self.retire(store)

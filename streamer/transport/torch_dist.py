@@ -36,9 +36,31 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def host_address() -> str:
-    """This host's address as peers should dial it ($SHARDSTREAM_MASTER_ADDR overrides)."""
-    return os.environ.get("SHARDSTREAM_MASTER_ADDR") or socket.gethostbyname(socket.gethostname())
+def host_address(toward: str | None = None) -> str:
+    """This host's address as peers should dial it ($SHARDSTREAM_MASTER_ADDR overrides).
+
+    ``gethostbyname(hostname)`` is a loopback address on many machines (127.0.1.1 on Debian and
+    Ubuntu). Where it is one and the peers sit at a known address ``toward`` that is not, the
+    address of the interface that routes to ``toward`` is offered instead: the one the peers can
+    reach this host at in any network where this host can reach them."""
+    env = os.environ.get("SHARDSTREAM_MASTER_ADDR")
+    if env:
+        return env
+    mine = socket.gethostbyname(socket.gethostname())
+    if toward is None or not is_loopback(mine) or is_loopback(toward):
+        return mine
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((toward, 9))  # a UDP connect sends nothing: it only picks the route
+            routed = str(s.getsockname()[0])
+    except OSError:
+        return mine  # no route: the peers' own check refuses the loopback address by name
+    return routed if not is_loopback(routed) else mine
+
+
+def is_loopback(host: str) -> bool:
+    """A loopback address (or name): one that reaches only the host that dials it."""
+    return host == "localhost" or host.startswith("127.") or host in ("::1", "0:0:0:0:0:0:0:1")
 
 
 class _Work:

@@ -138,10 +138,10 @@ def _rpc(module: str = "streamer.vllm.bench") -> Any:
     return importlib.import_module(module)
 
 
-def _timed(llm: Any, fn: Callable[[], None], repeats: int,
-           before: Callable[[int], None] | None = None) -> tuple[list[float], list[int]]:
+def _timed(llm: Any, fn: Callable[[], None], repeats: int, before: Callable[[int], None] | None = None,
+           after: Callable[[int], None] | None = None) -> tuple[list[float], list[int]]:
     """``fn``'s wall times, and per worker its peak resident-set growth over the repeats;
-    ``before(i)`` runs untimed before repeat ``i``."""
+    ``before(i)`` and ``after(i)`` run untimed before and after repeat ``i``."""
     times: list[float] = []
     peaks: list[int] = []
     for i in range(repeats):
@@ -155,6 +155,8 @@ def _timed(llm: Any, fn: Callable[[], None], repeats: int,
             times.append(time.perf_counter() - t0)
             got = [int(x) for x in llm.collective_rpc(_rpc()._sample_stop)]
         peaks = [max(a, b) for a, b in zip(peaks, got)] if peaks else got
+        if after is not None:
+            after(i)
     return times, peaks
 
 
@@ -227,7 +229,13 @@ def _shardstream_way(llm: Any, sender: list[str], rdv: str, repeats: int, timeou
                     raise RuntimeError(f"the bench's sender did not push version {i} (exit {proc.poll()})")
                 time.sleep(0.005)
 
-        times, peaks = _timed(llm, update, repeats, staged if staging != "none" else None)
+        splits: list[list[dict[str, Any]]] = []  # each update's own record, per worker
+
+        def split(i: int) -> None:
+            splits.append(llm.collective_rpc(_rpc()._last))
+
+        times, peaks = _timed(llm, update, repeats, staged if staging != "none" else None,
+                              split if staging != "none" else None)
         if proc.wait(timeout) != 0:
             raise RuntimeError(f"the bench's sender exited with {proc.returncode}")
     finally:
@@ -241,7 +249,11 @@ def _shardstream_way(llm: Any, sender: list[str], rdv: str, repeats: int, timeou
            "serves_first_load": _generate(llm) == first}
     if staging != "none":
         out.update(copy_seconds=[x["copy_seconds"] for x in lasts],
-                   host_copy_seconds=[float(x) for x in llm.collective_rpc(_rpc()._host_copy_seconds)])
+                   host_copy_seconds=[float(x) for x in llm.collective_rpc(_rpc()._host_copy_seconds)],
+                   # per update, the slowest worker's copying and processing: each pause is set
+                   # against its own commit's split, not against the last one's
+                   update_copy_seconds=[max(float(w["copy_seconds"]) for w in ws) for ws in splits],
+                   update_process_seconds=[max(float(w["process_seconds"]) for w in ws) for ws in splits])
     llm.shutdown_weight_transfer_engine()
     return out
 
@@ -364,6 +376,14 @@ def vllm_text(r: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
+def _pause_split(st: dict[str, Any]) -> tuple[float, float]:
+    """A staged way's median processing seconds, and the median over its updates of each pause
+    against (a host copy of the worker's bytes + that update's processing)."""
+    copy, procs = max(st["host_copy_seconds"]), st["update_process_seconds"]
+    ratios = [t / (copy + p) for t, p in zip(st["seconds"], procs)]
+    return statistics.median(procs), statistics.median(ratios)
+
+
 def _staged_text(r: dict[str, Any]) -> list[str]:
     """The staged ways' summary: the pause against the push, against a host copy plus vLLM's own
     processing, and against a slower sender; the regions against every array pushed whole."""
@@ -371,12 +391,13 @@ def _staged_text(r: dict[str, Any]) -> list[str]:
     st, slow = r.get("staged", {}), r.get("staged_slow", {})
     if "median_seconds" in st:
         pause, push = st["median_seconds"], statistics.median(st["push_seconds"])
-        copy, proc = max(st["host_copy_seconds"]), max(st["process_seconds"])
+        copy, proc, ratio = max(st["host_copy_seconds"]), *_pause_split(st)
         rows.append(f"  staged: the engine pauses {pause:.3f} s per update (the commit: copying "
-                    f"{max(st['copy_seconds']):.3f} s, vLLM's processing {proc:.3f} s, slowest worker) while the "
-                    f"trainer's push takes {push:.3f} s; pause / (a host copy of the worker's bytes {copy:.3f} s + "
-                    f"that processing) = {pause / (copy + proc):.2f}; without staging the pause is the whole pull "
-                    f"and processing ({r['shardstream']['median_seconds']:.3f} s)")
+                    f"{statistics.median(st['update_copy_seconds']):.3f} s, vLLM's processing {proc:.3f} s, slowest "
+                    f"worker) while the trainer's push takes {push:.3f} s; pause / (a host copy of the worker's bytes "
+                    f"{copy:.3f} s + that processing) = {ratio:.2f} (median over the updates, each against its own "
+                    f"processing); without staging the pause is the whole pull and processing "
+                    f"({r['shardstream']['median_seconds']:.3f} s)")
     if "median_seconds" in st and "median_seconds" in slow:
         paced, unpaced = statistics.median(slow["push_seconds"]), statistics.median(st["push_seconds"])
         rows.append(f"  a sender paced at {slow['link_gbps']:.3f} GB/s: its push takes {paced:.3f} s "

@@ -272,5 +272,8 @@ def test_bench_vllm_from_megatron(tmp_path: Path) -> None:
     assert whole["serves_first_load"] and whole["bytes_received"] == r["shardstream"]["bytes_received"], whole  # TP 1
     assert staged["serves_first_load"] and slow["serves_first_load"], (staged, slow)
     assert staged["copy_seconds"][0] > 0 and staged["process_seconds"][0] > 0 and staged["host_copy_seconds"][0] > 0
+    # each timed update's own split (the pause is set against its own processing)
+    assert len(staged["update_process_seconds"]) == len(staged["seconds"]) == 1, staged
+    assert staged["update_process_seconds"][0] > 0 and staged["update_copy_seconds"][0] > 0, staged
     # the paced sender's link is a quarter of the unpaced push's rate: its push takes about 4x as long
     assert min(slow["push_seconds"]) > 2 * max(staged["push_seconds"]), (staged, slow)
