@@ -97,6 +97,21 @@ def _sample_stop(worker: Any = None) -> int:
     return int(max(_SAMPLER["top"][0], _rss()) - _SAMPLER["base"])
 
 
+def _noop(worker: Any) -> None:
+    """In each worker: nothing (``_rpc_seconds`` times the call's round trip)."""
+
+
+def _rpc_seconds(llm: Any, n: int = 7) -> float:
+    """The median round trip of an empty ``collective_rpc``: what each of the update loop's three
+    engine calls costs before any worker does anything."""
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        llm.collective_rpc(_rpc()._noop)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def _last(worker: Any) -> dict[str, Any]:
     """In each worker: what its shardstream engine's last update did."""
     return dict(worker.weight_transfer_engine.last)
@@ -278,6 +293,7 @@ def bench_vllm(model_dir: str, repeats: int = 3, timeout: float = 600, tp: int =
             out["megatron"] = _shardstream_way(llm, sender, str(Path(d) / "mg.rdv"), repeats, timeout, first)
             out["megatron"]["trainer"] = json.loads((Path(d) / "mg.json").read_text())
         _sender_ways(out, llm, model_dir, Path(d), repeats, timeout, first)
+    out["rpc_seconds"] = _rpc_seconds(llm)
     out["full_tensors"] = _vllm_way(llm, lambda: llm.collective_rpc(_rpc()._full_tensors, args=(model_dir,)),
                                     repeats, first, [disk_bytes] * tp)
 
@@ -398,6 +414,9 @@ def _staged_text(r: dict[str, Any]) -> list[str]:
                     f"{copy:.3f} s + that processing) = {ratio:.2f} (median over the updates, each against its own "
                     f"processing); without staging the pause is the whole pull and processing "
                     f"({r['shardstream']['median_seconds']:.3f} s)")
+        if "rpc_seconds" in r:
+            rows.append(f"  an empty engine call (collective_rpc) takes {r['rpc_seconds'] * 1e3:.1f} ms: the loop's "
+                        f"three calls are {3 * r['rpc_seconds'] / pause:.0%} of the pause")
     if "median_seconds" in st and "median_seconds" in slow:
         paced, unpaced = statistics.median(slow["push_seconds"]), statistics.median(st["push_seconds"])
         rows.append(f"  a sender paced at {slow['link_gbps']:.3f} GB/s: its push takes {paced:.3f} s "

@@ -77,11 +77,17 @@ def _wrap(method: F, swallowed: Callable[[Any], None] | None) -> F:
             if error is not None:
                 raise error
             return result
+        # one small all-reduce when every worker succeeded (the common case, inside the engine's
+        # pause); the outcomes themselves are gathered only when one failed
+        import torch
+
+        flag = torch.tensor([0 if error is None else 1], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        if not int(flag.item()):
+            return result
         outcomes: list[Any] = [None] * size
         dist.all_gather_object(outcomes, None if error is None else f"{type(error).__name__}: {error}", group=group)
         failed = [(r, o) for r, o in enumerate(outcomes) if o is not None]
-        if not failed:
-            return result
         if rank != size - 1:  # the last rank's reply carries the failure, read after every other reply
             if swallowed is not None and args:
                 swallowed(args[0])

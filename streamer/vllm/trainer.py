@@ -66,16 +66,23 @@ class ShardstreamTrainerInitInfo(TrainerInitInfo):  # type: ignore[misc]
 
 def _module(source: Any) -> Any:
     """The ``nn.Module`` behind ``source``: vLLM's ``ModuleSource`` (its module, never iterated:
-    iterating gathers every DTensor) or a module itself. Anything else is refused by name."""
+    iterating gathers every DTensor) or a module itself. Which attribute holds the module is
+    feature-detected (0.32 keeps it as ``_module``; later releases may rename it). Any other
+    ``WeightSource`` (0.33's custom sources: ``metadata()`` of ``ParamMeta`` and full tensors when
+    iterated) is refused by name: its tensors exist only whole, which is what this backend avoids."""
     import torch
 
     if isinstance(source, torch.nn.Module):
         return source
-    module = getattr(source, "_module", None)
-    if type(source).__name__ == "ModuleSource" and isinstance(module, torch.nn.Module):
-        return module
+    if type(source).__name__ == "ModuleSource":
+        for attr in ("_module", "module", "_model", "model"):
+            module = getattr(source, attr, None)
+            if isinstance(module, torch.nn.Module):
+                return module
     raise TypeError(f"shardstream's trainer engine pushes a module's own shards: pass ModuleSource(model) or the "
-                    f"model, not {type(source).__name__}")
+                    f"model, not {type(source).__name__} (a source that yields full tensors would gather every "
+                    "array on every trainer rank; a model that needs converting, such as a Megatron export, is "
+                    "pushed by RefitSession.push with its manifest, e.g. manifest_from_megatron)")
 
 
 class _Call:

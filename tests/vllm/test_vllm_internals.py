@@ -54,3 +54,33 @@ def test_each_independent_dp_rank_joins_as_a_replica_of_its_own() -> None:
     assert dp_replica(SimpleNamespace(data_parallel_index=1, data_parallel_size=2), None) is None
     with pytest.raises(ValueError, match="data-parallel rank 1 .* name a replica"):
         dp_replica(SimpleNamespace(data_parallel_index=1), None)
+
+
+def test_the_trainer_engine_finds_the_module_of_a_module_source() -> None:
+    """``trainer_init``'s source: vLLM 0.32's ``ModuleSource`` (module kept as ``_module``), one that
+    keeps it under another name (a later vLLM), or the module itself; a source that yields full
+    tensors (a custom ``WeightSource``) is refused by name, before anything is opened."""
+    import torch
+    from vllm.distributed.weight_transfer.base import ModuleSource
+
+    from streamer.vllm.trainer import _module
+
+    model = torch.nn.Linear(2, 2)
+    assert _module(model) is model and _module(ModuleSource(model)) is model
+
+    class ModuleSource033:  # the same class name, the module under a public attribute
+        def __init__(self, module: torch.nn.Module) -> None:
+            self.module = module
+
+    ModuleSource033.__name__ = "ModuleSource"
+    assert _module(ModuleSource033(model)) is model
+
+    class ExportSource:
+        def metadata(self) -> list[object]:
+            return []
+
+        def __iter__(self) -> object:
+            return iter([("w", torch.zeros(2))])
+
+    with pytest.raises(TypeError, match="not ExportSource .*full tensors"):
+        _module(ExportSource())
