@@ -72,6 +72,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from streamer.vllm import internals
 from streamer.vllm.audit import Snapshot, snapshot, stale
+from streamer.vllm.joining import Join
 from streamer.vllm.loadweights import LoadWeightsReceiver, process_again, reload_mode
 from streamer.vllm.manifest import VllmManifests, VllmTensor, manifest_from_vllm
 from streamer.vllm.replies import one_reply, world_cpu_group
@@ -161,12 +162,16 @@ class ShardstreamWeightTransferEngine(
         self._worker: Any = None  # vLLM's worker that owns this engine (internals.worker_of)
         self._split = [0.0, 0.0]  # a staged commit's copy and processing seconds (``_commit_layer``)
         self._groups: tuple[str, list[tuple[Any, str, list[VllmTensor]]]] | None = None  # (naming, _layer_groups)
+        #: the session being joined on a thread (joining.py): init returns at once, the first update waits
+        self._join: Join | None = None
+        self._timeout = 300.0
 
     # ------------------------------------------------------------------ joining
     @one_reply()
     def init_transfer_engine(self, init_info: ShardstreamInitInfo) -> None:
-        if self.session is not None or self.stager is not None:
+        if self.session is not None or self.stager is not None or self._join is not None:
             self.shutdown()
+        self._timeout = init_info.timeout
         if init_info.staging not in ("none", "host"):
             raise ValueError(f"shardstream: init_info staging must be 'none' or 'host', got {init_info.staging!r}")
         if init_info.staging == "host" and init_info.transport in ("nccl", "cuda-ipc"):
@@ -195,7 +200,7 @@ class ShardstreamWeightTransferEngine(
                 "verify": init_info.verify, "delta": init_info.delta, "fp8_block": described.fp8_block,
                 "replica": init_info.replica}
         if init_info.staging == "none":
-            self.session = self._open_session(opts)
+            self._join = Join(lambda: self._open_session(opts))
             return
         import torch
 
@@ -218,7 +223,7 @@ class ShardstreamWeightTransferEngine(
             raise ValueError("shardstream: adapter sessions are not staged yet: use staging 'none'")
         assert init_info.adapter is not None
         self.adapter = receiver = AdapterReceiver(worker, init_info.adapter, world_cpu_group())
-        self.session = _open_whole(init_info, receiver.choose, delta=False, device=None)
+        self._join = Join(lambda: _open_whole(init_info, receiver.choose, delta=False, device=None))
 
     def _open_load_session(self, init_info: ShardstreamInitInfo) -> None:
         """The public-API path (loadweights.py): every array received whole, then ``load_weights``."""
@@ -228,7 +233,8 @@ class ShardstreamWeightTransferEngine(
             _log.warning("shardstream: this vLLM lacks internals of the fast path (%s): every push is received "
                          "whole and loaded with model.load_weights", ", ".join(internals.missing()))
         self.loader = receiver = LoadWeightsReceiver(self.model, self.model_config)
-        self.session = _open_whole(init_info, receiver.choose, delta=init_info.delta, device=self._cuda_device())
+        device = self._cuda_device()
+        self._join = Join(lambda: _open_whole(init_info, receiver.choose, delta=init_info.delta, device=device))
 
     def _receive_loaded(self) -> None:
         """One push on the public-API path: received whole, then loaded by vLLM's weight loaders."""
@@ -294,7 +300,11 @@ class ShardstreamWeightTransferEngine(
     # ------------------------------------------------------------------ one update
     def start_weight_update(self) -> None:
         """Opens the update; the served tensors stay as they are until ``update_weights``, which
-        does the whole update in one call (no engine step can fall inside it)."""
+        does the whole update in one call (no engine step can fall inside it). A join still under
+        way is waited for here (up to the timeout); its failure is raised by ``update_weights``."""
+        if not self._settled():
+            self._started, self._received = True, False
+            return
         self._need_session()
         if self.adapter is not None:  # an adapter push touches no served weight: nothing to audit
             self._started = True
@@ -497,6 +507,9 @@ class ShardstreamWeightTransferEngine(
                                    f"(the engine does not claim this version): " + "; ".join(left))
 
     def shutdown(self) -> None:
+        if self._join is not None:
+            join, self._join = self._join, None
+            join.abandon()
         self.base = None
         self.adapter = self.loader = None
         if self.stager is not None:
@@ -507,7 +520,20 @@ class ShardstreamWeightTransferEngine(
             session.close()
 
     # ------------------------------------------------------------------ the pieces
+    def _settled(self) -> bool:
+        """Wait (up to the timeout) for a join under way; False when it failed or timed out, and
+        ``_need_session`` will raise why. True otherwise (nothing was being joined)."""
+        if self._join is None:
+            return True
+        if not self._join.wait(self._timeout) or self._join.error is not None:
+            return False
+        self.session, self._join = self._join.session, None
+        return True
+
     def _need_session(self) -> Any:
+        if self.session is None and self._join is not None:
+            self.session = self._join.result(self._timeout)  # the join's failure, by name
+            self._join = None
         if self.session is None and self.stager is not None:
             return self.stager  # staged: the thread holds the session
         if self.session is None:

@@ -50,6 +50,7 @@ def test_the_load_weights_path_opens_its_session_on_the_workers_device(engine: A
     monkeypatch.setattr(eng_mod, "LoadWeightsReceiver", lambda model, config: SimpleNamespace(choose=None))
     monkeypatch.setattr("streamer.transport.jobs.launcher_rank", lambda: (0, 1))
     engine._open_load_session(eng_mod.ShardstreamInitInfo(rendezvous="r", reload="load_weights"))
+    assert engine._join.wait(30) and engine._join.error is None  # joined on a thread (joining.py)
     assert seen == [torch.device("cuda", 5)] and engine.set_device_calls == []
 
 

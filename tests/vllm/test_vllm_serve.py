@@ -25,6 +25,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -86,11 +87,17 @@ class Server:
             out.append({"tokens": lp["tokens"], "logprobs": lp["top_logprobs"]})
         return out
 
-    def refit(self, sender: Proc, rdv: Path, version: str, twice: bool = False) -> None:
+    def refit(self, sender: Proc | Callable[[], Proc], rdv: Path, version: str, twice: bool = False,
+              model: str = "") -> Proc:
         """One session over HTTP: join, one update, leave. ``twice``: a second ``update_weights``
         in the same update must be refused by name; vLLM then ends the update itself (no finish:
-        the version stays), and the first push's weights are served."""
+        the version stays), and the first push's weights are served. ``sender`` a callable: the
+        trainer starts only after ``init_weight_transfer_engine`` returned and the engine served a
+        request of ``model`` (the join runs on a thread: the engine never waits for a trainer)."""
         self.post("/init_weight_transfer_engine", {"init_info": {"rendezvous": str(rdv), "timeout": 240}})
+        if callable(sender):
+            assert self.get("/weight_info") is not None and self.served(model)
+            sender = sender()
         self.post("/start_weight_update")
         self.post("/update_weights", {"update_info": {}})
         if twice:
@@ -106,6 +113,7 @@ class Server:
             self.post("/finish_weight_update", {"weight_version": version})
         self.post("/shutdown_weight_transfer_engine")
         assert sender.wait(120) == 0, sender.tail()
+        return sender
 
 
 def start_server(tmp: Path, model: Path, port: int, *extra: object) -> Proc:
@@ -136,10 +144,15 @@ def test_vllm_serve_refits_over_http(tmp_path: Path) -> None:
         outs = {}
         for model, version in ((a, "a"), (b, "b")):
             rdv = tmp_path / f"rdv-{version}"
-            sender = Proc([sys.executable, HERE / "hub_sender.py", model, rdv, 240], tmp_path, f"sender-{version}")
-            procs.append(sender)
+
+            def sender(model: Path = model, rdv: Path = rdv, version: str = version) -> Proc:
+                procs.append(Proc([sys.executable, HERE / "hub_sender.py", model, rdv, 240], tmp_path,
+                                  f"sender-{version}"))
+                return procs[-1]
+
             t0 = time.monotonic()
-            srv.refit(sender, rdv, version, twice=version == "b")
+            # A: the trainer starts once the engine has returned from init and served; B: before init
+            srv.refit(sender if version == "a" else sender(), rdv, version, twice=version == "b", model=str(b))
             # after the refused second update_weights, vLLM keeps the version it had ("a")
             assert srv.get("/weight_info") == {"weight_version": "a"}
             outs[version] = (srv.served(str(b)), time.monotonic() - t0)
