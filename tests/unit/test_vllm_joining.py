@@ -20,14 +20,19 @@ class Session:
         self.closed = True
 
 
-def test_the_update_gets_the_session_the_thread_joined() -> None:
+def _gated() -> tuple[threading.Event, Session, Join]:
+    """A join whose trainer comes when the event is set."""
     go, s = threading.Event(), Session()
 
     def open_() -> Session:
         go.wait(10)
         return s
 
-    j = Join(open_)
+    return go, s, Join(open_)
+
+
+def test_the_update_gets_the_session_the_thread_joined() -> None:
+    go, s, j = _gated()
     assert not j.wait(0.05)  # the trainer has not come: the engine goes on meanwhile
     with pytest.raises(TimeoutError, match="not joined within 0.05 s"):
         j.result(0.05)
@@ -46,13 +51,7 @@ def test_a_failed_join_is_raised_by_name_at_the_update() -> None:
 
 
 def test_an_engine_that_leaves_first_closes_what_the_join_opens() -> None:
-    go, s = threading.Event(), Session()
-
-    def open_() -> Session:
-        go.wait(10)
-        return s
-
-    j = Join(open_)
+    go, s, j = _gated()
     j.abandon()  # shutdown_weight_transfer_engine while the join waits for the trainer
     go.set()
     assert j.wait(10) and s.closed and j.session is None
