@@ -404,3 +404,17 @@ def run_sessions(src: Manifest, dst: Manifest, act: Callable[[Any, int], Any], *
         t.join(join_timeout)
     assert not any(t.is_alive() for t in threads), "a rank hung"
     return results, errors
+
+
+def this_hosts_address() -> str | None:
+    """This host's address toward the rest of the network (a UDP connect to TEST-NET-2 only looks
+    the route up: no packet is sent), or None where there is no route off the host."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("198.51.100.1", 9))
+            ip = str(s.getsockname()[0])
+    except OSError:
+        return None
+    return None if ip.startswith("127.") else ip

@@ -1,7 +1,9 @@
 """Replicas join and leave (issue 22 item 4; ``docs/resilience.md``): one trainer job serves
 several inference replica jobs, real processes on the store control plane with gloo
-(``replica_worker.py``), in one launch of all of them, meeting at ``tcp://127.0.0.1:PORT`` (the
-trainer's registry: no file is shared):
+(``replica_worker.py``), in one launch of all of them, meeting at ``tcp://ADDRESS:PORT`` (the
+trainer's registry: no file is shared; ADDRESS is this host's own non-loopback address where it
+has one, so each replica's store is offered at the address of its interface toward the registry,
+as on a cluster, rather than at its hostname's address):
 
 - the trainer (2 ranks, rows split) opens with ``replicas=True`` once replicas ``a`` (2 ranks,
   columns split) and ``b`` (1 rank: a different layout) wait, and pushes versions 1..7 as deltas;
@@ -51,7 +53,9 @@ def test_replicas_join_and_leave(tmp_path: Path) -> None:
     from streamer.transport.torch_dist import free_port
 
     d = tmp_path
-    rdv = f"tcp://127.0.0.1:{free_port()}"
+    from helpers import this_hosts_address
+
+    rdv = f"tcp://{this_hosts_address() or '127.0.0.1'}:{free_port()}"
     save_manifest(manifest("S(0)", 1), d / "c.json")
     jobs = {"a": _job(d, "a", 2, "recv", d, "--name", "a", "--rule", "S(1)", "--pulls", 6, "--rendezvous", rdv),
             "b": _job(d, "b", 1, "recv", d, "--name", "b", "--kill-at", "5:0.5", "--rendezvous", rdv),

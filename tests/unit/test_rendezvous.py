@@ -96,29 +96,20 @@ def test_a_replica_stays_registered_with_the_trainers_registry_until_it_retires(
     assert registered(registry) == {}
 
 
-def _an_address_of_this_host() -> str:
-    """A non-loopback address of this host (the one routing off it), or skip."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect(("198.51.100.1", 9))  # TEST-NET-2: only the route is looked up
-            ip = str(s.getsockname()[0])
-    except OSError:
-        ip = "127.0.0.1"
-    if ip.startswith("127."):
-        pytest.skip("this host has no route off it: no non-loopback address to offer")
-    return ip
-
-
 def test_a_replica_offers_the_address_that_reaches_the_trainer(monkeypatch: pytest.MonkeyPatch) -> None:
     """``gethostbyname(hostname)`` is 127.0.1.1 on many machines, which a trainer on another host
     refuses. A replica whose registry is at a routable address offers the address of its interface
     toward the registry instead, which the trainer's check accepts; ``SHARDSTREAM_MASTER_ADDR``
     still wins, and with the registry on loopback (one host) the host's own address stands."""
+    from helpers import this_hosts_address
+
     from streamer.transport.rendezvous import RegistryRendezvous, check_reachable
     from streamer.transport.store import open_store
     from streamer.transport.torch_dist import free_port, host_address
 
-    ip = _an_address_of_this_host()
+    ip = this_hosts_address()
+    if ip is None:
+        pytest.skip("this host has no route off it: no non-loopback address to offer")
     monkeypatch.delenv("SHARDSTREAM_MASTER_ADDR", raising=False)
     monkeypatch.setattr(socket, "gethostbyname", lambda name: "127.0.1.1")
     assert host_address() == host_address(toward="127.0.0.1") == "127.0.1.1"
