@@ -532,7 +532,9 @@ class ShardstreamWeightTransferEngine(
 
     def _need_session(self) -> Any:
         if self.session is None and self._join is not None:
-            self.session = self._join.result(self._timeout)  # the join's failure, by name
+            # the join's failure, by name; a start_weight_update that waited for it already (and
+            # skipped its own set-up) is not followed by a second wait: this update fails now
+            self.session = self._join.result(self._timeout, waited=self._started)
             self._join = None
         if self.session is None and self.stager is not None:
             return self.stager  # staged: the thread holds the session

@@ -50,9 +50,10 @@ class Join:
         """Wait up to ``timeout`` s; True once the join ended (joined or failed)."""
         return self._done.wait(timeout)
 
-    def result(self, timeout: float) -> Any:
-        """The joined session, waiting up to ``timeout`` s; raises the join's failure, or a timeout."""
-        if not self.wait(timeout):
+    def result(self, timeout: float, waited: bool = False) -> Any:
+        """The joined session, waiting up to ``timeout`` s (``waited``: the caller waited that long
+        already, so not again); raises the join's failure, or a timeout."""
+        if not (self._done.is_set() if waited else self.wait(timeout)):
             raise TimeoutError(f"shardstream: {self.what} was not joined within {timeout:g} s of the update: is the "
                                "trainer's RefitSession.open running, with the same rendezvous?")
         if self.error is not None:

@@ -60,3 +60,11 @@ def test_an_engine_that_leaves_first_closes_what_the_join_opens() -> None:
     assert j2.wait(10)
     j2.abandon()  # joined, then left: closed at once
     assert done.closed
+
+
+def test_an_update_whose_start_waited_already_does_not_wait_again() -> None:
+    go, _, j = _gated()
+    assert not j.wait(0.05)  # start_weight_update waited its timeout: no trainer
+    with pytest.raises(TimeoutError, match="not joined within 300 s"):
+        j.result(300, waited=True)  # update_weights: at once, naming the timeout that ran out
+    go.set()
