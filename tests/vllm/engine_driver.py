@@ -12,7 +12,8 @@ described (both expert namings) and what its updates did to ``DIR/rank-R.json``.
 the N updates, leave the session and join another one at PATH2 for one more update. Greedy tokens
 and the top-K logprobs of every generated position are recorded per prompt.
 
-``"sabotage": "tied"`` in a RUN's ``refit``: every update skips rebuilding tied layers
+``"missed_join": INIT_INFO`` in a RUN's ``refit``: after the steps, a session no trainer joins
+(``missed_join``). ``"sabotage": "tied"`` in a RUN's ``refit``: every update skips rebuilding tied layers
 (``sabotaged_update``; TP 1 only) and records the error the audit raises. ``"refused": true`` in a RUN's ``refit``: the engine's ``init_weight_transfer_engine`` must refuse
 the model (its error is recorded as ``refused``; nothing is pushed). ``"init_info": {...}`` adds to
 the backend's init_info (``verify``...). A JOB of ``{"jobs": [JOB, ...]}`` runs each job in turn in
@@ -169,6 +170,25 @@ def sabotaged_update(llm: Any, version: str, job: dict[str, Any]) -> dict[str, A
         return {"error": f"{type(e).__name__}: {e}", "version": llm.get_weight_version()}
     finally:
         E._process_aliases = keep  # type: ignore[method-assign]
+
+
+def missed_join(llm: Any, init_info: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
+    """A session no trainer joins: ``init_weight_transfer_engine`` returns at once (the join runs on
+    a thread), ``start_weight_update`` waits out the timeout and returns, ``update_weights`` raises
+    the timeout once (every worker's call answered: no reply left for the next call to read)."""
+    llm.shutdown_weight_transfer_engine()
+    t0 = time.monotonic()
+    llm.init_weight_transfer_engine({"init_info": init_info})
+    out: dict[str, Any] = {"init_seconds": time.monotonic() - t0, "error": None}
+    try:
+        update(llm, "missed", job)
+    except Exception as e:  # noqa: BLE001 - recorded for the test to read
+        # the stale replies can be read only with the engine core in this process; elsewhere the
+        # next session's calls show it (a reply left behind would be read as theirs)
+        late = _drain(llm, job["tp"]) if job.get("engine_in_process") or job["tp"] == 1 else None
+        out.update(error=f"{type(e).__name__}: {e}", late_errors=late, version=llm.get_weight_version(),
+                   out=generate(llm, job))
+    return out
 
 
 def _wait_file(path: str, timeout: float = 600) -> None:
@@ -336,6 +356,8 @@ def run(job: dict[str, Any]) -> list[dict[str, Any]]:
                         from fp8_reference import dump_fp8
 
                         llm.collective_rpc(dump_fp8, args=(str(Path(rf["manifests"], f"step-{step}")),))
+            if rf.get("missed_join"):
+                entry["missed"] = missed_join(llm, rf["missed_join"], job)
             then = rf.get("then")
             if then:
                 llm.shutdown_weight_transfer_engine()

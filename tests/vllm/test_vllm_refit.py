@@ -105,6 +105,9 @@ def _refit_case(tmp: Path, kind: str, tp: int, then: str | None, delta: bool = F
                              "init_info": init_info or {}}
     if then is not None:
         refit["then"] = {"rendezvous": str(rdv2), "timeout": 240, "refused": then == "refused"}
+        # first, a session no trainer ever joins: the engine returns from init at once, and the
+        # update fails once, by name, without leaving a reply behind for the next session's calls
+        refit["missed_join"] = {"rendezvous": str(tmp / "rdv-nobody"), "timeout": 6, **(init_info or {})}
     job = {"tp": tp, "prompts": PROMPTS, "max_tokens": 6, "logprobs": 5,
            "runs": [{"model": str(model), "refit": refit},
                     {"model": str(hf / "step-0")}, {"model": str(hf / "step-1")}]}
@@ -157,6 +160,15 @@ def test_fsdp2_trainer_refits_vllm(tmp_path: Path, kind: str, tp: int) -> None:
     t0 = time.monotonic()
     case = _refit_case(tmp_path, kind, tp, then="hub" if kind == "moe" else "refused")
     _check_served(case)
+    missed = case["refit"]["missed"]
+    assert missed["init_seconds"] < 6, missed  # init does not wait for a trainer (it did: 6 s, then raised)
+    # the update's wait, or the join's own, runs out first: either way one error, by name
+    assert missed["error"] and ("not joined within 6 s" in missed["error"]
+                                or "joining the trainer's refit session failed (PeerTimeoutError" in missed["error"])
+    # no reply left for the next call (read directly at TP 1; at TP 2 the engine core is a process of
+    # its own, and the second session below, whose calls would read such a reply, shows it)
+    assert missed["late_errors"] == ([] if tp == 1 else None), missed
+    assert missed["version"] == "1" and missed["out"] == case["refit"]["steps"][-1]["out"], missed
     ranks = _dumped(case, "step-1", tp)
     # the transformers 5 trainer publishes fused experts; dense models have one naming
     assert {d["naming"] for d in ranks} == {"fused" if kind == "moe" else "per_expert"}
