@@ -407,14 +407,8 @@ def run_sessions(src: Manifest, dst: Manifest, act: Callable[[Any, int], Any], *
 
 
 def this_hosts_address() -> str | None:
-    """This host's address toward the rest of the network (a UDP connect to TEST-NET-2 only looks
-    the route up: no packet is sent), or None where there is no route off the host."""
-    import socket
+    """This host's address toward the rest of the network (its route to TEST-NET-2), or None where
+    there is no route off the host."""
+    from streamer.transport.torch_dist import routed_address
 
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect(("198.51.100.1", 9))
-            ip = str(s.getsockname()[0])
-    except OSError:
-        return None
-    return None if ip.startswith("127.") else ip
+    return routed_address("198.51.100.1")

@@ -49,13 +49,20 @@ def host_address(toward: str | None = None) -> str:
     mine = socket.gethostbyname(socket.gethostname())
     if toward is None or not is_loopback(mine) or is_loopback(toward):
         return mine
+    # no route: the loopback address stands, and the peers' own check refuses it by name
+    return routed_address(toward) or mine
+
+
+def routed_address(toward: str) -> str | None:
+    """The address of this host's interface that routes to ``toward`` (a UDP connect sends
+    nothing: it only picks the route), or None where there is no route or it is loopback."""
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((toward, 9))  # a UDP connect sends nothing: it only picks the route
+            s.connect((toward, 9))
             routed = str(s.getsockname()[0])
     except OSError:
-        return mine  # no route: the peers' own check refuses the loopback address by name
-    return routed if not is_loopback(routed) else mine
+        return None
+    return None if is_loopback(routed) else routed
 
 
 def is_loopback(host: str) -> bool:

@@ -65,7 +65,7 @@ def snapshot(model: Any, modules: Iterable[str]) -> Snapshot:
     return out
 
 
-def stale(model: Any, before: Snapshot) -> list[str]:
+def stale(before: Snapshot) -> list[str]:
     """Each piece of derived state that the update left as it was, one line per attribute."""
     out = []
     for m, (layer, refs) in before.items():

@@ -500,7 +500,7 @@ class ShardstreamWeightTransferEngine(
             self.loader.finish()
         if self._before is not None:
             before, self._before = self._before, None
-            left = stale(self.model, before)
+            left = stale(before)
             self.last["audit"] = {"layers": len(before), "stale": left}
             if left:
                 raise RuntimeError(f"shardstream: {len(left)} tensors serve the previous weights after this update "

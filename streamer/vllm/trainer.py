@@ -18,8 +18,8 @@ RL frameworks that drive vLLM through its weight-sync clients pick a trainer bac
 On every trainer rank: ``trainer_init`` describes the rank's own shards
 (``manifest_from_state_dict``: DTensors stay sharded) and opens the refit session; on rank 0 it
 calls the engine's ``init_weight_transfer_engine`` on a thread meanwhile (the call returns at once
-on this backend's engine; the thread bounds a client that does not). ``send_weights`` asks the engine to start an update, runs its
-``update_weights`` on a thread while every rank pushes its own regions, then finishes the update
+on this backend's engine; the thread bounds a client that does not). ``send_weights`` asks the
+engine to start an update, runs its ``update_weights`` on a thread while every rank pushes its own regions, then finishes the update
 with the pushed version as the ``weight_version``, so ``/weight_info`` names what the engine holds.
 Nothing is gathered: vLLM's ``ModuleSource`` would call ``full_tensor()`` when iterated, so the
 engine reads the module it wraps instead and pushes local shards.
